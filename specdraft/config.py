@@ -1,0 +1,214 @@
+"""Typed configuration: one dataclass per stage, filled from a TOML recipe, overridden by flags.
+
+A recipe is a TOML file with one table per stage (`[target]`, `[data]`, `[gen]`, ...). Every field
+has a default here, so a recipe names only what it changes; unknown keys are errors, not ignored,
+because a typo in a recipe would otherwise silently train with the default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+RECIPES_DIR = Path(__file__).parent / "recipes"
+
+
+class ConfigError(ValueError):
+    """A recipe or flag that cannot be turned into a config."""
+
+
+@dataclass
+class TargetConfig:
+    # "smollm2" names the bundled SmolLM2-135M-Instruct; otherwise an HF folder or a .gguf file.
+    model: str = "smollm2"
+    # EAGLE-3 low/mid/high layers; empty means the family default (2, L//2, L-3).
+    aux_layer_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class DataConfig:
+    # "sharegpt" is the bundled ShareGPT dump; otherwise a JSONL file of {"messages": [...]} records.
+    source: str = "sharegpt"
+    # Share of conversations held out for eval, chosen by a hash of the conversation id.
+    eval_fraction: float = 0.05
+    split_seed: int = 0
+    # Only conversations whose first turn is the user's are used (the target answers them).
+    num_train: int = 1000
+    num_eval: int = 64
+    # Prompts longer than this (in tokens, after the chat template) are skipped.
+    max_prompt_tokens: int = 512
+
+
+@dataclass
+class GenConfig:
+    batch_size: int = 16
+    max_new_tokens: int = 256
+    # 0 means greedy decoding.
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+    dtype: str = "bfloat16"
+
+
+@dataclass
+class RenderConfig:
+    max_length: int = 2048
+
+
+@dataclass
+class ExtractConfig:
+    dtype: str = "bfloat16"
+    # Tokens per forward batch (padding included); bounds activation memory.
+    batch_tokens: int = 4096
+    shard_bytes: int = 256 * 2**20
+
+
+@dataclass
+class TrainConfig:
+    draft_vocab_size: int = 8192
+    # Training-time test: how many drafting steps are unrolled, and the weight decay per step.
+    ttt_steps: int = 7
+    step_weight_decay: float = 0.8
+    epochs: int = 10
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    warmup_steps: int = 20
+    grad_clip: float = 1.0
+    batch_tokens: int = 8192
+    seed: int = 0
+    # "bfloat16" runs matmuls under autocast (fp32 master weights); "float32" runs plain.
+    autocast_dtype: str = "bfloat16"
+    log_every: int = 10
+
+
+@dataclass
+class ExportConfig:
+    # "vllm" writes the speculators format (vLLM's native reader of EAGLE-3 drafters).
+    formats: list[str] = field(default_factory=lambda: ["vllm"])
+    speculative_tokens: int = 3
+
+
+@dataclass
+class EvalConfig:
+    num_prompts: int = 32
+    max_new_tokens: int = 64
+    draft_tokens: int = 3
+    # float32 by default: greedy speculation is exact only under identical numerics (FACTS.md).
+    dtype: str = "float32"
+    # Divergence from plain greedy at a logit gap below this counts as a numerical tie, not a bug.
+    tie_tolerance: float = 1e-4
+
+
+@dataclass
+class Recipe:
+    name: str = "demo"
+    description: str = ""
+    target: TargetConfig = field(default_factory=TargetConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    gen: GenConfig = field(default_factory=GenConfig)
+    render: RenderConfig = field(default_factory=RenderConfig)
+    extract: ExtractConfig = field(default_factory=ExtractConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    export: ExportConfig = field(default_factory=ExportConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+
+STAGE_SECTIONS = ("target", "data", "gen", "render", "extract", "train", "export", "eval")
+
+
+def _coerce(value, tp, where: str):
+    """Check a TOML or flag value against a dataclass field type (str values come from flags)."""
+    origin = typing.get_origin(tp)
+    if origin is list:
+        (item_tp,) = typing.get_args(tp)
+        if isinstance(value, str):
+            value = [v for v in value.split(",") if v.strip()]
+        if not isinstance(value, list):
+            raise ConfigError(f"{where}: expected a list, got {value!r}")
+        return [_coerce(v, item_tp, where) for v in value]
+    if tp is bool:
+        if isinstance(value, str):
+            if value.lower() in ("1", "true", "yes", "on"):
+                return True
+            if value.lower() in ("0", "false", "no", "off"):
+                return False
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{where}: expected true/false, got {value!r}")
+    try:
+        if tp is int and isinstance(value, float) and not value.is_integer():
+            raise ValueError
+        return tp(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{where}: expected {tp.__name__}, got {value!r}") from None
+
+
+def _fill(cls, values: dict, where: str):
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = set(values) - known
+    if unknown:
+        raise ConfigError(f"{where}: unknown key(s) {sorted(unknown)}; known: {sorted(known)}")
+    obj = cls()
+    for key, value in values.items():
+        sub = hints[key]
+        if dataclasses.is_dataclass(sub):
+            if not isinstance(value, dict):
+                raise ConfigError(f"{where}.{key}: expected a table")
+            setattr(obj, key, _fill(sub, value, f"{where}.{key}"))
+        else:
+            setattr(obj, key, _coerce(value, sub, f"{where}.{key}"))
+    return obj
+
+
+def recipe_from_dict(values: dict, where: str = "recipe") -> Recipe:
+    return _fill(Recipe, values, where)
+
+
+def resolve_recipe_path(name_or_path: str) -> Path:
+    path = Path(name_or_path)
+    if path.suffix == ".toml" and path.exists():
+        return path
+    bundled = RECIPES_DIR / f"{name_or_path}.toml"
+    if bundled.exists():
+        return bundled
+    names = sorted(p.stem for p in RECIPES_DIR.glob("*.toml"))
+    raise ConfigError(f"recipe {name_or_path!r} not found (a .toml path, or one of {names})")
+
+
+def load_recipe(name_or_path: str) -> Recipe:
+    path = resolve_recipe_path(name_or_path)
+    try:
+        values = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: {e}") from None
+    return recipe_from_dict(values, str(path))
+
+
+def apply_override(recipe: Recipe, dotted: str, value) -> None:
+    """Set `section.field` (or a top-level field) from a flag value."""
+    parts = dotted.split(".")
+    obj = recipe
+    for part in parts[:-1]:
+        if not hasattr(obj, part) or not dataclasses.is_dataclass(getattr(obj, part)):
+            raise ConfigError(f"--set {dotted}: no section {part!r}")
+        obj = getattr(obj, part)
+    key = parts[-1]
+    hints = typing.get_type_hints(type(obj))
+    if key not in hints or dataclasses.is_dataclass(hints[key]):
+        raise ConfigError(f"--set {dotted}: no field {key!r} in {type(obj).__name__}")
+    setattr(obj, key, _coerce(value, hints[key], f"--set {dotted}"))
+
+
+def to_dict(cfg) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def stage_fields(section: str) -> list[tuple[str, type]]:
+    """The (name, type) of each field of a stage's dataclass, for building CLI flags."""
+    cls = typing.get_type_hints(Recipe)[section]
+    hints = typing.get_type_hints(cls)
+    return [(f.name, hints[f.name]) for f in dataclasses.fields(cls)]

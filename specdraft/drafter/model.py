@@ -1,0 +1,204 @@
+"""The EAGLE-3 drafter, top to bottom: config, norm, rotary, attention, layer, drafter.
+
+One decoder layer that reads two things per position: the token's embedding and a hidden state,
+each normed and concatenated ([B, T, 2H]) before attention. The hidden state is either the target's
+aux layers projected by `fc` (first drafting step) or the drafter's own output from the previous
+step (later steps). Attention works over two kinds of keys:
+
+- base keys: a causal sequence of keys at positions 0..q_offset+j for query j (the step-0 keys,
+  computed from target states), and
+- diagonal keys: keys of earlier drafting steps at the query's own position.
+
+That single rule covers training-time test (step i at position t sees step-0 keys <= t and the keys
+of steps 1..i at t) and drafting at inference (the drafter's cache plus the chain drafted so far).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class DrafterConfig:
+    hidden_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int  # the target's vocabulary (rows of the embedding)
+    draft_vocab_size: int  # rows of lm_head; d2t maps them to target ids
+    target_hidden_size: int
+    aux_layer_ids: list[int] = field(default_factory=list)
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 8192
+    # vLLM's default in the flat format: the residual is the hidden state before hidden_norm.
+    norm_before_residual: bool = False
+
+    @classmethod
+    def from_target(cls, target, draft_vocab_size: int) -> "DrafterConfig":
+        c = target.text_config
+        rope = getattr(c, "rope_parameters", None) or {}
+        return cls(
+            hidden_size=c.hidden_size,
+            num_attention_heads=c.num_attention_heads,
+            num_key_value_heads=c.num_key_value_heads,
+            head_dim=getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
+            intermediate_size=c.intermediate_size,
+            vocab_size=c.vocab_size,
+            draft_vocab_size=min(draft_vocab_size, c.vocab_size),
+            target_hidden_size=c.hidden_size,
+            aux_layer_ids=list(target.aux_layer_ids),
+            rms_norm_eps=c.rms_norm_eps,
+            rope_theta=rope.get("rope_theta", getattr(c, "rope_theta", 10000.0)),
+            max_position_embeddings=c.max_position_embeddings,
+        )
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rotary(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin for integer positions [B, T] -> [B, 1, T, head_dim] each (Llama / NeoX layout)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device).float() / head_dim))
+    angles = positions.float()[..., None] * inv_freq  # [B, T, head_dim/2]
+    angles = torch.cat([angles, angles], dim=-1)  # [B, T, head_dim]
+    return angles.cos()[:, None], angles.sin()[:, None]
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
+
+
+KV = tuple[torch.Tensor, torch.Tensor]
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        width = 2 * cfg.hidden_size  # [norm(embedding), norm(hidden)]
+        self.q_proj = nn.Linear(width, self.n_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(width, self.n_kv * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(width, self.n_kv * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, cfg.hidden_size, bias=False)
+
+    def forward(self, x, cos, sin, base: KV | None = None, diag: list[KV] | None = None, q_offset: int = 0):
+        """x [B, T, 2H]. With `diag` None this step's keys extend `base` causally (query j sees base
+        keys 0..q_offset+j, q_offset = len(base) before extension); otherwise they join `diag` and the
+        query sees base keys 0..q_offset+j plus every diagonal key at its own position."""
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # [B, nh, T, d]
+        k = self.k_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)  # [B, nkv, T, d]
+        v = self.v_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)  # [B, nkv, T, d]
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if diag is None:
+            if base is not None:
+                q_offset = base[0].shape[2]
+                base = (torch.cat([base[0], k], dim=2), torch.cat([base[1], v], dim=2))  # [B, nkv, Tb+T, d]
+            else:
+                base = (k, v)
+            diag = []
+        else:
+            diag = diag + [(k, v)]
+        group = self.n_heads // self.n_kv
+        bk = base[0].repeat_interleave(group, dim=1)  # [B, nh, Tb, d]
+        bv = base[1].repeat_interleave(group, dim=1)
+        scale = 1.0 / math.sqrt(self.head_dim)
+        scores = (q @ bk.transpose(-1, -2)).float() * scale  # [B, nh, T, Tb]
+        visible = torch.arange(bk.shape[2], device=x.device)[None, :] <= (
+            q_offset + torch.arange(T, device=x.device)[:, None])  # [T, Tb]
+        scores = scores.masked_fill(~visible, float("-inf"))
+        diag_k = [dk.repeat_interleave(group, dim=1) for dk, _ in diag]
+        diag_v = [dv.repeat_interleave(group, dim=1) for _, dv in diag]
+        diag_scores = [(q * dk).sum(-1, keepdim=True).float() * scale for dk in diag_k]  # each [B, nh, T, 1]
+        probs = torch.softmax(torch.cat([scores, *diag_scores], dim=-1), dim=-1).to(q.dtype)
+        Tb = bk.shape[2]
+        out = probs[..., :Tb] @ bv  # [B, nh, T, d]
+        for j, dv in enumerate(diag_v):
+            out = out + probs[..., Tb + j: Tb + j + 1] * dv
+        out = out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)  # [B, T, nh*d]
+        return self.o_proj(out), (k, v)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.norm_before_residual = cfg.norm_before_residual
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)  # on the embedding
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)  # on the hidden state
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, embeds, hidden, cos, sin, base=None, diag=None, q_offset=0):
+        normed = self.hidden_norm(hidden)
+        residual = normed if self.norm_before_residual else hidden
+        x = torch.cat([self.input_layernorm(embeds), normed], dim=-1)  # [B, T, 2H]
+        attn, kv = self.self_attn(x, cos, sin, base, diag, q_offset)
+        hidden = residual + attn
+        hidden = hidden + self.mlp(self.post_attention_layernorm(hidden))
+        return hidden, kv
+
+
+class Eagle3Drafter(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.config = cfg
+        n_aux = len(cfg.aux_layer_ids)
+        self.fc = nn.Linear(n_aux * cfg.target_hidden_size, cfg.hidden_size, bias=False)
+        # Copied from the target and frozen: the drafter reads tokens the way the target does.
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.layers = nn.ModuleList([DecoderLayer(cfg)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
+        # target id of draft id i is i + d2t[i]; t2d marks the target ids inside the draft vocab.
+        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
+        self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))
+
+    def project(self, aux: torch.Tensor) -> torch.Tensor:
+        """Target aux states [B, T, n_aux*Ht] -> the first step's hidden input [B, T, H]."""
+        return self.fc(aux)
+
+    def forward(self, hidden, input_ids, positions, base=None, diag=None, q_offset=0):
+        """One drafting step: logits over the draft vocab [B, T, Vd], the pre-norm output state fed to
+        the next step [B, T, H], and this step's keys/values."""
+        cos, sin = rotary(positions, self.config.head_dim, self.config.rope_theta)
+        embeds = self.embed_tokens(input_ids).to(hidden.dtype)  # [B, T, H]
+        hidden, kv = self.layers[0](embeds, hidden, cos, sin, base, diag, q_offset)
+        return self.lm_head(self.norm(hidden)), hidden, kv
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids + self.d2t[draft_ids]
