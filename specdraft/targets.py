@@ -149,7 +149,9 @@ class Target:
         self.num_layers: int = text.num_hidden_layers
         self.hidden_size: int = text.hidden_size
         self.vocab_size: int = text.vocab_size
-        self.aux_layer_ids = list(aux_layer_ids) if aux_layer_ids else self.default_aux_layer_ids()
+        # Ascending and unique: vLLM concatenates the aux states in ascending layer order whatever order
+        # a config lists them in, so any other order would feed fc permuted inputs when served.
+        self.aux_layer_ids = sorted(set(aux_layer_ids)) if aux_layer_ids else self.default_aux_layer_ids()
         for k in self.aux_layer_ids:
             # id k is the residual stream after k decoder layers (vLLM's convention); 0 would be the
             # embeddings and L the pre-norm output, neither of which EAGLE-3 uses as an aux layer.

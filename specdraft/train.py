@@ -81,26 +81,38 @@ def shift_left(x: torch.Tensor, n: int, length: int) -> torch.Tensor:
     return out
 
 
-def ttt_loss(drafter: Eagle3Drafter, batch: dict, probs: torch.Tensor, inside: torch.Tensor,
-             cfg: TrainConfig) -> tuple[torch.Tensor, list[dict]]:
-    """The weighted TTT loss over `cfg.ttt_steps` unrolled steps, and per-step loss/accuracy."""
-    ids, mask = batch["input_ids"], batch["loss_mask"]
+def unroll(drafter: Eagle3Drafter, aux: torch.Tensor, ids: torch.Tensor, steps: int):
+    """Training-time test: yield each step's logits [B, T-1, Vd] over drafter positions t = 0..T-2.
+
+    Step i reads token x_{t+1+i} at rotary position t+i; its hidden input is fc(aux) at step 0 and the
+    previous step's output after that; its queries see the step-0 keys at positions <= t and the keys
+    of steps 1..i at t, exactly what drafting at inference sees (tests/test_drafter.py checks it).
+    """
     B, T = ids.shape
-    n = T - 1  # drafter positions t = 0..T-2 (each needs the next token as input)
-    hidden = drafter.project(batch["aux"][:, :n].float())  # [B, n, H]
+    n = T - 1  # each drafter position needs the next token as its input
+    hidden = drafter.project(aux[:, :n])  # [B, n, H]
     base, diag = None, None
-    total = torch.zeros((), device=ids.device)
-    stats = []
-    for i in range(cfg.ttt_steps):
+    for i in range(steps):
         tokens = shift_left(ids, 1 + i, n)  # x_{t+1+i}
-        target = shift_left(probs, 1 + i, n)  # [B, n, Vd]: distribution of x_{t+2+i}
-        where = shift_left(mask, 2 + i, n) & shift_left(inside, 1 + i, n)  # [B, n]
         positions = torch.arange(n, device=ids.device)[None, :].expand(B, n) + i
         logits, hidden, kv = drafter(hidden, tokens, positions, base=base, diag=diag)
         if i == 0:
             base, diag = kv, []
         else:
             diag = diag + [kv]
+        yield logits
+
+
+def ttt_loss(drafter: Eagle3Drafter, batch: dict, probs: torch.Tensor, inside: torch.Tensor,
+             cfg: TrainConfig) -> tuple[torch.Tensor, list[dict]]:
+    """The weighted TTT loss over `cfg.ttt_steps` unrolled steps, and per-step loss/accuracy."""
+    ids, mask = batch["input_ids"], batch["loss_mask"]
+    n = ids.shape[1] - 1
+    total = torch.zeros((), device=ids.device)
+    stats = []
+    for i, logits in enumerate(unroll(drafter, batch["aux"].float(), ids, cfg.ttt_steps)):
+        target = shift_left(probs, 1 + i, n)  # [B, n, Vd]: distribution of x_{t+2+i}
+        where = shift_left(mask, 2 + i, n) & shift_left(inside, 1 + i, n)  # [B, n]
         count = where.sum()
         logp = F.log_softmax(logits.float(), dim=-1)
         per_pos = -(target * logp).sum(-1)  # [B, n]

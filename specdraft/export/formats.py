@@ -54,6 +54,8 @@ def layer_config(cfg: DrafterConfig) -> dict:
         "head_dim": cfg.head_dim,
         "intermediate_size": cfg.intermediate_size,
         "num_hidden_layers": 1,
+        # vLLM sizes fc's input from this field (default 3) and ignores the top-level aux id list.
+        "num_aux_hidden_states": len(cfg.aux_layer_ids),
         "vocab_size": cfg.vocab_size,
         "hidden_act": "silu",
         "rms_norm_eps": cfg.rms_norm_eps,

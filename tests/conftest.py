@@ -1,0 +1,47 @@
+"""Shared fixtures: the real bundled target (converted once per machine) and a tiny recipe."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+TINY_RECIPE = """
+name = "tiny"
+[data]
+num_train = 8
+num_eval = 4
+max_prompt_tokens = 128
+[gen]
+batch_size = 4
+max_new_tokens = 24
+[train]
+draft_vocab_size = 512
+ttt_steps = 3
+epochs = 2
+batch_tokens = 2048
+[eval]
+num_prompts = 3
+max_new_tokens = 16
+"""
+
+
+@pytest.fixture(scope="session")
+def target():
+    from specdraft.targets import Target
+
+    return Target("smollm2")
+
+
+@pytest.fixture
+def tiny_recipe(tmp_path: Path) -> Path:
+    path = tmp_path / "tiny.toml"
+    path.write_text(TINY_RECIPE)
+    return path
+
+
+@pytest.fixture(autouse=True)
+def _quiet_tqdm(monkeypatch):
+    monkeypatch.setenv("TQDM_DISABLE", "1")
+    yield

@@ -1,0 +1,31 @@
+import pytest
+
+from specdraft.config import ConfigError, apply_override, load_recipe, recipe_from_dict
+
+
+def test_bundled_recipe_fills_dataclasses():
+    r = load_recipe("smollm2-cpu")
+    assert r.target.model == "smollm2"
+    assert r.eval.draft_tokens == 3
+    assert r.export.formats == ["vllm"]
+
+
+def test_unknown_key_is_an_error_not_ignored():
+    with pytest.raises(ConfigError, match="unknown key"):
+        recipe_from_dict({"train": {"epochz": 3}})
+
+
+def test_overrides_are_typed():
+    r = load_recipe("smollm2-cpu")
+    apply_override(r, "train.epochs", "3")
+    apply_override(r, "target.aux_layer_ids", "3,10,20")
+    assert r.train.epochs == 3 and r.target.aux_layer_ids == [3, 10, 20]
+    with pytest.raises(ConfigError, match="expected int"):
+        apply_override(r, "train.epochs", "three")
+    with pytest.raises(ConfigError, match="no field"):
+        apply_override(r, "train.nope", "1")
+
+
+def test_missing_recipe_names_the_choices():
+    with pytest.raises(ConfigError, match="smollm2-cpu"):
+        load_recipe("no-such-recipe")
