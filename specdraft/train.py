@@ -36,8 +36,8 @@ FINAL = "final"
 LOGIT_CHUNK = 1024
 
 
-def collate(store: HiddenStore, batch: list[int]) -> dict:
-    """Right-padded batch tensors: ids/mask/valid [B, T], aux [B, T, n_aux*H], last [B, T, H]."""
+def collate(store: HiddenStore, batch: list[int], tops: list[torch.Tensor]) -> dict:
+    """Right-padded batch tensors: ids/mask/valid/top [B, T], aux [B, T, n_aux*H], last [B, T, H]."""
     items = [store[i] for i in batch]
     T = max(it["input_ids"].numel() for it in items)
     B = len(items)
@@ -46,30 +46,37 @@ def collate(store: HiddenStore, batch: list[int]) -> dict:
     ids = torch.zeros(B, T, dtype=torch.long)
     mask = torch.zeros(B, T, dtype=torch.bool)
     valid = torch.zeros(B, T, dtype=torch.bool)
-    for r, it in enumerate(items):
+    top = torch.zeros(B, T, dtype=torch.long)
+    for r, (i, it) in enumerate(zip(batch, items)):
         n = it["input_ids"].numel()
         aux[r, :n], last[r, :n] = it["aux"], it["last"]
         ids[r, :n] = it["input_ids"].long()
         mask[r, :n] = it["loss_mask"].bool()
         valid[r, :n] = True
-    return {"aux": aux, "last": last, "input_ids": ids, "loss_mask": mask, "valid": valid}
+        top[r, :n] = tops[i]
+    return {"aux": aux, "last": last, "input_ids": ids, "loss_mask": mask, "valid": valid, "top": top}
 
 
 @torch.no_grad()
-def target_distribution(last: torch.Tensor, head: torch.Tensor, t2d: torch.Tensor):
-    """From final-norm states [B, T, H]: probs over the draft vocab [B, T, Vd] and whether the target's
-    top token (over its full vocab) lies inside the draft vocab [B, T]."""
-    B, T, H = last.shape
-    flat = last.reshape(-1, H).float()
-    head = head.float()
-    draft_head = head[t2d]  # [Vd, H]
-    probs, inside = [], []
-    for a in range(0, flat.shape[0], LOGIT_CHUNK):
-        rows = flat[a:a + LOGIT_CHUNK]
-        top = (rows @ head.T).argmax(-1)  # [n]
-        inside.append(t2d[top])
-        probs.append(torch.softmax(rows @ draft_head.T, dim=-1))  # [n, Vd]
-    return torch.cat(probs).view(B, T, -1), torch.cat(inside).view(B, T)
+def target_top_tokens(store: HiddenStore, head: torch.Tensor) -> list[torch.Tensor]:
+    """The target's top token (over its full vocab) at every position of every sample.
+
+    Computed once before training: the full-vocab logits cost ~10x the draft-vocab ones and are only
+    needed for this argmax, which does not change from epoch to epoch.
+    """
+    head = head.to(torch.bfloat16)
+    tops = []
+    for i in range(len(store)):
+        last = store[i]["last"].to(torch.bfloat16)
+        tops.append(torch.cat([(rows @ head.T).argmax(-1) for rows in last.split(LOGIT_CHUNK)]))
+    return tops
+
+
+@torch.no_grad()
+def target_distribution(last: torch.Tensor, draft_head: torch.Tensor) -> torch.Tensor:
+    """The target's next-token distribution restricted to the draft vocab [B, T, Vd], from its
+    final-norm states [B, T, H] and the draft vocab's rows of its lm_head [Vd, H]."""
+    return torch.softmax(last.float() @ draft_head.T, dim=-1)
 
 
 def shift_left(x: torch.Tensor, n: int, length: int) -> torch.Tensor:
@@ -180,7 +187,9 @@ def run(recipe: Recipe, run: Run) -> dict:
     drafter.d2t.copy_(d2t)
     drafter.t2d.copy_(t2d)
     drafter.embed_tokens.weight.data.copy_(target.embed_weight().float())
-    head = target.head_weight().float()
+    head = target.head_weight()
+    draft_head = head[t2d].float()  # [Vd, H]: the draft vocab's rows of the target's lm_head
+    tops = target_top_tokens(store, head)
     params = [p for p in drafter.parameters() if p.requires_grad]
     n_trainable = sum(p.numel() for p in params)
     print(f"train: {len(store)} samples, draft vocab {drafter.config.draft_vocab_size} "
@@ -203,8 +212,9 @@ def run(recipe: Recipe, run: Run) -> dict:
         sums = [[0.0, 0, 0] for _ in range(cfg.ttt_steps)]  # loss*count, correct, count
         for batch_ids in batches:
             t0 = time.time()
-            batch = collate(store, batch_ids)
-            probs, inside = target_distribution(batch["last"], head, t2d)
+            batch = collate(store, batch_ids, tops)
+            probs = target_distribution(batch["last"], draft_head)
+            inside = t2d[batch["top"]]
             for group in optimizer.param_groups:
                 group["lr"] = lr_at(step, total_steps, cfg)
             with autocast:

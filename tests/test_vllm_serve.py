@@ -1,0 +1,103 @@
+"""A drafter we export, served by the real vLLM (CPU build): it loads, drafts, and drafts *well*.
+
+Loading alone proves little (FACTS.md: a random drafter loads and accepts nothing). So the drafter
+here is trained to memorise the target's answers to 8 prompts; served with the same prompts, vLLM
+must accept most of its drafts. A wrong aux layer order, a misread d2t, a flipped norm flag or a
+wrong hidden-state convention would each collapse that acceptance.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from specdraft.cli import main
+from specdraft.evaluate.bench import acceptance, spec_decode_counters
+
+VLLM_PYTHON = Path(os.environ.get("SPECDRAFT_VLLM_PYTHON",
+                                  Path.home() / ".cache" / "specdraft" / "vllm-venv" / "bin" / "python"))
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(
+    not VLLM_PYTHON.exists(), reason=f"no vLLM venv at {VLLM_PYTHON} (bash scripts/install_vllm.sh)")]
+
+OVERFIT_RECIPE = """
+name = "overfit"
+[data]
+num_train = 8
+max_prompt_tokens = 96
+[gen]
+batch_size = 8
+max_new_tokens = 32
+[train]
+draft_vocab_size = 512
+ttt_steps = 3
+epochs = 60
+lr = 3e-3
+warmup_steps = 5
+batch_tokens = 4096
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def memorised(tmp_path_factory, target):
+    root = tmp_path_factory.mktemp("overfit")
+    (root / "overfit.toml").write_text(OVERFIT_RECIPE)
+    run = root / "run"
+    for stage in ("gen", "render", "extract", "train", "export"):
+        assert main([stage, "--recipe", str(root / "overfit.toml"), "--run", str(run)]) == 0
+    return run
+
+
+def test_vllm_serves_the_exported_drafter_and_accepts_its_drafts(memorised, target, tmp_path):
+    port = free_port()
+    drafter = memorised / "export" / "vllm"
+    spec = json.dumps({"method": "eagle3", "model": str(drafter), "num_speculative_tokens": 3})
+    log = open(tmp_path / "vllm.log", "w")
+    server = subprocess.Popen(
+        [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(target.path),
+         "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "2048", "--dtype", "bfloat16",
+         "--speculative-config", spec],
+        stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2"})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 900
+        while True:
+            assert server.poll() is None, (tmp_path / "vllm.log").read_text()[-3000:]
+            try:
+                if httpx.get(f"{url}/v1/models", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.time() < deadline, "vLLM did not become ready in 900 s"
+            time.sleep(3)
+        before = spec_decode_counters(httpx.get(f"{url}/metrics").text)
+        records = [json.loads(line) for line in (memorised / "conversations.jsonl").read_text().splitlines()]
+        same = 0
+        for r in records:
+            resp = httpx.post(f"{url}/v1/chat/completions", timeout=300, json={
+                "model": str(target.path), "messages": r["messages"][:-1], "temperature": 0,
+                "max_tokens": 32}).json()
+            same += resp["choices"][0]["message"]["content"] == r["messages"][-1]["content"]
+        after = spec_decode_counters(httpx.get(f"{url}/metrics").text)
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+        log.close()
+    acc = acceptance(before, after)
+    print(f"vLLM: {acc}, {same}/8 answers identical to the training answers")
+    assert acc["drafts"] > 0
+    assert len(acc["per_position_acceptance"]) == 3
+    # Memorised answers: most drafts accepted (a broken export accepts ~0).
+    assert acc["mean_acceptance_length"] > 2.0, acc
