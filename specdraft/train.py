@@ -27,7 +27,7 @@ from .config import Recipe, TrainConfig, to_dict
 from .drafter import vocab
 from .drafter.model import DrafterConfig, Eagle3Drafter
 from .hidden.store import HiddenStore, token_batches
-from .run import Run, atomic_path, write_json
+from .run import Run, write_json
 from .targets import Target
 
 CHECKPOINTS = "checkpoints"
@@ -167,6 +167,18 @@ def load_checkpoint(path: Path, embed: torch.Tensor | None = None) -> tuple[Eagl
         state["embed_tokens.weight"] = embed
     drafter.load_state_dict(state)
     return drafter.eval(), meta
+
+
+def load_trained(recipe: Recipe, run: Run) -> tuple[Eagle3Drafter, Target, torch.Tensor]:
+    """The run's trained drafter, the target it was trained for (with the checkpoint's aux layers),
+    and the target's embedding (which the drafter shares)."""
+    entry = run.require("train")
+    ckpt = run.path / entry.get("checkpoint", str(Path(CHECKPOINTS) / FINAL))
+    meta = json.loads((ckpt / "config.json").read_text())
+    target = Target(recipe.target.model, meta["aux_layer_ids"])
+    embed = target.embed_weight()
+    drafter, _ = load_checkpoint(ckpt, embed)
+    return drafter, target, embed
 
 
 def run(recipe: Recipe, run: Run) -> dict:

@@ -13,7 +13,6 @@ without speculation, and the draft/target cost ratio.
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,7 +23,7 @@ from ..config import Recipe
 from ..data.generate import select_prompts
 from ..run import Run, atomic_path, write_json, write_text
 from ..targets import Target, _get_attr, tap_hidden_states
-from ..train import CHECKPOINTS, FINAL, load_checkpoint
+from ..train import load_trained
 
 EVAL_DIR = "eval"
 
@@ -181,13 +180,8 @@ def run(recipe: Recipe, run: Run) -> dict:
 
     cfg = recipe.eval
     t_start = time.time()
-    train_entry = run.require("train")
-    ckpt = run.path / train_entry.get("checkpoint", str(Path(CHECKPOINTS) / FINAL))
-    meta = json.loads((ckpt / "config.json").read_text())
-    target = Target(recipe.target.model, meta["aux_layer_ids"])
-    drafter, _ = load_checkpoint(ckpt, target.embed_weight())
-    dtype = getattr(torch, cfg.dtype)
-    drafter = drafter.to(dtype)
+    drafter, target, _ = load_trained(recipe, run)
+    drafter = drafter.to(getattr(torch, cfg.dtype))
     runner = TargetRunner(target, target.load_model(cfg.dtype))
     prompts, _ = select_prompts(recipe, target, "eval", cfg.num_prompts)
     eos = target.eos_token_id

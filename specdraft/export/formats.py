@@ -159,17 +159,11 @@ def serve_command(target_path: str, drafter_dir: Path, speculative_tokens: int) 
 
 
 def run(recipe, run) -> dict:
-    from ..targets import Target
-    from ..train import CHECKPOINTS, FINAL, load_checkpoint
+    from ..train import load_trained
 
     cfg = recipe.export
     t_start = time.time()
-    train_entry = run.require("train")
-    ckpt = run.path / train_entry.get("checkpoint", str(Path(CHECKPOINTS) / FINAL))
-    meta = json.loads((ckpt / "config.json").read_text())
-    target = Target(recipe.target.model, meta["aux_layer_ids"])
-    embed = target.embed_weight()
-    drafter, _ = load_checkpoint(ckpt, embed)
+    drafter, target, embed = load_trained(recipe, run)
     unknown = set(cfg.formats) - {"vllm"}
     if unknown:
         raise ValueError(f"export: unknown format(s) {sorted(unknown)}; known: ['vllm']")
@@ -180,7 +174,7 @@ def run(recipe, run) -> dict:
                      verifier_architectures=list(target.config.architectures or []),
                      speculative_tokens=cfg.speculative_tokens, include_embed=include_embed,
                      provenance=provenance(recipe.name))
-    written["vllm"] = str(out.relative_to(run.path))
+    written["vllm"] = {"path": str(out.relative_to(run.path)), "format": "speculators (Eagle3Speculator)"}
     command = serve_command(str(target.path), out, cfg.speculative_tokens)
     print(f"export: vLLM drafter in {out}\n  serve it with:\n  {command}")
     return run.record("export", state="done", config=cfg, counts={"formats": len(written)},
