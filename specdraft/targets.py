@@ -28,6 +28,7 @@ class TargetError(ValueError):
 
 @dataclass(frozen=True)
 class Family:
+    decoder: str = "model"  # attribute path of the decoder without lm_head (returns final-norm states)
     layers: str = "model.layers"  # attribute path of the decoder layer list
     norm: str = "model.norm"  # the final norm, applied before lm_head
     embed: str = "model.embed_tokens.weight"  # tensor names in the checkpoint
@@ -242,7 +243,7 @@ class Target:
         return self.read_tensor(self.family.embed)
 
 
-def _get_attr(obj, dotted: str):
+def get_attr(obj, dotted: str):
     for part in dotted.split("."):
         obj = getattr(obj, part)
     return obj
@@ -257,7 +258,7 @@ def tap_hidden_states(model, family: Family, layer_ids: list[int]):
     final norm, i.e. exactly what lm_head sees, so the trainer computes the target's logits from it
     with the lm_head weight alone.
     """
-    layers = _get_attr(model, family.layers)
+    layers = get_attr(model, family.layers)
     captured: dict = {}
     handles = []
 
@@ -268,7 +269,7 @@ def tap_hidden_states(model, family: Family, layer_ids: list[int]):
 
     for k in layer_ids:
         handles.append(layers[k - 1].register_forward_hook(keep(k)))
-    handles.append(_get_attr(model, family.norm).register_forward_hook(keep("last")))
+    handles.append(get_attr(model, family.norm).register_forward_hook(keep("last")))
     try:
         yield captured
     finally:

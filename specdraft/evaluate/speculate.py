@@ -22,7 +22,7 @@ import torch
 from ..config import Recipe
 from ..data.generate import select_prompts
 from ..run import Run, atomic_path, write_json, write_text
-from ..targets import Target, _get_attr, tap_hidden_states
+from ..targets import Target, get_attr, tap_hidden_states
 from ..train import load_trained
 
 EVAL_DIR = "eval"
@@ -37,7 +37,7 @@ class TargetRunner:
 
     def __init__(self, target: Target, model):
         self.target, self.model = target, model
-        self.base = _get_attr(model, target.family.layers.rsplit(".", 1)[0])
+        self.base = get_attr(model, target.family.decoder)
         self.cache = None
 
     def reset(self):

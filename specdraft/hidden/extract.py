@@ -13,7 +13,7 @@ import time
 from ..config import Recipe
 from ..data.render import load_tokens
 from ..run import Run, atomic_path, write_json
-from ..targets import Target, _get_attr, tap_hidden_states
+from ..targets import Target, get_attr, tap_hidden_states
 from .store import HIDDEN_DIR, INDEX, shard_name, token_batches
 
 
@@ -79,7 +79,7 @@ def run(recipe: Recipe, run: Run) -> dict:
     forward_seconds = 0.0
     if todo:
         model = target.load_model(cfg.dtype)
-        base = _get_attr(model, target.family.layers.rsplit(".", 1)[0])  # the decoder without lm_head
+        base = get_attr(model, target.family.decoder)  # the decoder without lm_head
         bar = tqdm(total=total_tokens, desc="extract", unit="tok", unit_scale=True)
         for n in todo:
             tensors = {}
