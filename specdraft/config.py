@@ -37,7 +37,6 @@ class DataConfig:
     split_seed: int = 0
     # Only conversations whose first turn is the user's are used (the target answers them).
     num_train: int = 1000
-    num_eval: int = 64
     # Prompts longer than this (in tokens, after the chat template) are skipped.
     max_prompt_tokens: int = 512
 

@@ -10,7 +10,6 @@ TINY_RECIPE = """
 name = "tiny"
 [data]
 num_train = 8
-num_eval = 4
 max_prompt_tokens = 128
 [gen]
 batch_size = 4
