@@ -105,7 +105,10 @@ def demo(recipe, run) -> None:
     print(f"  report:  {run.path / 'eval' / 'report.md'}")
     print(f"  per-position acceptance: {' / '.join(f'{a:.3f}' for a in ev['per_position_acceptance'])}")
     print(f"  tau (chain, K={recipe.eval.draft_tokens}, greedy, exact): {ev['tau']:.3f}")
-    print(f"\nnext: serve the drafter with vLLM:\n  {m['export']['serve_command']}")
+    commands = m["export"].get("serve_commands") or {"vllm": m["export"]["serve_command"]}
+    engines = {"vllm": "vLLM", "sglang": "SGLang"}
+    for fmt, command in commands.items():
+        print(f"\nnext: serve the drafter with {engines.get(fmt, fmt)}:\n  {command}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -85,7 +85,9 @@ class TrainConfig:
 
 @dataclass
 class ExportConfig:
-    # "vllm" writes the speculators format (vLLM's native reader of EAGLE-3 drafters).
+    # "vllm" writes the speculators format (vLLM's native reader of EAGLE-3 drafters) to export/vllm/,
+    # "sglang" the flat LlamaForCausalLMEagle3 format (SGLang's; vLLM reads it too) to export/sglang/,
+    # "both" means both.
     formats: list[str] = field(default_factory=lambda: ["vllm"])
     speculative_tokens: int = 3
 

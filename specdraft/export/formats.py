@@ -1,10 +1,29 @@
 """Writers and readers of the drafter formats that serving engines load.
 
 vLLM ("vllm"): the speculators format, config.json with `speculators_model_type: "eagle3"` and a
-`transformer_layer_config`, weights named as in vLLM's Eagle-3 Llama model. Every field the engine
-reads is written explicitly, never left to its default: the speculators path reads a missing
-`norm_before_residual` as True and the flat path as False (FACTS.md), so an omitted flag would serve
-a different network from the one trained.
+`transformer_layer_config`, weights named as in vLLM's Eagle-3 Llama model.
+
+SGLang ("sglang"): the flat format SGLang's `LlamaForCausalLMEagle3` reads (vLLM reads it too): a
+one-layer Llama config with `architectures: ["LlamaForCausalLMEagle3"]`, `draft_vocab_size`,
+`target_hidden_size` and `eagle_config`, weights named as EAGLE/SpecForge checkpoints name them
+(`midlayer.*`; vLLM renames it to `layers.0.*`).
+
+Every field an engine reads is written explicitly, never left to its default: the speculators path
+reads a missing `norm_before_residual` as True and the flat path as False (FACTS.md), so an omitted
+flag would serve a different network from the one trained. The flat format carries the aux layer ids
+twice, once per engine convention, because the engines count them differently:
+
+- vLLM reads the top-level `eagle_aux_hidden_state_layer_ids` (newer versions fall back to
+  `eagle_config`'s, taken as they are), and id k is the residual stream after k decoder layers: our
+  convention (targets.py).
+- SGLang reads only `eagle_config.eagle_aux_hidden_state_layer_ids` and captures the input of layer
+  j + 1 for id j (`set_eagle3_layers_to_capture` adds 1), i.e. id j is the output of layer j: our id
+  k is its k - 1.
+
+What SGLang cannot represent is refused at export instead of served wrong: its fc is built for
+exactly 3 aux states, its decoder layer always adds the un-normed hidden state as the residual (our
+`norm_before_residual=False`), and it replaces the drafter's embedding with the target's whenever
+`target_hidden_size == hidden_size`.
 
 Each format is a literal key map (our name -> the format's name) and a reader that inverts it, so
 export followed by import gives back the same tensors (tested).
@@ -13,6 +32,7 @@ export followed by import gives back the same tensors (tested).
 from __future__ import annotations
 
 import json
+import shlex
 import time
 from pathlib import Path
 
@@ -20,6 +40,9 @@ import torch
 
 from ..drafter.model import DrafterConfig, Eagle3Drafter
 from ..run import write_json
+
+WEIGHTS = "model.safetensors"
+FLAT_ARCHITECTURE = "LlamaForCausalLMEagle3"
 
 # Our state-dict names -> the speculators/vLLM names. vLLM names the decoder layer `layers.0`, as we do.
 VLLM_KEYS = {
@@ -39,8 +62,29 @@ VLLM_KEYS = {
     "d2t": "d2t",
     "t2d": "t2d",
 }
+# Our state-dict names -> the flat (SGLang / EAGLE / SpecForge) names. SGLang loads `midlayer.*` into
+# its one decoder layer, turns d2t into `hot_token_id` (i + d2t[i]) and skips t2d.
+SGLANG_KEYS = {
+    "fc.weight": "fc.weight",
+    "layers.0.input_layernorm.weight": "midlayer.input_layernorm.weight",
+    "layers.0.hidden_norm.weight": "midlayer.hidden_norm.weight",
+    "layers.0.self_attn.q_proj.weight": "midlayer.self_attn.q_proj.weight",
+    "layers.0.self_attn.k_proj.weight": "midlayer.self_attn.k_proj.weight",
+    "layers.0.self_attn.v_proj.weight": "midlayer.self_attn.v_proj.weight",
+    "layers.0.self_attn.o_proj.weight": "midlayer.self_attn.o_proj.weight",
+    "layers.0.post_attention_layernorm.weight": "midlayer.post_attention_layernorm.weight",
+    "layers.0.mlp.gate_proj.weight": "midlayer.mlp.gate_proj.weight",
+    "layers.0.mlp.up_proj.weight": "midlayer.mlp.up_proj.weight",
+    "layers.0.mlp.down_proj.weight": "midlayer.mlp.down_proj.weight",
+    "norm.weight": "norm.weight",
+    "lm_head.weight": "lm_head.weight",
+    "d2t": "d2t",
+    "t2d": "t2d",
+}
 # Written only when the drafter's embedding differs from the target's (engines share the target's).
 EMBED_KEY = ("embed_tokens.weight", "embed_tokens.weight")
+# SGLang's fc takes 3 * target_hidden_size inputs whatever the config says.
+SGLANG_NUM_AUX = 3
 
 
 def layer_config(cfg: DrafterConfig) -> dict:
@@ -69,12 +113,128 @@ def layer_config(cfg: DrafterConfig) -> dict:
     }
 
 
-def write_vllm(drafter: Eagle3Drafter, out: Path, *, verifier: str, verifier_architectures: list[str],
-               speculative_tokens: int, include_embed: bool, provenance: dict) -> Path:
+def _config_from_layer(lc: dict, where: str, *, draft_vocab_size: int, target_hidden_size: int,
+                       aux_layer_ids: list[int], norm_before_residual: bool) -> DrafterConfig:
+    """The inverse of `layer_config` (plus the format's own top-level fields) -> our DrafterConfig."""
+
+    def need(key):
+        if lc.get(key) is None:
+            raise ValueError(f"{where}: no {key!r}")
+        return lc[key]
+
+    if lc.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"{where}: hidden_act {lc['hidden_act']!r}; the drafter's MLP is SiLU-gated")
+    if lc.get("attention_bias") or lc.get("mlp_bias"):
+        raise ValueError(f"{where}: attention/MLP biases, which the drafter does not have")
+    rope = lc.get("rope_parameters") or lc.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type != "default":
+        raise ValueError(f"{where}: rope_type {rope_type!r}; the drafter implements only default RoPE")
+    return DrafterConfig(
+        hidden_size=need("hidden_size"),
+        num_attention_heads=need("num_attention_heads"),
+        num_key_value_heads=lc.get("num_key_value_heads") or need("num_attention_heads"),
+        head_dim=lc.get("head_dim") or need("hidden_size") // need("num_attention_heads"),
+        intermediate_size=need("intermediate_size"),
+        vocab_size=need("vocab_size"),
+        draft_vocab_size=draft_vocab_size,
+        target_hidden_size=target_hidden_size,
+        aux_layer_ids=list(aux_layer_ids),
+        rms_norm_eps=need("rms_norm_eps"),
+        rope_theta=rope.get("rope_theta", lc.get("rope_theta", 10000.0)),
+        max_position_embeddings=lc.get("max_position_embeddings", 8192),
+        norm_before_residual=bool(norm_before_residual),
+    )
+
+
+def _write_tensors(drafter: Eagle3Drafter, out: Path, keys: dict[str, str]) -> None:
+    """The drafter's tensors under the format's names (`keys`: ours -> theirs), floats as bf16."""
     from safetensors.torch import save_file
 
     from ..run import atomic_path
 
+    state = drafter.state_dict()
+    tensors = {}
+    for ours, theirs in keys.items():
+        t = state[ours].detach()
+        tensors[theirs] = (t.to(torch.bfloat16) if t.is_floating_point() else t).contiguous()
+    out.mkdir(parents=True, exist_ok=True)
+    with atomic_path(out / WEIGHTS) as tmp:
+        save_file(tensors, str(tmp))
+
+
+def _with_embed(keys: dict[str, str], cfg: DrafterConfig, include_embed: bool) -> dict[str, str]:
+    """The key map, with embed_tokens when asked for or when it cannot be the target's (other width)."""
+    if include_embed or cfg.target_hidden_size != cfg.hidden_size:
+        return {**keys, EMBED_KEY[0]: EMBED_KEY[1]}
+    return dict(keys)
+
+
+def _read_config(folder: Path) -> dict:
+    path = Path(folder) / "config.json"
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ValueError(f"{path}: not found") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: {e}") from None
+
+
+def _read_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a folder: model.safetensors, else its shards, else pytorch_model.bin."""
+    from safetensors.torch import load_file
+
+    files = [folder / WEIGHTS] if (folder / WEIGHTS).exists() else sorted(folder.glob("*.safetensors"))
+    if files:
+        tensors = {}
+        for f in files:
+            tensors.update(load_file(str(f)))
+        return tensors
+    if (folder / "pytorch_model.bin").exists():
+        return torch.load(folder / "pytorch_model.bin", map_location="cpu", weights_only=True)
+    raise ValueError(f"{folder}: no weights (*.safetensors or pytorch_model.bin)")
+
+
+def _build(folder: Path, cfg: DrafterConfig, theirs: dict[str, torch.Tensor], keys: dict[str, str],
+           embed: torch.Tensor | None) -> Eagle3Drafter:
+    """Our drafter (float32, eval mode) from the format's tensors read through `keys` (ours -> theirs).
+
+    Every tensor is required, named as the folder names it when missing, except t2d, which engines
+    skip and which d2t determines (rebuilt when absent, checked when present), and embed_tokens,
+    which is the target's (`embed`) when the folder has none.
+    """
+    state = {ours: theirs[name] for ours, name in keys.items() if name in theirs}
+    missing = [name for ours, name in keys.items() if ours not in state and ours != "t2d"]
+    if missing:
+        raise ValueError(f"{folder}: missing tensor(s) {missing}")
+    if EMBED_KEY[1] in theirs:
+        state[EMBED_KEY[0]] = theirs[EMBED_KEY[1]]
+    elif embed is None:
+        raise ValueError(f"{folder}: no embed_tokens in the drafter; pass the target's embedding")
+    else:
+        state[EMBED_KEY[0]] = embed
+    d2t = state["d2t"].long()
+    if d2t.shape != (cfg.draft_vocab_size,):
+        raise ValueError(f"{folder}: d2t has shape {list(d2t.shape)}, expected [{cfg.draft_vocab_size}]")
+    targets = torch.arange(cfg.draft_vocab_size) + d2t
+    if targets.numel() and (targets.min() < 0 or targets.max() >= cfg.vocab_size):
+        raise ValueError(f"{folder}: d2t maps draft ids outside the target vocabulary (0..{cfg.vocab_size - 1}); "
+                         "it must hold offsets (target id = draft id + d2t[draft id]), not absolute ids")
+    t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
+    t2d[targets] = True
+    if "t2d" in state and not torch.equal(state["t2d"].bool(), t2d):
+        raise ValueError(f"{folder}: t2d does not mark the target ids that d2t maps the draft vocabulary to")
+    state["d2t"], state["t2d"] = d2t, t2d
+    drafter = Eagle3Drafter(cfg)
+    try:
+        drafter.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()})
+    except RuntimeError as e:
+        raise ValueError(f"{folder}: the tensors do not fit config.json: {e}") from None
+    return drafter.eval()
+
+
+def write_vllm(drafter: Eagle3Drafter, out: Path, *, verifier: str, verifier_architectures: list[str],
+               speculative_tokens: int, include_embed: bool, provenance: dict) -> Path:
     cfg = drafter.config
     config = {
         "architectures": ["Eagle3Speculator"],
@@ -93,59 +253,138 @@ def write_vllm(drafter: Eagle3Drafter, out: Path, *, verifier: str, verifier_arc
         "torch_dtype": "bfloat16",
         "specdraft": provenance,
     }
-    state = drafter.state_dict()
-    keys = dict(VLLM_KEYS)
-    if include_embed:
-        keys[EMBED_KEY[0]] = EMBED_KEY[1]
-    tensors = {}
-    for ours, theirs in keys.items():
-        t = state[ours].detach()
-        tensors[theirs] = (t if not t.is_floating_point() else t.to(torch.bfloat16)).contiguous()
-    out.mkdir(parents=True, exist_ok=True)
-    with atomic_path(out / "model.safetensors") as tmp:
-        save_file(tensors, str(tmp))
+    _write_tensors(drafter, out, _with_embed(VLLM_KEYS, cfg, include_embed))
     write_json(out / "config.json", config)
     return out
 
 
 def read_vllm(folder: Path, embed: torch.Tensor | None = None) -> Eagle3Drafter:
     """A speculators-format folder -> our drafter (float32), for eval, fine-tuning and round trips."""
-    from safetensors.torch import load_file
-
     folder = Path(folder)
-    config = json.loads((folder / "config.json").read_text())
+    config = _read_config(folder)
     if config.get("speculators_model_type") != "eagle3":
         raise ValueError(f"{folder}/config.json: not a speculators eagle3 config")
-    lc = config["transformer_layer_config"]
-    cfg = DrafterConfig(
-        hidden_size=lc["hidden_size"],
-        num_attention_heads=lc["num_attention_heads"],
-        num_key_value_heads=lc["num_key_value_heads"],
-        head_dim=lc.get("head_dim") or lc["hidden_size"] // lc["num_attention_heads"],
-        intermediate_size=lc["intermediate_size"],
-        vocab_size=lc["vocab_size"],
+    where = f"{folder}/config.json"
+    for key in ("transformer_layer_config", "draft_vocab_size", "target_hidden_size",
+                "eagle_aux_hidden_state_layer_ids"):
+        if not config.get(key):
+            raise ValueError(f"{where}: no {key!r}")
+    cfg = _config_from_layer(
+        config["transformer_layer_config"], where,
         draft_vocab_size=config["draft_vocab_size"],
         target_hidden_size=config["target_hidden_size"],
-        aux_layer_ids=list(config["eagle_aux_hidden_state_layer_ids"]),
-        rms_norm_eps=lc["rms_norm_eps"],
-        rope_theta=lc.get("rope_parameters", {}).get("rope_theta", lc.get("rope_theta", 10000.0)),
-        max_position_embeddings=lc["max_position_embeddings"],
+        aux_layer_ids=config["eagle_aux_hidden_state_layer_ids"],
         # What vLLM assumes when the flag is absent on this path.
         norm_before_residual=config.get("norm_before_residual", True),
     )
-    theirs = load_file(str(folder / "model.safetensors"))
-    inverse = {v: k for k, v in {**VLLM_KEYS, EMBED_KEY[0]: EMBED_KEY[1]}.items()}
-    state = {inverse[k]: v for k, v in theirs.items() if k in inverse}
-    missing = set(VLLM_KEYS) - set(state)
-    if missing:
-        raise ValueError(f"{folder}/model.safetensors: missing {sorted(missing)}")
-    if "embed_tokens.weight" not in state:
-        if embed is None:
-            raise ValueError(f"{folder}: no embed_tokens in the drafter; pass the target's embedding")
-        state["embed_tokens.weight"] = embed
-    drafter = Eagle3Drafter(cfg)
-    drafter.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()})
-    return drafter.eval()
+    return _build(folder, cfg, _read_tensors(folder), VLLM_KEYS, embed)
+
+
+def flat_config(cfg: DrafterConfig, provenance: dict) -> dict:
+    """The flat (SGLang / vLLM `LlamaForCausalLMEagle3`) config.json of a drafter."""
+    ids = list(cfg.aux_layer_ids)
+    return {
+        **layer_config(cfg),
+        "architectures": [FLAT_ARCHITECTURE],
+        # SGLang sizes lm_head from this; absent, it would take the target's full lm_head instead.
+        "draft_vocab_size": cfg.draft_vocab_size,
+        "target_hidden_size": cfg.target_hidden_size,
+        # vLLM's list (read before eagle_config's): id k = the residual stream after k layers (ours).
+        "eagle_aux_hidden_state_layer_ids": ids,
+        # SGLang's list: id j = the output of layer j, which SGLang captures as layer j + 1's input.
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": [k - 1 for k in ids], "use_aux_hidden_state": True},
+        # vLLM reads a missing flag as False on this path; SGLang has no flag and always behaves so.
+        "norm_before_residual": cfg.norm_before_residual,
+        # The EAGLE-3.1 norms, which this drafter does not have.
+        "norm_before_fc": False,
+        "fc_norm": False,
+        "norm_output": False,
+        "specdraft": provenance,
+    }
+
+
+def write_sglang(drafter: Eagle3Drafter, out: Path, *, include_embed: bool, provenance: dict) -> Path:
+    """The flat format, read by SGLang (and vLLM); refuses a drafter SGLang would serve differently."""
+    cfg = drafter.config
+    if len(cfg.aux_layer_ids) != SGLANG_NUM_AUX:
+        raise ValueError(f"export sglang: {len(cfg.aux_layer_ids)} aux layers {cfg.aux_layer_ids}; SGLang's "
+                         f"EAGLE-3 fc reads exactly {SGLANG_NUM_AUX}")
+    if min(cfg.aux_layer_ids) < 1:
+        raise ValueError(f"export sglang: aux layer ids {cfg.aux_layer_ids}; SGLang cannot capture the embeddings (id 0)")
+    if cfg.norm_before_residual:
+        raise ValueError("export sglang: the drafter uses norm_before_residual=True; SGLang's EAGLE-3 layer always "
+                         "adds the un-normed hidden state as the residual, so it would serve another network")
+    if include_embed and cfg.target_hidden_size == cfg.hidden_size:
+        raise ValueError("export sglang: the drafter's embedding differs from the target's, but SGLang replaces it "
+                         "with the target's (target_hidden_size == hidden_size), so it would serve another network")
+    _write_tensors(drafter, out, _with_embed(SGLANG_KEYS, cfg, include_embed))
+    write_json(out / "config.json", flat_config(cfg, provenance))
+    return out
+
+
+def _flat_aux_layer_ids(config: dict, where: str) -> list[int]:
+    """Our aux layer ids from a flat config, from either engine's list; both present must agree."""
+    top = config.get("eagle_aux_hidden_state_layer_ids")
+    eagle = config.get("eagle_config") or {}
+    nested = eagle.get("eagle_aux_hidden_state_layer_ids")
+    from_nested = [j + 1 for j in nested] if nested else None
+    if top and from_nested and list(top) != from_nested:
+        raise ValueError(
+            f"{where}: eagle_aux_hidden_state_layer_ids {list(top)} (vLLM's: residual after k layers) and "
+            f"eagle_config.eagle_aux_hidden_state_layer_ids {list(nested)} (SGLang's: output of layer j, k = j + 1) "
+            "name different layers, so vLLM and SGLang would feed this drafter different hidden states")
+    ids = list(top) if top else from_nested
+    if not ids:
+        raise ValueError(f"{where}: no aux layer ids; the engines would guess (2, L//2, L-3)")
+    if eagle.get("use_aux_hidden_state", True) is not True:
+        raise ValueError(f"{where}: eagle_config.use_aux_hidden_state is not true; not an EAGLE-3 drafter")
+    if config.get("num_aux_hidden_states", len(ids)) != len(ids):
+        raise ValueError(f"{where}: num_aux_hidden_states {config['num_aux_hidden_states']} but {len(ids)} aux layer ids")
+    return ids
+
+
+def read_sglang(folder: Path, embed: torch.Tensor | None = None) -> Eagle3Drafter:
+    """A flat-format folder -> our drafter (float32). Reads the decoder layer named `midlayer.*`
+    (SGLang / EAGLE / SpecForge) or `layers.0.*` (vLLM-style), with or without a `model.` prefix."""
+    folder = Path(folder)
+    config = _read_config(folder)
+    where = f"{folder}/config.json"
+    if FLAT_ARCHITECTURE not in (config.get("architectures") or []):
+        raise ValueError(f"{where}: architectures {config.get('architectures')} lack {FLAT_ARCHITECTURE!r}")
+    if config.get("num_hidden_layers", 1) != 1:
+        raise ValueError(f"{where}: num_hidden_layers {config['num_hidden_layers']}; the drafter has one layer")
+    if config.get("tie_word_embeddings"):
+        raise ValueError(f"{where}: tie_word_embeddings is true; the engines would use embed_tokens as lm_head")
+    if config.get("draft_vocab_size") is None:
+        raise ValueError(f"{where}: no 'draft_vocab_size'; SGLang would take the target's lm_head instead")
+    cfg = _config_from_layer(
+        config, where,
+        draft_vocab_size=config["draft_vocab_size"],
+        # SGLang's rule when absent: the drafter's own hidden size.
+        target_hidden_size=config.get("target_hidden_size") or config.get("hidden_size"),
+        aux_layer_ids=_flat_aux_layer_ids(config, where),
+        # What vLLM assumes when the flag is absent on this path (SGLang has no other behaviour).
+        norm_before_residual=config.get("norm_before_residual", False),
+    )
+    theirs = {k.removeprefix("model."): v for k, v in _read_tensors(folder).items()}
+    midlayer = any(k.startswith("midlayer.") for k in theirs)
+    layers0 = any(k.startswith("layers.0.") for k in theirs)
+    if midlayer and layers0:
+        raise ValueError(f"{folder}: both midlayer.* and layers.0.* tensors; which one is the decoder layer?")
+    return _build(folder, cfg, theirs, VLLM_KEYS if layers0 else SGLANG_KEYS, embed)
+
+
+def read_drafter(folder: Path, embed: torch.Tensor | None = None) -> Eagle3Drafter:
+    """Any drafter folder an engine loads -> our drafter: the speculators format (has
+    `speculators_model_type`) or the flat one (architectures name LlamaForCausalLMEagle3)."""
+    folder = Path(folder)
+    config = _read_config(folder)
+    if "speculators_model_type" in config:
+        return read_vllm(folder, embed)
+    if FLAT_ARCHITECTURE in (config.get("architectures") or []):
+        return read_sglang(folder, embed)
+    raise ValueError(f"{folder}/config.json: neither a speculators config (speculators_model_type) nor a "
+                     f"flat EAGLE-3 one (architectures {FLAT_ARCHITECTURE})")
 
 
 def provenance(run_name: str) -> dict:
@@ -158,25 +397,61 @@ def serve_command(target_path: str, drafter_dir: Path, speculative_tokens: int) 
     return f"vllm serve {target_path} --speculative-config '{spec}'"
 
 
+def sglang_serve_command(target_path: str, drafter_dir: Path, speculative_tokens: int) -> str:
+    """A chain of K drafted tokens: K steps of top-1, verified as K + 1 tokens."""
+    k = speculative_tokens
+    return (f"python -m sglang.launch_server --model-path {shlex.quote(str(target_path))} "
+            f"--speculative-algorithm EAGLE3 "
+            f"--speculative-draft-model-path {shlex.quote(str(Path(drafter_dir).resolve()))} "
+            f"--speculative-num-steps {k} --speculative-eagle-topk 1 --speculative-num-draft-tokens {k + 1} "
+            f"--dtype bfloat16")
+
+
+FORMATS = ("vllm", "sglang")
+
+
+def resolve_formats(requested: list[str]) -> list[str]:
+    """The export formats asked for, in order, "both" meaning vllm and sglang."""
+    out: list[str] = []
+    for name in requested:
+        names = list(FORMATS) if name == "both" else [name]
+        for n in names:
+            if n not in FORMATS:
+                raise ValueError(f"export: unknown format {name!r}; known: {list(FORMATS) + ['both']}")
+            if n not in out:
+                out.append(n)
+    if not out:
+        raise ValueError(f"export: no format given; known: {list(FORMATS) + ['both']}")
+    return out
+
+
 def run(recipe, run) -> dict:
     from ..train import load_trained
 
     cfg = recipe.export
     t_start = time.time()
+    formats = resolve_formats(cfg.formats)
     drafter, target, embed = load_trained(recipe, run)
-    unknown = set(cfg.formats) - {"vllm"}
-    if unknown:
-        raise ValueError(f"export: unknown format(s) {sorted(unknown)}; known: ['vllm']")
-    written = {}
     # The embedding is frozen at the target's during training, so the engine's shared copy is identical.
     include_embed = not torch.equal(drafter.embed_tokens.weight.detach(), embed.float())
-    out = write_vllm(drafter, run.path / "export" / "vllm", verifier=str(target.path),
-                     verifier_architectures=list(target.config.architectures or []),
-                     speculative_tokens=cfg.speculative_tokens, include_embed=include_embed,
-                     provenance=provenance(recipe.name))
-    written["vllm"] = {"path": str(out.relative_to(run.path)), "format": "speculators (Eagle3Speculator)"}
-    command = serve_command(str(target.path), out, cfg.speculative_tokens)
-    print(f"export: vLLM drafter in {out}\n  serve it with:\n  {command}")
+    written, commands = {}, {}
+    for fmt in formats:
+        out = run.path / "export" / fmt
+        if fmt == "vllm":
+            write_vllm(drafter, out, verifier=str(target.path),
+                       verifier_architectures=list(target.config.architectures or []),
+                       speculative_tokens=cfg.speculative_tokens, include_embed=include_embed,
+                       provenance=provenance(recipe.name))
+            written[fmt] = {"path": str(out.relative_to(run.path)), "format": "speculators (Eagle3Speculator)"}
+            commands[fmt] = serve_command(str(target.path), out, cfg.speculative_tokens)
+            engine = "vLLM"
+        else:
+            write_sglang(drafter, out, include_embed=include_embed, provenance=provenance(recipe.name))
+            written[fmt] = {"path": str(out.relative_to(run.path)), "format": f"flat ({FLAT_ARCHITECTURE})"}
+            commands[fmt] = sglang_serve_command(str(target.path), out, cfg.speculative_tokens)
+            engine = "SGLang"
+        print(f"export: {engine} drafter in {out}\n  serve it with:\n  {commands[fmt]}")
     return run.record("export", state="done", config=cfg, counts={"formats": len(written)},
                       seconds=time.time() - t_start,
-                      extra={"folders": written, "serve_command": command, "embed_included": include_embed})
+                      extra={"folders": written, "serve_command": commands[formats[0]],
+                             "serve_commands": commands, "embed_included": include_embed})

@@ -1,0 +1,271 @@
+"""Both export formats, written and read back, give the drafter that was trained, bit for bit."""
+
+import copy
+import json
+import re
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from specdraft.drafter import vocab
+from specdraft.drafter.model import DrafterConfig, Eagle3Drafter
+from specdraft.export import formats
+from specdraft.export.formats import (read_drafter, read_sglang, read_vllm, resolve_formats,
+                                      sglang_serve_command, write_sglang, write_vllm)
+
+VOCAB, DRAFT_VOCAB, T = 50, 20, 7
+
+
+def tiny_drafter(seed=0, target_hidden_size=32, **overrides) -> Eagle3Drafter:
+    """A random drafter with a real draft vocabulary (20 of 50 ids) and bf16-exact embeddings, as a
+    bf16 target's are."""
+    torch.manual_seed(seed)
+    fields = dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=64,
+                  vocab_size=VOCAB, draft_vocab_size=DRAFT_VOCAB, target_hidden_size=target_hidden_size,
+                  aux_layer_ids=[1, 5, 9], rope_theta=50000.0, rms_norm_eps=1e-6)
+    d = Eagle3Drafter(DrafterConfig(**{**fields, **overrides}))
+    torch.nn.init.normal_(d.embed_tokens.weight)
+    d.embed_tokens.weight.data = d.embed_tokens.weight.data.to(torch.bfloat16).float()
+    for norm in (d.layers[0].input_layernorm, d.layers[0].hidden_norm, d.layers[0].post_attention_layernorm, d.norm):
+        torch.nn.init.uniform_(norm.weight, 0.5, 1.5)  # non-trivial norms catch a swapped norm
+    d2t, t2d = vocab.build(torch.randint(0, 100, (VOCAB,)), DRAFT_VOCAB)
+    assert d2t.max() > 0 and (d2t > 0).float().mean() > 0.5  # offsets, mostly non-zero
+    d.d2t.copy_(d2t)
+    d.t2d.copy_(t2d)
+    return d.eval()
+
+
+def export(fmt, drafter, out, include_embed=False):
+    if fmt == "vllm":
+        return write_vllm(drafter, out, verifier="tiny-target", verifier_architectures=["LlamaForCausalLM"],
+                          speculative_tokens=3, include_embed=include_embed, provenance={"run": "test"})
+    return write_sglang(drafter, out, include_embed=include_embed, provenance={"run": "test"})
+
+
+def outputs(d, seed=1):
+    """Logits and next-step hidden state of a first step, then a second step fed the first's output."""
+    g = torch.Generator().manual_seed(seed)
+    aux = torch.randn(1, T, 3 * d.config.target_hidden_size, generator=g)
+    ids = torch.randint(0, VOCAB, (1, T), generator=g)
+    with torch.no_grad():
+        logits, h, base = d(d.project(aux), ids, torch.arange(T)[None])
+        logits2, h2, _ = d(h[:, -1:], ids[:, -1:], torch.tensor([[T]]), base=base, diag=[], q_offset=T - 1)
+    return logits, h, logits2, h2
+
+
+def assert_same_drafter(trained, served):
+    reference = copy.deepcopy(trained).to(torch.bfloat16).float()  # bf16 storage: compare the rounded drafter
+    assert served.config == trained.config
+    for a, b in zip(outputs(reference), outputs(served)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert torch.equal(served.d2t, trained.d2t) and served.d2t.dtype == torch.long
+    assert torch.equal(served.t2d, trained.t2d) and served.t2d.dtype == torch.bool
+
+
+@pytest.mark.parametrize("fmt,reader", [("vllm", read_vllm), ("sglang", read_sglang),
+                                        ("vllm", read_drafter), ("sglang", read_drafter)])
+@pytest.mark.parametrize("target_hidden_size", [32, 48])
+def test_round_trip_gives_identical_logits(fmt, reader, target_hidden_size, tmp_path):
+    d = tiny_drafter(target_hidden_size=target_hidden_size)
+    out = export(fmt, d, tmp_path / fmt)
+    names = set(load_file(str(out / "model.safetensors")))
+    if target_hidden_size == 32:
+        # Same width as the target: the engines share the target's embedding, so none is written.
+        assert "embed_tokens.weight" not in names
+        with pytest.raises(ValueError, match="embed_tokens"):
+            reader(out)
+        served = reader(out, d.embed_tokens.weight.detach().to(torch.bfloat16))
+    else:
+        # Another width: the embedding cannot be the target's, so it is always in the folder.
+        assert "embed_tokens.weight" in names
+        served = reader(out)
+    assert_same_drafter(d, served)
+
+
+@pytest.mark.parametrize("fmt", ["vllm", "sglang"])
+def test_included_embedding_round_trips(fmt, tmp_path):
+    d = tiny_drafter(target_hidden_size=48)
+    assert_same_drafter(d, read_drafter(export(fmt, d, tmp_path / fmt, include_embed=True)))
+
+
+def test_sglang_tensor_names_are_the_flat_ones(tmp_path):
+    d = tiny_drafter()
+    out = export("sglang", d, tmp_path / "sglang")
+    tensors = load_file(str(out / "model.safetensors"))
+    layer = ["input_layernorm", "hidden_norm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+             "self_attn.o_proj", "post_attention_layernorm", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]
+    assert set(tensors) == ({"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d"}
+                            | {f"midlayer.{n}.weight" for n in layer})
+    assert set(formats.SGLANG_KEYS.values()) == set(tensors)
+    for ours, t in d.state_dict().items():  # each tensor under its own name, none swapped
+        theirs = ours.replace("layers.0.", "midlayer.")
+        if theirs in tensors:
+            assert torch.equal(tensors[theirs], t.to(torch.bfloat16) if t.is_floating_point() else t), theirs
+    assert tensors["d2t"].dtype == torch.int64 and tensors["t2d"].dtype == torch.bool
+    assert tensors["fc.weight"].dtype == torch.bfloat16
+    assert tensors["midlayer.self_attn.q_proj.weight"].shape == (32, 64)  # q/k/v read [embeds, hidden]: 2H
+
+
+def test_flat_config_writes_every_flag_explicitly(tmp_path):
+    d = tiny_drafter(target_hidden_size=48)
+    config = json.loads((export("sglang", d, tmp_path / "sglang") / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"]
+    assert config["model_type"] == "llama" and config["num_hidden_layers"] == 1
+    assert "speculators_model_type" not in config
+    # Read as False when absent on this path and True on the speculators path: never left out.
+    assert "norm_before_residual" in config and config["norm_before_residual"] is False
+    assert config["num_aux_hidden_states"] == 3
+    assert config["draft_vocab_size"] == DRAFT_VOCAB and config["vocab_size"] == VOCAB
+    assert config["target_hidden_size"] == 48
+    # vLLM reads the top-level list (id k = residual after k layers), SGLang only eagle_config's, to
+    # which it adds 1: the two lists name the same hidden states.
+    assert config["eagle_aux_hidden_state_layer_ids"] == [1, 5, 9]
+    assert config["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": [0, 4, 8], "use_aux_hidden_state": True}
+    # Fields where a missing value would fall to a default that differs from the drafter (or between engines).
+    explicit = {"hidden_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
+                "intermediate_size": 64, "hidden_act": "silu", "rms_norm_eps": 1e-6, "rope_theta": 50000.0,
+                "max_position_embeddings": 8192, "tie_word_embeddings": False, "attention_bias": False,
+                "mlp_bias": False, "torch_dtype": "bfloat16", "norm_before_fc": False, "fc_norm": False,
+                "norm_output": False}
+    assert {k: config.get(k) for k in explicit} == explicit
+    assert config["rope_parameters"] == {"rope_type": "default", "rope_theta": 50000.0}
+
+
+def _rename(folder, rename):
+    path = folder / "model.safetensors"
+    tensors = load_file(str(path))
+    save_file({rename(k): v for k, v in tensors.items()}, str(path))
+
+
+@pytest.mark.parametrize("rename", [lambda k: k.replace("midlayer.", "layers.0."),  # vLLM-style names
+                                    lambda k: "model." + k])  # as some checkpoints prefix them
+def test_flat_folder_with_other_layer_names_reads(rename, tmp_path):
+    d = tiny_drafter(target_hidden_size=48)
+    out = export("sglang", d, tmp_path / "sglang")
+    _rename(out, rename)
+    assert_same_drafter(d, read_drafter(out))
+
+
+@pytest.mark.parametrize("fmt,name", [("vllm", "layers.0.self_attn.k_proj.weight"), ("vllm", "d2t"),
+                                      ("sglang", "midlayer.self_attn.k_proj.weight"), ("sglang", "fc.weight"),
+                                      ("sglang", "d2t")])
+def test_missing_tensor_is_named(fmt, name, tmp_path):
+    out = export(fmt, tiny_drafter(target_hidden_size=48), tmp_path / fmt)
+    path = out / "model.safetensors"
+    tensors = load_file(str(path))
+    del tensors[name]
+    save_file(tensors, str(path))
+    with pytest.raises(ValueError, match=re.escape(f"missing tensor(s) ['{name}']")):
+        read_drafter(out)
+
+
+def test_t2d_is_rebuilt_from_d2t_and_checked_against_it(tmp_path):
+    d = tiny_drafter(target_hidden_size=48)
+    out = export("sglang", d, tmp_path / "sglang")
+    path = out / "model.safetensors"
+    tensors = load_file(str(path))
+    t2d = tensors.pop("t2d")
+    save_file(tensors, str(path))
+    assert_same_drafter(d, read_sglang(out))  # engines skip t2d; d2t determines it
+    t2d[torch.nonzero(~t2d)[0]] = True
+    save_file({**tensors, "t2d": t2d}, str(path))
+    with pytest.raises(ValueError, match="t2d does not mark"):
+        read_sglang(out)
+    save_file({**tensors, "d2t": tensors["d2t"] + torch.arange(DRAFT_VOCAB)}, str(path))  # absolute ids
+    with pytest.raises(ValueError, match="offsets"):
+        read_sglang(out)
+
+
+def _edit_config(folder, edit):
+    path = folder / "config.json"
+    config = json.loads(path.read_text())
+    edit(config)
+    path.write_text(json.dumps(config))
+
+
+def test_flat_aux_ids_from_either_engine_list_and_disagreement_refused(tmp_path):
+    d = tiny_drafter(target_hidden_size=48)
+    out = export("sglang", d, tmp_path / "sglang")
+    _edit_config(out, lambda c: c.pop("eagle_aux_hidden_state_layer_ids"))  # SpecForge-style: eagle_config only
+    assert read_sglang(out).config.aux_layer_ids == [1, 5, 9]
+    _edit_config(out, lambda c: c.pop("eagle_config"))
+    with pytest.raises(ValueError, match="no aux layer ids"):
+        read_sglang(out)
+    # The same list under both keys names different layers in the two engines.
+    _edit_config(out, lambda c: c.update(eagle_aux_hidden_state_layer_ids=[1, 5, 9],
+                                         eagle_config={"eagle_aux_hidden_state_layer_ids": [1, 5, 9]}))
+    with pytest.raises(ValueError, match="different hidden states"):
+        read_sglang(out)
+
+
+def test_flat_norm_before_residual_defaults_to_false_when_absent(tmp_path):
+    out = export("sglang", tiny_drafter(target_hidden_size=48), tmp_path / "sglang")
+    _edit_config(out, lambda c: c.pop("norm_before_residual"))
+    assert read_sglang(out).config.norm_before_residual is False
+    v = export("vllm", tiny_drafter(target_hidden_size=48), tmp_path / "vllm")
+    _edit_config(v, lambda c: c.pop("norm_before_residual"))
+    assert read_vllm(v).config.norm_before_residual is True  # the speculators path's default
+
+
+@pytest.mark.parametrize("overrides,include_embed,match", [
+    ({"aux_layer_ids": [3, 7]}, False, "exactly 3"),
+    ({"norm_before_residual": True}, False, "norm_before_residual"),
+    ({}, True, "replaces it"),
+])
+def test_sglang_refuses_what_it_would_serve_differently(overrides, include_embed, match, tmp_path):
+    d = tiny_drafter(**overrides)
+    with pytest.raises(ValueError, match=match):
+        export("sglang", d, tmp_path / "sglang", include_embed=include_embed)
+    assert not (tmp_path / "sglang").exists()
+
+
+def test_unknown_folder_is_refused(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    with pytest.raises(ValueError, match="neither a speculators config"):
+        read_drafter(tmp_path)
+    with pytest.raises(ValueError, match="not found"):
+        read_drafter(tmp_path / "absent")
+
+
+def test_formats_and_serve_command():
+    assert resolve_formats(["vllm"]) == ["vllm"]
+    assert resolve_formats(["sglang"]) == ["sglang"]
+    assert resolve_formats(["both"]) == ["vllm", "sglang"]
+    assert resolve_formats(["sglang", "both"]) == ["sglang", "vllm"]
+    for bad in (["tensorrt"], []):
+        with pytest.raises(ValueError, match="known"):
+            resolve_formats(bad)
+    command = sglang_serve_command("/models/target", "/runs/x/export/sglang", 3)
+    assert command == ("python -m sglang.launch_server --model-path /models/target --speculative-algorithm EAGLE3 "
+                       "--speculative-draft-model-path /runs/x/export/sglang --speculative-num-steps 3 "
+                       "--speculative-eagle-topk 1 --speculative-num-draft-tokens 4 --dtype bfloat16")
+
+
+def test_export_stage_writes_both_folders_and_serve_commands(tmp_path, monkeypatch, capsys):
+    from types import SimpleNamespace
+
+    import specdraft.train
+    from specdraft.config import Recipe
+    from specdraft.run import Run
+
+    d = tiny_drafter()
+    target = SimpleNamespace(path=tmp_path / "target", config=SimpleNamespace(architectures=["LlamaForCausalLM"]))
+    monkeypatch.setattr(specdraft.train, "load_trained",
+                        lambda recipe, run: (d, target, d.embed_tokens.weight.detach().to(torch.bfloat16)))
+    recipe = Recipe()
+    recipe.export.formats = ["both"]
+    run = Run(tmp_path / "run")
+    entry = formats.run(recipe, run)
+    assert entry["folders"] == {"vllm": {"path": "export/vllm", "format": "speculators (Eagle3Speculator)"},
+                                "sglang": {"path": "export/sglang", "format": "flat (LlamaForCausalLMEagle3)"}}
+    assert entry["embed_included"] is False
+    assert entry["serve_command"] == entry["serve_commands"]["vllm"]
+    assert "--speculative-num-draft-tokens 4" in entry["serve_commands"]["sglang"]
+    assert "sglang.launch_server" in capsys.readouterr().out
+    embed = d.embed_tokens.weight.detach().to(torch.bfloat16)
+    for fmt in ("vllm", "sglang"):
+        assert_same_drafter(d, read_drafter(run.path / "export" / fmt, embed))
+    recipe.export.formats = ["tensorrt"]
+    with pytest.raises(ValueError, match="unknown format"):
+        formats.run(recipe, run)
