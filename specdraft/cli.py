@@ -57,6 +57,10 @@ def build_parser() -> argparse.ArgumentParser:
         for field_name, tp in stage_fields(section):
             p.add_argument(f"--{field_name.replace('_', '-')}", dest=f"{section}.{field_name}",
                            default=None, metavar=_flag_help(tp).upper())
+    p = sub.add_parser("doctor", help="check an exported drafter folder for the failures that load but accept nothing")
+    p.add_argument("folder", help="a drafter folder (speculators or flat format)")
+    p.add_argument("--target", help="the target it drafts for (default: the run's recipe)")
+    p.add_argument("--run", help="the run it came from (default: the run the folder is inside)")
     p = sub.add_parser("demo", help="run every stage on the embedded default (SmolLM2 + ShareGPT, CPU)")
     common(p)
     return parser
@@ -114,6 +118,10 @@ def demo(recipe, run) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        if args.command == "doctor":
+            from .export.doctor import run_doctor
+
+            return run_doctor(args.folder, args.target, args.run)
         recipe, run = _resolve(args)
         if args.command == "demo":
             demo(recipe, run)
