@@ -17,6 +17,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
 
 from specdraft.cli import main
 from specdraft.evaluate.bench import acceptance, spec_decode_counters
@@ -60,11 +61,11 @@ def memorised(tmp_path_factory, target):
     return run
 
 
-def test_vllm_serves_the_exported_drafter_and_accepts_its_drafts(memorised, target, tmp_path):
+def serve_and_measure(target, drafter: Path, messages: list[list[dict]], log_path: Path) -> tuple[dict, list[str]]:
+    """Serve `drafter` with vLLM, answer each conversation greedily, return (acceptance, answers)."""
     port = free_port()
-    drafter = memorised / "export" / "vllm"
     spec = json.dumps({"method": "eagle3", "model": str(drafter), "num_speculative_tokens": 3})
-    log = open(tmp_path / "vllm.log", "w")
+    log = open(log_path, "w")
     server = subprocess.Popen(
         [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(target.path),
          "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "2048", "--dtype", "bfloat16",
@@ -74,7 +75,7 @@ def test_vllm_serves_the_exported_drafter_and_accepts_its_drafts(memorised, targ
     try:
         deadline = time.time() + 900
         while True:
-            assert server.poll() is None, (tmp_path / "vllm.log").read_text()[-3000:]
+            assert server.poll() is None, log_path.read_text()[-3000:]
             try:
                 if httpx.get(f"{url}/v1/models", timeout=5).status_code == 200:
                     break
@@ -83,19 +84,28 @@ def test_vllm_serves_the_exported_drafter_and_accepts_its_drafts(memorised, targ
             assert time.time() < deadline, "vLLM did not become ready in 900 s"
             time.sleep(3)
         before = spec_decode_counters(httpx.get(f"{url}/metrics").text)
-        records = [json.loads(line) for line in (memorised / "conversations.jsonl").read_text().splitlines()]
-        same = 0
-        for r in records:
+        answers = []
+        for m in messages:
             resp = httpx.post(f"{url}/v1/chat/completions", timeout=300, json={
-                "model": str(target.path), "messages": r["messages"][:-1], "temperature": 0,
-                "max_tokens": 32}).json()
-            same += resp["choices"][0]["message"]["content"] == r["messages"][-1]["content"]
+                "model": str(target.path), "messages": m, "temperature": 0, "max_tokens": 32}).json()
+            answers.append(resp["choices"][0]["message"]["content"])
         after = spec_decode_counters(httpx.get(f"{url}/metrics").text)
     finally:
         server.terminate()
         server.wait(timeout=60)
         log.close()
-    acc = acceptance(before, after)
+    return acceptance(before, after), answers
+
+
+def training_prompts(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "conversations.jsonl").read_text().splitlines()]
+
+
+def test_vllm_serves_the_exported_drafter_and_accepts_its_drafts(memorised, target, tmp_path):
+    records = training_prompts(memorised)
+    acc, answers = serve_and_measure(target, memorised / "export" / "vllm", [r["messages"][:-1] for r in records],
+                                     tmp_path / "vllm.log")
+    same = sum(a == r["messages"][-1]["content"] for a, r in zip(answers, records))
     print(f"vLLM: {acc}, {same}/8 answers identical to the training answers")
     assert acc["drafts"] > 0
     assert len(acc["per_position_acceptance"]) == 3
@@ -105,3 +115,28 @@ def test_vllm_serves_the_exported_drafter_and_accepts_its_drafts(memorised, targ
     # 3.01 in our reference decoder in bf16 (the numerics of gen) and 1.80 in fp32 on the same prompts.
     assert acc["mean_acceptance_length"] > 1.5, acc
     assert acc["per_position_acceptance"][0] > 0.25, acc
+
+
+def test_doctor_predicts_what_vllm_measures_for_a_lost_d2t(memorised, target, tmp_path):
+    """The same drafter with its d2t lost (zeros, what vLLM keeps when the tensor is missing): doctor
+    fails it, and vLLM, serving it anyway, accepts almost nothing."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from specdraft.export.doctor import diagnose
+
+    broken = tmp_path / "broken"
+    shutil.copytree(memorised / "export" / "vllm", broken)
+    tensors = load_file(str(broken / "model.safetensors"))
+    del tensors["d2t"], tensors["t2d"]
+    tensors["d2t"] = torch.zeros(512, dtype=torch.long)
+    save_file(tensors, str(broken / "model.safetensors"))
+    verdict = {c.name: c.ok for c in diagnose(broken, target, memorised)}
+    assert verdict["d2t is a real mapping"] is False
+    assert verdict["draft vocab covers the training answers"] is False
+    records = training_prompts(memorised)
+    acc, _ = serve_and_measure(target, broken, [r["messages"][:-1] for r in records], tmp_path / "vllm.log")
+    print(f"vLLM, lost d2t: {acc}")
+    assert acc["drafts"] > 0
+    assert acc["mean_acceptance_length"] < 1.2, acc
