@@ -12,9 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -23,23 +20,15 @@ import httpx
 from specdraft import environment
 from specdraft.data.generate import select_prompts
 from specdraft.evaluate.bench import acceptance, spec_decode_counters
+from specdraft.evaluate.server import VLLM_PYTHON, VllmServer
 from specdraft.run import Run
 from specdraft.targets import Target
-
-DEFAULT_VLLM = Path.home() / ".cache" / "specdraft" / "vllm-venv" / "bin" / "python"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("run")
     ap.add_argument("--format", default="vllm", choices=["vllm", "sglang"])
-    ap.add_argument("--vllm-python", default=str(DEFAULT_VLLM))
+    ap.add_argument("--vllm-python", default=str(VLLM_PYTHON))
     ap.add_argument("--log", default=None, help="where the server's log goes (default: a temp file)")
     args = ap.parse_args()
     run = Run(Path(args.run))
@@ -48,40 +37,19 @@ def main() -> None:
     prompts, _ = select_prompts(recipe, target, "eval", recipe.eval.num_prompts)
     drafter = (run.path / "export" / args.format).resolve()
     K = recipe.eval.draft_tokens
-    port = free_port()
-    spec = json.dumps({"method": "eagle3", "model": str(drafter), "num_speculative_tokens": K})
-    log_path = Path(args.log or f"/tmp/vllm-acceptance-{port}.log")
-    with open(log_path, "w") as log:
-        t0 = time.time()
-        server = subprocess.Popen(
-            [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(target.path),
-             "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "2048", "--dtype", "bfloat16",
-             "--speculative-config", spec],
-            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2"})
-        url = f"http://127.0.0.1:{port}"
-        try:
-            while True:
-                if server.poll() is not None:
-                    sys.exit(f"vLLM exited; see {log_path}")
-                try:
-                    if httpx.get(f"{url}/v1/models", timeout=5).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                time.sleep(3)
-            ready_s = time.time() - t0
-            before = spec_decode_counters(httpx.get(f"{url}/metrics").text)
-            tokens, t1 = 0, time.time()
-            for p in prompts:
-                resp = httpx.post(f"{url}/v1/chat/completions", timeout=600, json={
-                    "model": str(target.path), "messages": p["messages"], "temperature": 0,
-                    "max_tokens": recipe.eval.max_new_tokens}).json()
-                tokens += resp["usage"]["completion_tokens"]
-            seconds = time.time() - t1
-            after = spec_decode_counters(httpx.get(f"{url}/metrics").text)
-        finally:
-            server.terminate()
-            server.wait(timeout=60)
+    spec = {"method": "eagle3", "model": str(drafter), "num_speculative_tokens": K}
+    log_path = Path(args.log or f"/tmp/vllm-acceptance-{os.getpid()}.log")
+    with VllmServer(target.path, speculative=spec, log_path=log_path, python=Path(args.vllm_python)) as server:
+        ready_s = server.ready_seconds
+        before = spec_decode_counters(server.metrics_text())
+        tokens, t1 = 0, time.time()
+        for p in prompts:
+            resp = httpx.post(f"{server.url}/v1/chat/completions", timeout=600, json={
+                "model": str(target.path), "messages": p["messages"], "temperature": 0,
+                "max_tokens": recipe.eval.max_new_tokens}).json()
+            tokens += resp["usage"]["completion_tokens"]
+        seconds = time.time() - t1
+        after = spec_decode_counters(server.metrics_text())
     reference = json.loads((run.path / "eval" / "report.json").read_text())
     acc = acceptance(before, after)
     print(json.dumps({

@@ -9,10 +9,6 @@ wrong hidden-state convention would each collapse that acceptance.
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import time
 from pathlib import Path
 
 import httpx
@@ -21,11 +17,10 @@ import torch
 
 from specdraft.cli import main
 from specdraft.evaluate.bench import acceptance, spec_decode_counters
+from specdraft.evaluate.server import VLLM_PYTHON, VllmServer, vllm_available
 
-VLLM_PYTHON = Path(os.environ.get("SPECDRAFT_VLLM_PYTHON",
-                                  Path.home() / ".cache" / "specdraft" / "vllm-venv" / "bin" / "python"))
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(
-    not VLLM_PYTHON.exists(), reason=f"no vLLM venv at {VLLM_PYTHON} (bash scripts/install_vllm.sh)")]
+    not vllm_available(), reason=f"no vLLM venv at {VLLM_PYTHON} (bash scripts/install_vllm.sh)")]
 
 OVERFIT_RECIPE = """
 name = "overfit"
@@ -45,12 +40,6 @@ batch_tokens = 4096
 """
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def memorised(tmp_path_factory, target):
     root = tmp_path_factory.mktemp("overfit")
@@ -63,37 +52,15 @@ def memorised(tmp_path_factory, target):
 
 def serve_and_measure(target, drafter: Path, messages: list[list[dict]], log_path: Path) -> tuple[dict, list[str]]:
     """Serve `drafter` with vLLM, answer each conversation greedily, return (acceptance, answers)."""
-    port = free_port()
-    spec = json.dumps({"method": "eagle3", "model": str(drafter), "num_speculative_tokens": 3})
-    log = open(log_path, "w")
-    server = subprocess.Popen(
-        [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(target.path),
-         "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "2048", "--dtype", "bfloat16",
-         "--speculative-config", spec],
-        stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2"})
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + 900
-        while True:
-            assert server.poll() is None, log_path.read_text()[-3000:]
-            try:
-                if httpx.get(f"{url}/v1/models", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.time() < deadline, "vLLM did not become ready in 900 s"
-            time.sleep(3)
-        before = spec_decode_counters(httpx.get(f"{url}/metrics").text)
+    spec = {"method": "eagle3", "model": str(drafter), "num_speculative_tokens": 3}
+    with VllmServer(target.path, speculative=spec, log_path=log_path) as server:
+        before = spec_decode_counters(server.metrics_text())
         answers = []
         for m in messages:
-            resp = httpx.post(f"{url}/v1/chat/completions", timeout=300, json={
+            resp = httpx.post(f"{server.url}/v1/chat/completions", timeout=300, json={
                 "model": str(target.path), "messages": m, "temperature": 0, "max_tokens": 32}).json()
             answers.append(resp["choices"][0]["message"]["content"])
-        after = spec_decode_counters(httpx.get(f"{url}/metrics").text)
-    finally:
-        server.terminate()
-        server.wait(timeout=60)
-        log.close()
+        after = spec_decode_counters(server.metrics_text())
     return acceptance(before, after), answers
 
 
