@@ -81,6 +81,9 @@ class TrainConfig:
     # "bfloat16" runs matmuls under autocast (fp32 master weights); "float32" runs plain.
     autocast_dtype: str = "bfloat16"
     log_every: int = 10
+    # Where the target's hidden states come from: "disk" reads the extract stage's shards; "online" runs
+    # the target beside the trainer, batch by batch, and writes nothing.
+    hidden: str = "disk"
 
 
 @dataclass

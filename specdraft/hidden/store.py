@@ -75,3 +75,15 @@ class HiddenStore:
     def __getstate__(self):
         # Open file handles do not cross into worker processes; each worker opens its own.
         return {**self.__dict__, "_handles": {}}
+
+
+def open_hidden(recipe, run):
+    """The trainer's source of hidden states, chosen by `train.hidden`: the extracted shards ("disk") or
+    the target running beside the trainer ("online"). Both give the same interface as HiddenStore."""
+    if recipe.train.hidden == "disk":
+        return HiddenStore(run.path)
+    if recipe.train.hidden == "online":
+        from .extract import OnlineHidden
+
+        return OnlineHidden(recipe, run)
+    raise ValueError(f"train.hidden = {recipe.train.hidden!r}: expected 'disk' or 'online'")
