@@ -63,6 +63,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run", help="the run it came from (default: the run the folder is inside)")
     p = sub.add_parser("demo", help="run every stage on the embedded default (SmolLM2 + ShareGPT, CPU)")
     common(p)
+    p = sub.add_parser("plan", help="the disk, memory and time bill of a recipe or run, from the target's config")
+    p.add_argument("spec", help="a recipe name or .toml path, or a run folder (its plan is kept in its manifest)")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
+                   help="override any recipe field; repeatable")
+    p.add_argument("--target", help="the target's config.json, or a folder with one (default: the recipe's)")
+    p.add_argument("--tokens-per-sample", type=int, help="assumed tokens per sample when none are rendered yet")
+    p.add_argument("--gpus", type=int, help="GPUs to plan for (default: those of this machine)")
+    p.add_argument("--gpu-memory-gib", type=float, help="memory per GPU to plan for (default: this machine's)")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p = sub.add_parser("status", help="write STATUS.md: the state of a run, from its manifest")
+    p.add_argument("run", help="the run folder")
+    p.add_argument("--json", action="store_true", help="print the status as JSON instead of Markdown")
     return parser
 
 
@@ -90,6 +102,10 @@ def _run_stage(name: str, recipe, run) -> dict:
     except BaseException as e:
         run.record(name, state="failed", extra={"error": f"{type(e).__name__}: {e}"})
         raise
+    finally:
+        from .status import after_stage
+
+        after_stage(recipe, run)
 
 
 def demo(recipe, run) -> None:
@@ -122,6 +138,16 @@ def main(argv: list[str] | None = None) -> int:
             from .export.doctor import run_doctor
 
             return run_doctor(args.folder, args.target, args.run)
+        if args.command == "plan":
+            from .plan import run_plan
+
+            return run_plan(args.spec, overrides=args.set, json_out=args.json, target=args.target,
+                            tokens_per_sample=args.tokens_per_sample, gpus=args.gpus,
+                            gpu_memory_gib=args.gpu_memory_gib)
+        if args.command == "status":
+            from .status import run_status
+
+            return run_status(args.run, json_out=args.json)
         recipe, run = _resolve(args)
         if args.command == "demo":
             demo(recipe, run)

@@ -1,0 +1,642 @@
+"""plan: the disk, memory and time bill of a run before it starts, from the target's config alone.
+
+No weights are read. The target's config.json gives its shape; a model built on the meta device
+gives its parameter counts (total, routed experts, active per token); the drafter is built from
+`specdraft.drafter.model` on the meta device too, so its parameter count is the trainer's own.
+Figures a run has already measured (tokens rendered, tokens/s of each stage) replace the assumed
+ones, and every figure says where it came from.
+
+    specdraft plan smollm2-cpu                 # a recipe
+    specdraft plan runs/demo --json            # a run: its measured figures, recorded in its manifest
+    specdraft plan recipes/x.toml --target path/to/config.json --gpus 8 --gpu-memory-gib 141
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+
+from . import environment
+from .config import Recipe
+from .run import Run
+
+GiB = 2**30
+TiB = 2**40
+
+# Bytes per stored value of each hidden-state storage dtype (`extract.store_dtype`, default the
+# extract dtype). fp8 keeps one float32 scale per stored row (one state of one token) beside the values.
+STORAGE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "fp8_e4m3": 1}
+FP8_ROW_SCALE_BYTES = 4
+# What extract stores per token beside the states: input_ids (int32) + loss_mask (uint8).
+TOKEN_RECORD_BYTES = 4 + 1
+# Weight bytes per parameter of a quantized target (for the memory of a target resident in online
+# mode): int4 and mxfp4 carry a scale per group of 32, i.e. 4.5 / 8 and 4.25 / 8 bytes.
+QUANT_BYTES = {"fp8": 1.0, "int4": 4.5 / 8, "mxfp4": 4.25 / 8}
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+# Keep this share of the free disk unused: checkpoints, logs and the filesystem itself need room.
+DISK_HEADROOM = 0.9
+# Share of a device's memory a training process can use (CUDA context, allocator fragmentation).
+MEMORY_HEADROOM = 0.9
+
+# The trainer keeps fp32 master weights (autocast runs the matmuls in bf16), fp32 gradients and
+# AdamW's two fp32 moments; the frozen embedding and the draft vocab's rows of the target's lm_head
+# (the teacher) are fp32 too, and the target's full lm_head stays in bf16 for the top-token labels.
+FP32, BF16 = 4, 2
+ADAMW_STATES = 2
+
+# Reference throughputs, measured on SmolLM2-135M-Instruct (FACTS.md), scaled to another model by
+# forward FLOPs per token. SmolLM2 has 134,515,008 parameters, its tied head counted once: all of
+# them are matmul weights per token (the embedding lookup is free, the head matmul is not).
+REFERENCE_MODEL = "SmolLM2-135M-Instruct"
+REFERENCE_MATMUL_PARAMS = 134_515_008
+# Its drafter shape (hidden 576, 9 heads / 3 KV heads of 64, intermediate 1536, 3 aux layers), for
+# scaling the training reference by drafter FLOPs.
+REFERENCE_DRAFTER = dict(hidden_size=576, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
+                         intermediate_size=1536, vocab_size=49152, target_hidden_size=576,
+                         aux_layer_ids=[2, 15, 27])
+REFERENCES = {
+    # phase -> (tok/s, what was measured; draft vocab and TTT steps of the training reference)
+    "cpu": {
+        "gen": (20.0, "greedy bf16 decode, 2-core CPU (FACTS.md)"),
+        "extract": (814.0, "bf16 forward + hidden states over 8x512 tokens, 2-core CPU (FACTS.md)"),
+        "train": (86.7, "specdraft train, draft vocab 512, 3 TTT steps, 2-core CPU (tests' tiny run)", 512, 3),
+        "eval": (10.0, "greedy fp32 decode, 2-core CPU (FACTS.md)"),
+    },
+    "gpu": {
+        "gen": (3361.0, "HF generate, batches of <= 512, H200 (FACTS.md peer run)"),
+        "extract": (460_000.0, "forward + 4 hidden states over 16x2048 tokens, H200 (FACTS.md)"),
+        "train": (160_000.0, "speculators trainer, draft vocab 8192, 3 TTT steps, H200 (FACTS.md)", 8192, 3),
+        "eval": (12.0, "eager HF generate at batch 1, H200 (FACTS.md)"),
+    },
+}
+# Reasoning markers a chat template may contain: (open, close) as the template writes them.
+THINKING_MARKERS = [("<think>", "</think>"), ("◁think▷", "◁/think▷"),
+                    ("<|channel|>analysis", "<|end|>")]
+
+
+class PlanError(ValueError):
+    """A target config or run that cannot be planned."""
+
+
+# --- the target, from its config ---------------------------------------------------------------
+
+@dataclass
+class TargetSpec:
+    source: str  # the config.json read
+    raw: dict  # its JSON
+    text: object  # the transformers config of the language model (Kimi-K2.5 wraps one)
+    params: dict  # total / embedding / head / routed_experts / active / matmul_per_token
+    template: str | None  # the chat template text, when the folder has one
+
+    @property
+    def num_layers(self) -> int:
+        return self.text.num_hidden_layers
+
+    @property
+    def hidden_size(self) -> int:
+        return self.text.hidden_size
+
+    def num_experts(self) -> int | None:
+        for name in ("n_routed_experts", "num_experts", "num_local_experts"):
+            if getattr(self.text, name, None):
+                return getattr(self.text, name)
+        return None
+
+    def quantization(self) -> dict | None:
+        q = self.raw.get("quantization_config") or self.raw.get("text_config", {}).get("quantization_config")
+        if not q:
+            return None
+        method = q.get("quant_method")
+        bits = None
+        for group in (q.get("config_groups") or {}).values():
+            bits = (group.get("weights") or {}).get("num_bits", bits)
+        kind = {"fp8": "fp8", "mxfp4": "mxfp4"}.get(method) or (f"int{bits}" if bits else method)
+        return {"method": method, "kind": kind}
+
+    def weight_bytes(self) -> int:
+        """The target's weights in memory as stored: quantized weights at their width, the rest bf16."""
+        q = self.quantization()
+        per_param = QUANT_BYTES.get(q["kind"]) if q else None
+        dtype = getattr(self.text, "dtype", None) or self.raw.get("torch_dtype") or "bfloat16"
+        plain = DTYPE_BYTES.get(str(dtype).removeprefix("torch."), BF16)
+        if per_param is None:
+            return int(self.params["total"] * plain)
+        # Embedding and head stay unquantized in every scheme seen (FP8/INT4/MXFP4 checkpoints).
+        unquantized = self.params["embedding"] + self.params["head"]
+        return int(unquantized * plain + (self.params["total"] - unquantized) * per_param)
+
+    def describe(self) -> dict:
+        """The target as its config says it is (what STATUS.md shows under "Target as discovered")."""
+        t = self.text
+        n_experts = self.num_experts()
+        markers = [list(m) for m in THINKING_MARKERS if self.template and m[0] in self.template]
+        return {
+            "config": self.source,
+            "architectures": self.raw.get("architectures"),
+            "model_type": self.raw.get("model_type"),
+            "text_model_type": t.model_type,
+            "num_layers": t.num_hidden_layers,
+            "hidden_size": t.hidden_size,
+            "intermediate_size": getattr(t, "intermediate_size", None),
+            "num_attention_heads": t.num_attention_heads,
+            "num_key_value_heads": getattr(t, "num_key_value_heads", None),
+            "head_dim": getattr(t, "head_dim", None),
+            "vocab_size": t.vocab_size,
+            "tie_word_embeddings": bool(getattr(t, "tie_word_embeddings", False)),
+            "moe": None if not n_experts else {
+                "routed_experts": n_experts,
+                "shared_experts": getattr(t, "n_shared_experts", None) or 0,
+                "top_k": t.num_experts_per_tok,
+                "expert_intermediate_size": getattr(t, "moe_intermediate_size", None) or t.intermediate_size,
+                "dense_layers": getattr(t, "first_k_dense_replace", None),
+            },
+            "mla": None if not getattr(t, "kv_lora_rank", None) else {
+                "q_lora_rank": t.q_lora_rank, "kv_lora_rank": t.kv_lora_rank,
+                "qk_nope_head_dim": t.qk_nope_head_dim, "qk_rope_head_dim": t.qk_rope_head_dim,
+                "v_head_dim": t.v_head_dim,
+            },
+            # DeepSeek-V3's multi-token-prediction layers (absent from transformers' model; counted here).
+            "mtp_layers": getattr(t, "num_nextn_predict_layers", None) or 0,
+            "quantization": self.quantization(),
+            "chat_template_sha256": (hashlib.sha256(self.template.encode()).hexdigest()[:16]
+                                     if self.template is not None else None),
+            "thinking_markers": markers,
+            "parameters": self.params,
+        }
+
+
+def _config_json(model: str) -> Path:
+    from .targets import BUNDLED, resolve
+
+    if model in BUNDLED:
+        return resolve(model) / "config.json"
+    path = Path(model).expanduser()
+    if path.is_dir():
+        path = path / "config.json"
+    elif path.suffix == ".gguf":
+        return resolve(str(path)) / "config.json"
+    if not path.is_file():
+        raise PlanError(f"target {model!r}: no config.json there (a config.json path, a folder with one, "
+                        f"a .gguf file or a bundled name: {sorted(BUNDLED)})")
+    return path
+
+
+def _chat_template(folder: Path) -> str | None:
+    jinja = folder / "chat_template.jinja"
+    if jinja.exists():
+        return jinja.read_text()
+    tok_config = folder / "tokenizer_config.json"
+    if tok_config.exists():
+        template = json.loads(tok_config.read_text()).get("chat_template")
+        return template if isinstance(template, str) else None
+    return None
+
+
+def _count_params(text) -> dict:
+    """Parameter counts of the language model, built on the meta device (no memory, no weights)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(text)
+    total = embedding = head = experts = 0
+    embed_weight = model.get_input_embeddings().weight
+    head_weight = model.get_output_embeddings().weight
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if p is embed_weight and p is head_weight:
+            continue  # tied: counted once, below, as the embedding
+        total += p.numel()
+        # Routed experts only: shared experts run for every token.
+        if ".experts." in name:
+            experts += p.numel()
+    embedding = embed_weight.numel()
+    head = head_weight.numel()
+    tied = embed_weight is head_weight
+    total += embedding if tied else 0
+    n_experts = next((getattr(text, n) for n in ("n_routed_experts", "num_experts", "num_local_experts")
+                      if getattr(text, n, None)), None)
+    active = total - experts + (experts * text.num_experts_per_tok // n_experts if n_experts else 0)
+    return {"total": total, "embedding": embedding, "head": head, "tied_head": tied, "routed_experts": experts,
+            "active": active,
+            # Weights one token multiplies through: the active ones, less the embedding (a lookup),
+            # plus the head (a matmul, whether or not it shares the embedding's tensor).
+            "matmul_per_token": active - embedding + head}
+
+
+def read_target(model: str) -> TargetSpec:
+    """A target's shape from its config.json alone (a path to it, a folder with it, or a bundled name)."""
+    from transformers import AutoConfig
+
+    path = _config_json(model)
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise PlanError(f"{path}:{e.lineno}: not JSON ({e.msg})") from None
+    try:
+        config = AutoConfig.from_pretrained(str(path))
+        text = getattr(config, "text_config", None) or config
+    except (ValueError, KeyError):
+        # A wrapper transformers does not know (Kimi-K2.5's kimi_k25): its language model is a
+        # known architecture under text_config.
+        if "text_config" not in raw:
+            raise PlanError(f"{path}: model_type {raw.get('model_type')!r} is unknown to transformers "
+                            f"and the config has no text_config") from None
+        text = AutoConfig.for_model(**raw["text_config"])
+    return TargetSpec(source=str(path), raw=raw, text=text, params=_count_params(text),
+                      template=_chat_template(path.parent))
+
+
+def default_aux_layer_ids(num_layers: int) -> list[int]:
+    """EAGLE-3's low / mid / high layers, the rule vLLM applies when a drafter names none (and
+    `Target.default_aux_layer_ids` uses)."""
+    return [2, num_layers // 2, num_layers - 3]
+
+
+# --- hidden states -------------------------------------------------------------------------------
+
+def bytes_per_token(n_states: int, hidden_size: int, store_dtype: str) -> int:
+    """Hidden-state bytes per token: n_states rows of hidden_size values (+ a scale per row in fp8)."""
+    if store_dtype not in STORAGE_BYTES:
+        raise PlanError(f"storage dtype {store_dtype!r}: expected one of {sorted(STORAGE_BYTES)}")
+    scale = FP8_ROW_SCALE_BYTES if store_dtype.startswith("fp8") else 0
+    return n_states * (hidden_size * STORAGE_BYTES[store_dtype] + scale)
+
+
+def expected_tokens(recipe: Recipe, run: Run | None, tokens_per_sample: int | None) -> dict:
+    """Tokens the run will extract and train on: rendered when it has been, else samples x length."""
+    stages = run.manifest().get("stages", {}) if run is not None else {}
+    render = stages.get("render")
+    if render and render.get("state") == "done" and tokens_per_sample is None:
+        c = render["counts"]
+        return {"samples": c["samples"], "tokens": c["tokens"], "tokens_per_sample": c["tokens"] / c["samples"],
+                "source": "measured: stages.render.counts (the rendered data)"}
+    samples = recipe.data.num_train
+    if tokens_per_sample is not None:
+        source = "assumed: samples x --tokens-per-sample"
+    else:
+        # An upper bound: the longest prompt kept plus the longest answer, capped by the render length.
+        tokens_per_sample = min(recipe.render.max_length, recipe.data.max_prompt_tokens + recipe.gen.max_new_tokens)
+        source = ("assumed: samples x min(render.max_length, data.max_prompt_tokens + gen.max_new_tokens), "
+                  "an upper bound")
+    return {"samples": samples, "tokens": samples * tokens_per_sample, "tokens_per_sample": tokens_per_sample,
+            "source": source}
+
+
+# --- the drafter and its training memory ---------------------------------------------------------
+
+def drafter_config(spec: TargetSpec, aux_layer_ids: list[int], draft_vocab_size: int):
+    from .drafter.model import DrafterConfig
+
+    return DrafterConfig.from_target(SimpleNamespace(text_config=spec.text, aux_layer_ids=aux_layer_ids),
+                                     draft_vocab_size)
+
+
+def drafter_parameters(cfg) -> dict:
+    """Trainable and frozen parameters by part, from the drafter itself built on the meta device.
+
+    Frozen: the embedding (the target's, copied) and the teacher — the draft vocab's rows of the
+    target's lm_head, which the trainer holds beside the drafter to compute the target distribution."""
+    import torch
+
+    from .drafter.model import Eagle3Drafter
+
+    with torch.device("meta"):
+        drafter = Eagle3Drafter(cfg)
+    parts: dict[str, dict] = {}
+    for name, p in drafter.named_parameters():
+        # "fc", "embed_tokens", "lm_head", "layers.0.self_attn", "layers.0.mlp"; every norm in "norms".
+        part = "norms" if "norm" in name else ".".join(name.split(".")[:3 if name.startswith("layers.") else 1])
+        kind = "trainable" if p.requires_grad else "frozen"
+        parts.setdefault(part, {"trainable": 0, "frozen": 0})[kind] += p.numel()
+    parts["teacher_head"] = {"trainable": 0, "frozen": cfg.draft_vocab_size * cfg.hidden_size}
+    trainable = sum(v["trainable"] for v in parts.values())
+    frozen = sum(v["frozen"] for v in parts.values())
+    return {"parts": parts, "trainable": trainable, "frozen": frozen, "total": trainable + frozen}
+
+
+def _drafter_matmul_params(parts: dict) -> tuple[int, int]:
+    """(fc, one drafting step's layer + lm_head) weights a token multiplies through."""
+    step = parts["lm_head"]["trainable"] + sum(v["trainable"] for k, v in parts.items() if k.startswith("layers."))
+    return parts["fc"]["trainable"], step
+
+
+def train_flops_per_token(parts: dict, ttt_steps: int) -> int:
+    """Forward + backward (6 FLOPs per weight): fc once, the layer and lm_head once per TTT step."""
+    fc, step = _drafter_matmul_params(parts)
+    return 6 * (fc + ttt_steps * step)
+
+
+def activation_bytes(cfg, batch_tokens: int, row_tokens: int, ttt_steps: int) -> dict:
+    """Activations the current trainer keeps for backward over one packed batch (eager attention).
+
+    Per token and TTT step: the attention input (fp32 and its bf16 copy), q/k/v (bf16, and fp32 after
+    rotary), the attention output, the MLP's normed input, gate, up, activation and product (bf16), and
+    the logits (bf16, fp32, log-softmax, target x log p); plus, per query, the softmax over the row's
+    keys (fp32 and bf16). Per token once: the teacher distribution (fp32) and the aux states (bf16, fp32).
+    """
+    H, I, V = cfg.hidden_size, cfg.intermediate_size, cfg.draft_vocab_size
+    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    per_step = (2 * H * (FP32 + BF16) + (q + 2 * kv) * BF16 + (q + kv) * FP32 + q * BF16 + H * FP32
+                + H * (FP32 + BF16) + 4 * I * BF16 + V * (BF16 + 3 * FP32))
+    attention = cfg.num_attention_heads * row_tokens * (FP32 + BF16)
+    once = V * FP32 + len(cfg.aux_layer_ids) * cfg.target_hidden_size * (BF16 + FP32)
+    return {"per_token_per_step": per_step + attention, "per_token_once": once,
+            "batch": batch_tokens * (ttt_steps * (per_step + attention) + once)}
+
+
+def training_memory(cfg, params: dict, train, row_tokens: int, gpus: int, fsdp: bool,
+                    target_weight_bytes: int = 0, target_head_params: int = 0) -> dict:
+    """Bytes per GPU to train the drafter: weights, grads, AdamW states, activations, and (online
+    mode) the resident target. FSDP shards weights, grads and optimizer states over the GPUs."""
+    shard = gpus if fsdp else 1
+    trainable = params["trainable"]
+    frozen = params["frozen"]
+    mem = {
+        "weights": (trainable + frozen) * FP32 // shard + target_head_params * BF16,
+        "grads": trainable * FP32 // shard,
+        "optimizer": trainable * FP32 * ADAMW_STATES // shard,
+        "activations": activation_bytes(cfg, train.batch_tokens, row_tokens, train.ttt_steps)["batch"],
+        "target": target_weight_bytes // max(1, gpus),
+    }
+    mem["total"] = sum(mem.values())
+    return mem
+
+
+# --- time ----------------------------------------------------------------------------------------
+
+def _measured_rate(stages: dict, stage: str, metric: str) -> tuple[float | None, str | None]:
+    entry = stages.get(stage) or {}
+    rate = (entry.get("metrics") or {}).get(metric)
+    if entry.get("state") == "done" and rate:
+        env = entry.get("environment") or {}
+        where = f"{len(env['gpus'])}x {env['gpus'][0]['name']}" if env.get("gpus") else env.get("cpu", "?")
+        return float(rate), f"measured: stages.{stage}.metrics.{metric} ({where})"
+    return None, None
+
+
+def time_table(recipe: Recipe, spec: TargetSpec, tokens: dict, parts: dict, stages: dict, gpus: int) -> list[dict]:
+    """Seconds per phase: measured throughput where the run has one, else a reference scaled by FLOPs."""
+    refs = REFERENCES["gpu" if gpus else "cpu"]
+    devices = max(1, gpus)  # data parallel: gen, extract and train split their work over the GPUs
+    target_scale = REFERENCE_MATMUL_PARAMS / spec.params["matmul_per_token"]
+    rows = []
+
+    def row(phase, work, unit, metric_stage, metric, scale, scale_note, devices=devices):
+        rate, source = _measured_rate(stages, metric_stage, metric)
+        if rate is None:
+            ref = refs[phase]
+            rate = ref[0] * scale * devices
+            source = (f"default: {ref[0]:,g} tok/s for {REFERENCE_MODEL} ({ref[1]}) x {scale:.3g} ({scale_note})"
+                      + (f" x {devices} GPUs (linear scaling assumed)" if devices > 1 else ""))
+        rows.append({"phase": phase, "work": work, "unit": unit, "rate_per_s": round(rate, 2),
+                     "seconds": round(work / rate, 1), "source": source})
+
+    answer_tokens = tokens["samples"] * recipe.gen.max_new_tokens
+    row("gen", answer_tokens, "answer tokens (samples x gen.max_new_tokens, an upper bound)", "gen",
+        "tokens_per_s", target_scale, "forward FLOPs ratio")
+    online = recipe.train.hidden == "online"
+    if online:
+        rows.append({"phase": "extract", "work": 0, "unit": "tokens", "rate_per_s": None, "seconds": 0.0,
+                     "source": "train.hidden = online: the target runs inside train instead"})
+    else:
+        row("extract", tokens["tokens"], "tokens", "extract", "tokens_per_s", target_scale, "forward FLOPs ratio")
+    ref_train = REFERENCES["gpu" if gpus else "cpu"]["train"]
+    ref_parts = drafter_parameters(_reference_drafter(ref_train[2]))["parts"]
+    train_scale = (train_flops_per_token(ref_parts, ref_train[3])
+                   / train_flops_per_token(parts, recipe.train.ttt_steps))
+    row("train", tokens["tokens"] * recipe.train.epochs, "tokens x epochs", "train", "tokens_per_s",
+        train_scale, "drafter training FLOPs ratio")
+    if online:
+        extract_rate = refs["extract"][0] * target_scale * devices
+        rows[-1]["seconds"] = round(rows[-1]["seconds"] + tokens["tokens"] * recipe.train.epochs / extract_rate, 1)
+        rows[-1]["source"] += (f"; + the target's forward every epoch at {extract_rate:,.0f} tok/s "
+                               f"(online hidden states)")
+    # Eval decodes each prompt twice: plainly, then speculatively (at about the same rate or better).
+    # Eval decodes one prompt at a time on one device: no data-parallel speedup.
+    row("eval", 2 * recipe.eval.num_prompts * recipe.eval.max_new_tokens,
+        "decoded tokens (2 x eval.num_prompts x eval.max_new_tokens)", "eval", "autoregressive_tokens_per_s",
+        target_scale, "forward FLOPs ratio", devices=1)
+    return rows
+
+
+def _reference_drafter(draft_vocab_size: int):
+    from .drafter.model import DrafterConfig
+
+    return DrafterConfig(**REFERENCE_DRAFTER, draft_vocab_size=draft_vocab_size)
+
+
+# --- the whole plan ------------------------------------------------------------------------------
+
+def machine(run_path: Path | None, gpus: int | None, gpu_memory_gib: float | None) -> dict:
+    env = environment.describe(run_path or Path.cwd())
+    detected = env["gpus"]
+    n = len(detected) if gpus is None else gpus
+    memory = (gpu_memory_gib * GiB if gpu_memory_gib is not None
+              else detected[0]["memory_bytes"] if detected else None)
+    return {"hardware": environment.hardware_line(), "gpus": n,
+            "gpu_memory_bytes": int(memory) if memory else None,
+            "gpus_source": "detected" if gpus is None else "--gpus",
+            "ram_bytes": env["ram_bytes"], "disk_free_bytes": env["disk_free_bytes"],
+            "disk_path": str(run_path or Path.cwd())}
+
+
+def make_plan(recipe: Recipe, run: Run | None = None, *, target: str | None = None,
+              tokens_per_sample: int | None = None, gpus: int | None = None,
+              gpu_memory_gib: float | None = None) -> dict:
+    spec = read_target(target or recipe.target.model)
+    L = spec.num_layers
+    aux = sorted(set(recipe.target.aux_layer_ids)) or default_aux_layer_ids(L)
+    if not all(1 <= k < L for k in aux):
+        raise PlanError(f"aux layer ids {aux} outside 1..{L - 1} for {spec.source}")
+    # `extract.store_dtype` (bf16, or fp8 with a per-row scale) comes with the extract stage's fp8
+    # storage; until a recipe has it, hidden states are stored in the extract dtype.
+    store_dtype = getattr(recipe.extract, "store_dtype", None) or recipe.extract.dtype
+    n_states = len(aux) + 1
+    per_token = bytes_per_token(n_states, spec.hidden_size, store_dtype)
+    tokens = expected_tokens(recipe, run, tokens_per_sample)
+    hidden_bytes = tokens["tokens"] * (per_token + TOKEN_RECORD_BYTES)
+    dcfg = drafter_config(spec, aux, recipe.train.draft_vocab_size)
+    params = drafter_parameters(dcfg)
+    mach = machine(run.path if run is not None else None, gpus, gpu_memory_gib)
+    n_gpus = mach["gpus"]
+    row_tokens = min(recipe.train.batch_tokens, math.ceil(tokens["tokens_per_sample"]))
+    online = recipe.train.hidden == "online"
+    target_bytes = spec.weight_bytes() if online else 0
+
+    def memory(fsdp: bool, hidden_online: bool) -> dict:
+        return training_memory(dcfg, params, recipe.train, row_tokens, max(1, n_gpus), fsdp,
+                               spec.weight_bytes() if hidden_online else 0, spec.params["head"])
+
+    mem = memory(False, online)
+    stages = run.manifest().get("stages", {}) if run is not None else {}
+    times = time_table(recipe, spec, tokens, params["parts"], stages, n_gpus)
+    plan = {
+        "recipe": recipe.name,
+        "computed": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "target": spec.describe(),
+        "aux_layer_ids": aux,
+        "aux_layer_ids_source": "recipe target.aux_layer_ids" if recipe.target.aux_layer_ids
+        else "default (2, L//2, L-3)",
+        "hidden": {"mode": recipe.train.hidden, "store_dtype": store_dtype, "states_per_token": n_states,
+                   "bytes_per_token": per_token, "record_bytes_per_token": TOKEN_RECORD_BYTES,
+                   "disk_bytes": hidden_bytes if not online else 0,
+                   "disk_bytes_if_disk": hidden_bytes},
+        "tokens": tokens,
+        "drafter": {"config": dcfg.to_dict(), **params},
+        "train_memory": {"per_gpu": mem, "row_tokens": row_tokens,
+                         "activation": activation_bytes(dcfg, recipe.train.batch_tokens, row_tokens,
+                                                        recipe.train.ttt_steps),
+                         "device": "gpu" if n_gpus else "cpu"},
+        "time": times,
+        "total_seconds": round(sum(r["seconds"] for r in times), 1),
+        "machine": mach,
+    }
+    plan["checks"], plan["recommendations"] = _check(plan, recipe, spec, tokens, per_token, memory)
+    return plan
+
+
+def _check(plan: dict, recipe: Recipe, spec: TargetSpec, tokens: dict, per_token: int, memory) -> tuple:
+    mach = plan["machine"]
+    checks, recs = [], []
+    online = recipe.train.hidden == "online"
+    free = mach["disk_free_bytes"]
+    need = plan["hidden"]["disk_bytes"]
+    usable = int(free * DISK_HEADROOM)
+    checks.append({"check": "disk", "ok": need <= usable, "need_bytes": need, "usable_bytes": usable,
+                   "text": f"hidden states {_bytes(need)} vs {_bytes(usable)} usable of {_bytes(free)} free "
+                           f"on {mach['disk_path']} ({DISK_HEADROOM:.0%})"})
+    if need > usable:
+        recs.append({"do": "--set train.hidden=online",
+                     "why": f"writes nothing: saves {_bytes(need)}; the target ({_bytes(spec.weight_bytes())} "
+                            f"of weights) runs beside the trainer and repeats its forward every epoch "
+                            f"({recipe.train.epochs} epochs)"})
+        fp8 = tokens["tokens"] * (bytes_per_token(len(plan["aux_layer_ids"]) + 1, spec.hidden_size, "fp8_e4m3")
+                                  + TOKEN_RECORD_BYTES)
+        recs.append({"do": "--set extract.store_dtype=fp8_e4m3",
+                     "why": f"{_bytes(fp8)} instead of {_bytes(need)} "
+                            f"({'fits' if fp8 <= usable else 'still does not fit'}); its effect on tau is measured "
+                            f"by the extract stage's fp8 bench, not assumed"})
+        fitting = int(usable // (tokens["tokens_per_sample"] * (per_token + TOKEN_RECORD_BYTES)))
+        recs.append({"do": f"--num-train {fitting}",
+                     "why": f"{fitting:,} samples of ~{tokens['tokens_per_sample']:,.0f} tokens fit "
+                            f"{_bytes(usable)} (of {tokens['samples']:,} planned)"})
+    n_gpus = mach["gpus"]
+    mem = plan["train_memory"]["per_gpu"]
+    if n_gpus:
+        limit = int(mach["gpu_memory_bytes"] * MEMORY_HEADROOM)
+        where = f"{n_gpus} GPU(s) of {_bytes(mach['gpu_memory_bytes'])}"
+    else:
+        limit = int((mach["ram_bytes"] or 0) * MEMORY_HEADROOM)
+        where = f"CPU RAM {_bytes(mach['ram_bytes'] or 0)}"
+    checks.append({"check": "train memory", "ok": mem["total"] <= limit, "need_bytes": mem["total"],
+                   "usable_bytes": limit,
+                   "text": f"training {_bytes(mem['total'])} per device vs {_bytes(limit)} usable ({where})"})
+    if mem["total"] > limit and n_gpus > 1:
+        sharded = memory(True, online)
+        recs.append({"do": f"FSDP over {n_gpus} GPUs (torchrun)",
+                     "why": f"weights, grads and AdamW states sharded: {_bytes(sharded['total'])} per GPU "
+                            f"({'fits' if sharded['total'] <= limit else 'still over'} {_bytes(limit)})"})
+    if mem["total"] > limit:
+        act = plan["train_memory"]["activation"]
+        per_token_act = act["batch"] / recipe.train.batch_tokens
+        room = limit - (mem["total"] - mem["activations"])
+        if room > 0:
+            fit = int(room // per_token_act)
+            recs.append({"do": f"--batch-tokens {fit}",
+                         "why": f"activations take ~{_bytes(int(per_token_act))} per token; {fit:,} tokens per "
+                                f"batch fit beside the weights"})
+    return checks, recs
+
+
+def record(run: Run, plan: dict) -> None:
+    """Keep the plan in the run's manifest: STATUS.md reads the target and the time left from it."""
+    m = run.manifest()
+    m["plan"] = plan
+    run.save_manifest(m)
+
+
+# --- text ----------------------------------------------------------------------------------------
+
+def _bytes(n: float) -> str:
+    for unit, size in (("TiB", TiB), ("GiB", GiB), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:,.2f} {unit}"
+    return f"{n:,.0f} B"
+
+
+def _seconds(s: float) -> str:
+    if s >= 3600:
+        return f"{s / 3600:,.1f} h"
+    if s >= 60:
+        return f"{s / 60:,.1f} min"
+    return f"{s:,.0f} s"
+
+
+def render_text(plan: dict) -> str:
+    t, h, d, tok = plan["target"], plan["hidden"], plan["drafter"], plan["tokens"]
+    moe = t["moe"]
+    lines = [
+        f"plan for {plan['recipe']}: target {t['text_model_type']} ({t['config']})",
+        f"  {t['num_layers']} layers, hidden {t['hidden_size']}, vocab {t['vocab_size']:,}, "
+        f"{t['parameters']['total'] / 1e9:,.2f} B parameters ({t['parameters']['active'] / 1e9:,.2f} B active)"
+        + (f", {moe['routed_experts']} routed experts top-{moe['top_k']}" if moe else ""),
+        f"  aux layer ids {plan['aux_layer_ids']} ({plan['aux_layer_ids_source']})",
+        "",
+        f"hidden states: {h['states_per_token']} states x {t['hidden_size']} in {h['store_dtype']} = "
+        f"{h['bytes_per_token']:,} bytes/token (+{h['record_bytes_per_token']} for ids and mask)",
+        f"  tokens: {tok['tokens']:,} = {tok['samples']:,} samples x {tok['tokens_per_sample']:,.0f} ({tok['source']})",
+        f"  disk: {_bytes(h['disk_bytes_if_disk'])}" + (" (not written: train.hidden = online)"
+                                                         if h["mode"] == "online" else ""),
+        "",
+        f"drafter: {d['trainable'] / 1e6:,.1f} M trainable, {d['frozen'] / 1e6:,.1f} M frozen, "
+        f"{d['total'] / 1e6:,.1f} M total",
+    ]
+    for part, n in d["parts"].items():
+        lines.append(f"  {part:18s} trainable {n['trainable'] / 1e6:10,.1f} M   frozen {n['frozen'] / 1e6:10,.1f} M")
+    mem = plan["train_memory"]["per_gpu"]
+    lines += ["", f"training memory per {plan['train_memory']['device']}: {_bytes(mem['total'])}"]
+    for k in ("weights", "grads", "optimizer", "activations", "target"):
+        lines.append(f"  {k:12s} {_bytes(mem[k])}")
+    lines += ["", "time:"]
+    for r in plan["time"]:
+        lines.append(f"  {r['phase']:8s} {_seconds(r['seconds']):>10s}   {r['work']:,} {r['unit']}"
+                     + (f" at {r['rate_per_s']:,.1f}/s" if r["rate_per_s"] else "") + f"  [{r['source']}]")
+    lines.append(f"  total    {_seconds(plan['total_seconds']):>10s}")
+    lines += ["", f"machine: {plan['machine']['hardware']}"]
+    for c in plan["checks"]:
+        lines.append(f"  {'OK  ' if c['ok'] else 'FAIL'} {c['check']}: {c['text']}")
+    if plan["recommendations"]:
+        lines += ["", "recommended:"]
+        lines += [f"  {r['do']}: {r['why']}" for r in plan["recommendations"]]
+    return "\n".join(lines)
+
+
+def run_plan(spec: str, *, overrides: list[str], json_out: bool, target: str | None, tokens_per_sample: int | None,
+             gpus: int | None, gpu_memory_gib: float | None) -> int:
+    """`specdraft plan <recipe or run>`: print the plan; a run's plan is also kept in its manifest."""
+    from .config import ConfigError, apply_override, load_recipe
+
+    run = Run(Path(spec)) if (Path(spec) / "manifest.json").exists() else None
+    recipe = run.recipe() if run is not None else load_recipe(spec)
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"--set {item!r}: expected SECTION.FIELD=VALUE")
+        key, value = item.split("=", 1)
+        apply_override(recipe, key.strip(), value.strip())
+    plan = make_plan(recipe, run, target=target, tokens_per_sample=tokens_per_sample, gpus=gpus,
+                     gpu_memory_gib=gpu_memory_gib)
+    if run is not None:
+        record(run, plan)
+    print(json.dumps(plan, indent=2) if json_out else render_text(plan))
+    if not json_out:
+        where = f"--run {run.path}" if run is not None else f"--recipe {spec}"
+        first = next((s for s in ("gen", "render", "extract", "train", "export", "eval")
+                      if run is None or (run.stage(s) or {}).get("state") != "done"), None)
+        print(f"\nnext: specdraft {first} {where}" if first else f"\nnext: specdraft status {run.path}")
+    return 0
+
