@@ -204,7 +204,7 @@ def _count_params(text) -> dict:
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(text)
-    total = embedding = head = experts = 0
+    total = experts = 0
     embed_weight = model.get_input_embeddings().weight
     head_weight = model.get_output_embeddings().weight
     for name, p in model.named_parameters(remove_duplicate=False):
@@ -223,9 +223,9 @@ def _count_params(text) -> dict:
     active = total - experts + (experts * text.num_experts_per_tok // n_experts if n_experts else 0)
     return {"total": total, "embedding": embedding, "head": head, "tied_head": tied, "routed_experts": experts,
             "active": active,
-            # Weights one token multiplies through: the active ones, less the embedding (a lookup),
-            # plus the head (a matmul, whether or not it shares the embedding's tensor).
-            "matmul_per_token": active - embedding + head}
+            # Weights one token multiplies through: the active ones less the embedding, a lookup (a tied
+            # embedding is counted once, as the head's matmul).
+            "matmul_per_token": active - (0 if tied else embedding)}
 
 
 def read_target(model: str) -> TargetSpec:

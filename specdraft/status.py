@@ -1,0 +1,421 @@
+"""status: STATUS.md, the state of a run for a person picking it up cold, from the run's own records.
+
+Goal, machine, the target as its config describes it, every figure measured, each stage done /
+in progress / not started with its counts, what is known to be wrong, the files, the exact next
+command and the time left by the plan. It states what the manifest holds (and, for a stage cut off
+before it could record itself, what its own progress files on disk hold: conversations.jsonl,
+hidden/index.json, checkpoints/step-N) and nothing else: each figure carries the manifest path it
+came from, and the Markdown is rendered from that JSON alone.
+
+Written by `specdraft status <run>` and after every stage.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from .run import Run, write_text
+
+STATUS_FILE = "STATUS.md"
+STAGE_ORDER = ["gen", "render", "extract", "train", "export", "eval"]
+# The plan's time table names phases; render and export are too quick to plan.
+PHASE_OF_STAGE = {"gen": "gen", "extract": "extract", "train": "train", "eval": "eval"}
+ICONS = {"done": "✅", "in progress": "🔄", "not started": "⏳", "failed": "❌"}
+# Units of the figures stages record (by metric name; other names get one from their suffix).
+UNITS = {
+    "tokens_per_s": "tok/s", "autoregressive_tokens_per_s": "tok/s", "speculative_tokens_per_s": "tok/s",
+    "bytes_per_token": "bytes/token", "tau": "tokens/round (mean accepted + 1)",
+    "per_position_acceptance": "fraction accepted, per draft position", "speedup": "x (speculative / plain tok/s)",
+    "draft_to_target_cost": "ratio (draft step / target step time)", "vocab_coverage": "fraction of answer tokens",
+    "final_step_accuracy": "fraction, per TTT step", "mfu": "fraction of peak FLOPs",
+}
+SUFFIX_UNITS = {"_per_s": "/s", "_bytes": "bytes", "_seconds": "s", "_rate": "fraction", "_fraction": "fraction"}
+
+
+def _size(n: int) -> str:
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} B"
+
+
+def _duration(s: float) -> str:
+    if s >= 3600:
+        return f"{s / 3600:.1f} h"
+    if s >= 60:
+        return f"{s / 60:.1f} min"
+    return f"{s:.0f} s"
+
+
+def _unit(name: str) -> str:
+    if name in UNITS:
+        return UNITS[name]
+    return next((u for suffix, u in SUFFIX_UNITS.items() if name.endswith(suffix)), "")
+
+
+def _where(entry: dict) -> str:
+    env = entry.get("environment") or {}
+    if env.get("gpus"):
+        hw = f"{len(env['gpus'])}x {env['gpus'][0]['name']}"
+    else:
+        hw = f"{env.get('cpu', '?')} ({env.get('cpu_count', '?')} cores), CPU only"
+    return f"{hw} on {env.get('host', '?')}, {entry.get('finished', '?')}"
+
+
+def _folder_bytes(path: Path) -> int:
+    if path.is_file():
+        return path.stat().st_size
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+# --- progress of a stage that has not recorded itself done -------------------------------------
+
+def _gen_progress(run: Run, recipe: dict) -> dict | None:
+    path = run.path / "conversations.jsonl"
+    if not path.exists():
+        return None
+    records = 0
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            try:
+                records += "id" in json.loads(line)
+            except json.JSONDecodeError:
+                pass  # a torn last line: gen repairs it when it resumes
+    return {"records": records, "of": recipe["data"]["num_train"], "unit": "conversations",
+            "fraction": records / max(1, recipe["data"]["num_train"]),
+            "source": "conversations.jsonl (lines) of recipe.data.num_train"}
+
+
+def _extract_progress(run: Run) -> dict | None:
+    index_path = run.path / "hidden" / "index.json"
+    if not index_path.exists():
+        return None
+    index = json.loads(index_path.read_text())
+    # A shard file that exists is whole: extract writes each under a temporary name, then renames it.
+    written = {s for s in index["shards"] if (run.path / "hidden" / s).exists()}
+    done = [s for s in index["samples"] if s["shard"] in written]
+    total_tokens = sum(s["tokens"] for s in index["samples"])
+    tokens = sum(s["tokens"] for s in done)
+    return {"shards": len(written), "shards_of": len(index["shards"]), "samples": len(done),
+            "samples_of": len(index["samples"]), "tokens": tokens, "tokens_of": total_tokens,
+            "fraction": tokens / max(1, total_tokens), "index_state": index.get("state"),
+            "source": "hidden/index.json and the shard files present"}
+
+
+def _train_progress(run: Run) -> dict | None:
+    steps = sorted(int(p.name.split("-", 1)[1]) for p in (run.path / "checkpoints").glob("step-*")
+                   if p.name.split("-", 1)[1].isdigit())
+    if not steps:
+        return None
+    return {"latest_checkpoint_step": steps[-1], "checkpoints": len(steps),
+            "source": "checkpoints/step-N folders"}
+
+
+def _progress(stage: str, run: Run, recipe: dict) -> dict | None:
+    if stage == "gen":
+        return _gen_progress(run, recipe)
+    if stage == "extract":
+        return _extract_progress(run)
+    if stage == "train":
+        return _train_progress(run)
+    return None  # render, export and eval write their outputs whole, at the end
+
+
+# --- the status ----------------------------------------------------------------------------------
+
+def _stages(run: Run, manifest: dict, recipe: dict) -> list[dict]:
+    rows = []
+    for stage in STAGE_ORDER:
+        entry = manifest.get("stages", {}).get(stage)
+        row = {"stage": stage, "source": f"stages.{stage}"}
+        if entry and entry["state"] == "done":
+            row.update(state="done", counts=entry.get("counts") or {}, seconds=entry.get("seconds"),
+                       finished=entry.get("finished"))
+        else:
+            progress = _progress(stage, run, recipe)
+            if entry and entry["state"] == "failed":
+                row["error"] = entry.get("error")
+            if entry and entry["state"] == "partial":
+                row.update(state="in progress", counts=entry.get("counts") or {})
+            elif progress and (progress.get("fraction", 1) > 0):
+                # Cut off (killed, interrupted, failed) with work on disk that a rerun resumes from.
+                row["state"] = "in progress"
+            elif entry and entry["state"] == "failed":
+                row["state"] = "failed"
+            else:
+                row["state"] = "not started"
+            if progress:
+                row["progress"] = progress
+        row["icon"] = ICONS[row["state"]]
+        rows.append(row)
+    return rows
+
+
+def _measured(manifest: dict) -> list[dict]:
+    rows = []
+    for stage in STAGE_ORDER:
+        entry = manifest.get("stages", {}).get(stage)
+        if not entry or entry.get("state") != "done":
+            continue
+        for name, value in (entry.get("metrics") or {}).items():
+            if value is None:
+                continue
+            rows.append({"stage": stage, "name": name, "value": value, "unit": _unit(name),
+                         "where": _where(entry), "source": f"stages.{stage}.metrics.{name}"})
+        if entry.get("seconds") is not None:
+            rows.append({"stage": stage, "name": "wall time", "value": entry["seconds"], "unit": "s",
+                         "where": _where(entry), "source": f"stages.{stage}.seconds"})
+    return rows
+
+
+def _environment(manifest: dict) -> dict | None:
+    recorded = [(e.get("finished", ""), s, e["environment"]) for s, e in manifest.get("stages", {}).items()
+                if e.get("environment")]
+    if not recorded:
+        return None
+    _, stage, env = max(recorded, key=lambda r: r[0])
+    hosts: dict[str, list[str]] = {}
+    for _, s, e in sorted(recorded, key=lambda r: STAGE_ORDER.index(r[1]) if r[1] in STAGE_ORDER else 99):
+        hosts.setdefault(e.get("host", "?"), []).append(s)
+    return {"source": f"stages.{stage}.environment", "env": env, "hosts": hosts}
+
+
+def _problems(manifest: dict, stages: list[dict]) -> list[dict]:
+    out = []
+    for row in stages:
+        if row.get("error"):
+            out.append({"text": f"{row['stage']} failed: {row['error']}", "source": f"stages.{row['stage']}.error"})
+    for stage, entry in manifest.get("stages", {}).items():
+        for key in ("problems", "warnings"):
+            for item in entry.get(key) or []:
+                out.append({"text": f"{stage}: {item}", "source": f"stages.{stage}.{key}"})
+        c = entry.get("counts") or {}
+        if stage == "gen" and c.get("generated") and c.get("finished_with_eos") is not None \
+                and c["finished_with_eos"] < c["generated"]:
+            capped = c["generated"] - c["finished_with_eos"]
+            out.append({"text": f"gen: {capped} of {c['generated']} answers stopped at gen.max_new_tokens, not at EOS "
+                                f"(cut off)", "source": "stages.gen.counts.generated - finished_with_eos"})
+        if stage == "gen" and c.get("skipped_too_long"):
+            out.append({"text": f"gen: {c['skipped_too_long']} prompts skipped, longer than data.max_prompt_tokens",
+                        "source": "stages.gen.counts.skipped_too_long"})
+        if stage == "render" and c.get("skipped_no_answer"):
+            out.append({"text": f"render: {c['skipped_no_answer']} conversations had no answer tokens",
+                        "source": "stages.render.counts.skipped_no_answer"})
+        if stage == "eval" and c.get("ties"):
+            out.append({"text": f"eval: {c['ties']} of {c['prompts']} prompts diverged from plain greedy at a "
+                                f"numerical near-tie", "source": "stages.eval.counts.ties"})
+    for check in (manifest.get("plan") or {}).get("checks", []):
+        if not check["ok"]:
+            out.append({"text": f"plan: {check['check']} does not fit: {check['text']}", "source": "plan.checks"})
+    return out
+
+
+def _next_command(run: Run, manifest: dict, stages: list[dict]) -> dict:
+    for row in stages:
+        if row["state"] != "done":
+            cmd = f"specdraft {row['stage']} --run {run.path}"
+            why = {"in progress": "resumes from what is on disk", "failed": "reruns the failed stage"}.get(
+                row["state"], "the next stage")
+            return {"command": cmd, "why": why}
+    export = manifest["stages"]["export"]
+    serve = export.get("serve_commands") or {"vllm": export.get("serve_command")}
+    folder = next(iter((export.get("folders") or {"vllm": {"path": "export/vllm"}}).values()))["path"]
+    return {"command": f"specdraft doctor {run.path / folder}",
+            "why": "every stage is done: check the exported drafter, then serve it", "serve": serve}
+
+
+def _remaining(manifest: dict, stages: list[dict]) -> dict | None:
+    plan = manifest.get("plan")
+    if not plan:
+        return None
+    state = {row["stage"]: row for row in stages}
+    rows, total = [], 0.0
+    for trow in plan["time"]:
+        stage = next((s for s, p in PHASE_OF_STAGE.items() if p == trow["phase"]), None)
+        row = state.get(stage)
+        if row is None or row["state"] == "done":
+            continue
+        done = (row.get("progress") or {}).get("fraction", 0.0) if row["state"] == "in progress" else 0.0
+        left = trow["seconds"] * (1 - done)
+        total += left
+        rows.append({"phase": trow["phase"], "planned_seconds": trow["seconds"], "done_fraction": round(done, 4),
+                     "seconds_left": round(left, 1), "text": _duration(left), "basis": trow["source"]})
+    return {"seconds": round(total, 1), "text": _duration(total), "rows": rows, "computed": plan.get("computed"),
+            "source": "plan.time x the share not yet done"}
+
+
+def collect(run: Run) -> dict:
+    """The status as JSON: every figure with the manifest path it came from."""
+    manifest = run.manifest()
+    if "recipe" not in manifest:
+        raise FileNotFoundError(f"{run.manifest_path}: no manifest; run a stage first (specdraft gen --run {run.path})")
+    recipe = manifest["recipe"]
+    stages = _stages(run, manifest, recipe)
+    files = [{"path": p.name + ("/" if p.is_dir() else ""), "bytes": _folder_bytes(p), "text": _size(_folder_bytes(p))}
+             for p in sorted(run.path.iterdir()) if not p.name.startswith(".") and p.name != STATUS_FILE]
+    plan = manifest.get("plan") or {}
+    return {
+        "run": str(run.path),
+        "name": manifest.get("name"),
+        "created": manifest.get("created"),
+        "goal": _goal(recipe),
+        "environment": _environment(manifest),
+        "target": {"source": "plan.target", **plan["target"]} if plan.get("target") else None,
+        "aux_layer_ids": plan.get("aux_layer_ids") or (manifest.get("stages", {}).get("extract") or {}).get(
+            "aux_layer_ids"),
+        "stages": stages,
+        "measured": _measured(manifest),
+        "problems": _problems(manifest, stages),
+        "files": files,
+        "next": _next_command(run, manifest, stages),
+        "remaining": _remaining(manifest, stages),
+    }
+
+
+def _goal(recipe: dict) -> dict:
+    t, d, g, tr, ex, ev = (recipe[k] for k in ("target", "data", "gen", "train", "export", "eval"))
+    hidden = "on the fly (online)" if tr.get("hidden") == "online" else "extracted to disk"
+    text = (f"{recipe.get('description') or 'An EAGLE-3 drafter'}. Target: {t['model']}. Data: {d['num_train']} "
+            f"{d['source']} conversations whose answers the target writes itself (up to {g['max_new_tokens']} "
+            f"tokens each), rendered with its own chat template, hidden states {hidden}. Done means: a drafter "
+            f"trained for {tr['epochs']} epochs with {tr['ttt_steps']} TTT steps and a {tr['draft_vocab_size']}-token "
+            f"draft vocabulary, exported for {', '.join(ex['formats'])}, and measured by eval: tau and per-position "
+            f"acceptance over {ev['num_prompts']} held-out prompts with K = {ev['draft_tokens']} draft tokens.")
+    return {"text": text, "source": "recipe"}
+
+
+# --- Markdown ------------------------------------------------------------------------------------
+
+def _fmt(v) -> str:
+    if isinstance(v, list):
+        return " / ".join(_fmt(x) for x in v)
+    if isinstance(v, float):
+        return f"{v:g}"
+    if isinstance(v, int) and not isinstance(v, bool):
+        return f"{v:,}"
+    return str(v)
+
+
+def render_markdown(s: dict) -> str:
+    out = [f"# STATUS: {s['name']}", "", f"Run folder `{s['run']}`, created {s['created']}.", ""]
+    out += ["## Goal", "", s["goal"]["text"], ""]
+    out += ["## Done / in progress / not started", "", "| | stage | state | counts | seconds |", "|---|---|---|---|---|"]
+    for r in s["stages"]:
+        counts = ", ".join(f"{k} {_fmt(v)}" for k, v in (r.get("counts") or {}).items())
+        p = r.get("progress")
+        if p and r["state"] != "done":
+            if "shards" in p:
+                counts = (f"{p['shards']} of {p['shards_of']} shards, {p['samples']} of {p['samples_of']} samples, "
+                          f"{p['tokens']:,} of {p['tokens_of']:,} tokens (from {p['source']})")
+            elif "records" in p:
+                counts = f"{p['records']} of {p['of']} {p['unit']} (from {p['source']})"
+            elif "latest_checkpoint_step" in p:
+                counts = f"checkpoint at step {p['latest_checkpoint_step']} (from {p['source']})"
+        if r.get("error"):
+            counts = (counts + "; " if counts else "") + f"last error: {r['error']}"
+        seconds = _fmt(r["seconds"]) if r.get("seconds") is not None else ""
+        out.append(f"| {r['icon']} | {r['stage']} | {r['state']} | {counts} | {seconds} |")
+    nxt = s["next"]
+    out += ["", f"**Next:** `{nxt['command']}` ({nxt['why']})"]
+    for engine, cmd in (nxt.get("serve") or {}).items():
+        out.append(f"then serve with {engine}: `{cmd}`")
+    rem = s["remaining"]
+    if rem:
+        out += ["", f"**Remaining time (plan of {rem['computed']}):** {rem['text']}"
+                + "".join(f"; {r['phase']} {r['text']}" for r in rem["rows"])]
+    else:
+        out += ["", f"**Remaining time:** no plan recorded; `specdraft plan {s['run']}` writes one."]
+    out += ["", "## Known problems", ""]
+    out += [f"- {p['text']}" for p in s["problems"]] or ["- none recorded"]
+    out += ["", "## Measured", "", "| stage | figure | value | unit | where |", "|---|---|---|---|---|"]
+    out += [f"| {m['stage']} | {m['name']} | {_fmt(m['value'])} | {m['unit']} | {m['where']} |" for m in s["measured"]]
+    if not s["measured"]:
+        out.append("| | nothing measured yet | | | |")
+    out += ["", "## Target as discovered", ""]
+    t = s["target"]
+    if t:
+        moe, mla = t.get("moe"), t.get("mla")
+        q = t.get("quantization")
+        out += [
+            f"- architecture: {', '.join(t.get('architectures') or [])} (model_type {t['model_type']}, "
+            f"language model {t['text_model_type']}); config `{t['config']}`",
+            f"- layers {t['num_layers']}, hidden {t['hidden_size']}, intermediate {t['intermediate_size']}, heads "
+            f"{t['num_attention_heads']} (KV {t['num_key_value_heads']}, head dim {t['head_dim']}), vocab "
+            f"{t['vocab_size']:,}, tied embeddings {t['tie_word_embeddings']}",
+            f"- parameters {t['parameters']['total']:,} ({t['parameters']['active']:,} active per token)",
+            "- MoE: " + (f"{moe['routed_experts']} routed experts, {moe['shared_experts']} shared, top-{moe['top_k']}, "
+                         f"expert intermediate {moe['expert_intermediate_size']}" if moe else "none (dense)"),
+            "- MLA: " + (", ".join(f"{k} {v}" for k, v in mla.items()) if mla else "none"),
+            f"- MTP layers: {t['mtp_layers'] or 'none'}",
+            "- quantization: " + (f"{q['kind']} ({q['method']})" if q else "none"),
+            f"- chat template sha256 {t['chat_template_sha256']}; thinking markers: "
+            + (", ".join(f"{a} ... {b}" for a, b in t["thinking_markers"]) or "none in the template"),
+        ]
+    else:
+        out.append("- not described yet: `specdraft plan` records the target's config in the manifest")
+    out.append(f"- aux layer ids: {s['aux_layer_ids']}")
+    out += ["", "## Environment", ""]
+    e = s["environment"]
+    if e:
+        env = e["env"]
+        gpus = env.get("gpus") or []
+        topo = env.get("gpu_topology") or {}
+        engines = env.get("engines") or {}
+        out += [
+            f"- host {env.get('host')} ({env.get('platform')}); recorded by {e['source']}",
+            f"- CPU {env.get('cpu')}, {env.get('cpu_count')} cores; RAM {_size(env['ram_bytes'])}"
+            if env.get("ram_bytes") else f"- CPU {env.get('cpu')}",
+            "- GPUs: " + (f"{len(gpus)}x {gpus[0]['name']}, {_size(gpus[0]['memory_bytes'])} each"
+                          + (f", linked by {topo['links']} ({', '.join(topo['link_kinds'])})" if topo else "")
+                          if gpus else "none"),
+        ]
+        if env.get("numa_nodes"):
+            out.append("- NUMA: " + "; ".join(f"{n} CPUs {c}" for n, c in env["numa_nodes"].items())
+                       + (f"; GPU NUMA affinity {topo['numa_affinity']}" if topo.get("numa_affinity") else ""))
+        if env.get("disk"):
+            d = env["disk"]
+            out.append(f"- disk at {d['path']}: {_size(d['free_bytes'])} free of {_size(d['total_bytes'])}")
+        v = env.get("versions") or {}
+        out.append(f"- Python {env.get('python')}, torch {v.get('torch')}, transformers {v.get('transformers')}, "
+                   f"CUDA {env.get('cuda') or 'none'}, driver {env.get('driver') or 'none'}"
+                   + "".join(", " + (f"{k} {x['version']} ({x['where']})" if x else f"{k} not found")
+                             for k, x in engines.items()))
+        if len(e["hosts"]) > 1:
+            out.append("- stages ran on more than one host: "
+                       + "; ".join(f"{h}: {', '.join(st)}" for h, st in e["hosts"].items()))
+    else:
+        out.append("- no stage recorded yet")
+    out += ["", "## Files", "", "| path | size |", "|---|---|"]
+    out += [f"| {f['path']} | {f['text']} |" for f in s["files"]]
+    return "\n".join(out) + "\n"
+
+
+def write(run: Run) -> dict:
+    status = collect(run)
+    write_text(run.path / STATUS_FILE, render_markdown(status))
+    return status
+
+
+def after_stage(recipe, run: Run) -> None:
+    """After every stage: refresh the run's plan with what it measured, then rewrite STATUS.md.
+    A failure here is reported and never fails (or hides the error of) the stage itself."""
+    from .plan import make_plan, record
+
+    try:
+        record(run, make_plan(recipe, run))
+        write(run)
+    except Exception as e:  # noqa: BLE001 - the stage's own result matters more than its summary
+        print(f"specdraft: warning: {run.path / STATUS_FILE} not updated: {type(e).__name__}: {e}", file=sys.stderr)
+
+
+def run_status(path: str, json_out: bool = False) -> int:
+    run = Run(Path(path))
+    status = write(run)
+    if json_out:
+        print(json.dumps(status, indent=2))
+    else:
+        print((run.path / STATUS_FILE).read_text())
+        print(f"next: {status['next']['command']}")
+    return 0
