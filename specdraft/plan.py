@@ -13,11 +13,13 @@ ones, and every figure says where it came from.
 
 from __future__ import annotations
 
+import fnmatch
 import hashlib
 import json
 import math
+import re
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -35,7 +37,7 @@ FP8_ROW_SCALE_BYTES = 4
 # What extract stores per token beside the states: input_ids (int32) + loss_mask (uint8).
 TOKEN_RECORD_BYTES = 4 + 1
 # Weight bytes per parameter of a quantized target (for the memory of a target resident in online
-# mode): int4 and mxfp4 carry a scale per group of 32, i.e. 4.5 / 8 and 4.25 / 8 bytes.
+# mode): int4 carries a bf16 scale per group of 32 (4.5 / 8 bytes), mxfp4 an 8-bit one (4.25 / 8).
 QUANT_BYTES = {"fp8": 1.0, "int4": 4.5 / 8, "mxfp4": 4.25 / 8}
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 # Keep this share of the free disk unused: checkpoints, logs and the filesystem itself need room.
@@ -119,16 +121,16 @@ class TargetSpec:
         return {"method": method, "kind": kind}
 
     def weight_bytes(self) -> int:
-        """The target's weights in memory as stored: quantized weights at their width, the rest bf16."""
+        """The target's weights in memory as stored: the quantized matrices at their width (those the
+        quantization config does not exempt), everything else in the checkpoint dtype."""
         q = self.quantization()
         per_param = QUANT_BYTES.get(q["kind"]) if q else None
         dtype = getattr(self.text, "dtype", None) or self.raw.get("torch_dtype") or "bfloat16"
         plain = DTYPE_BYTES.get(str(dtype).removeprefix("torch."), BF16)
         if per_param is None:
             return int(self.params["total"] * plain)
-        # Embedding and head stay unquantized in every scheme seen (FP8/INT4/MXFP4 checkpoints).
-        unquantized = self.params["embedding"] + self.params["head"]
-        return int(unquantized * plain + (self.params["total"] - unquantized) * per_param)
+        quantized = self.params["quantized"]
+        return int((self.params["total"] - quantized) * plain + quantized * per_param)
 
     def describe(self) -> dict:
         """The target as its config says it is (what STATUS.md shows under "Target as discovered")."""
@@ -197,14 +199,28 @@ def _chat_template(folder: Path) -> str | None:
     return None
 
 
-def _count_params(text) -> dict:
+def _exempt(name: str, patterns: list[str]) -> bool:
+    """Whether a module is left unquantized by a config's ignore list ("re:" regexes, globs or names)."""
+    for pattern in patterns:
+        if pattern.startswith("re:"):
+            if re.fullmatch(pattern[3:], name):
+                return True
+        # A module name or glob covers the modules under it too.
+        elif any(fnmatch.fnmatch(name, p) for p in (pattern, pattern + ".*", "*." + pattern, "*." + pattern + ".*")):
+            return True
+    return False
+
+
+def _count_params(text, quantization: dict | None) -> dict:
     """Parameter counts of the language model, built on the meta device (no memory, no weights)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(text)
-    total = experts = 0
+    # compressed-tensors names what it leaves alone in "ignore", mxfp4 in "modules_to_not_convert".
+    exempt = (quantization or {}).get("ignore") or (quantization or {}).get("modules_to_not_convert") or []
+    total = experts = quantized = 0
     embed_weight = model.get_input_embeddings().weight
     head_weight = model.get_output_embeddings().weight
     for name, p in model.named_parameters(remove_duplicate=False):
@@ -214,6 +230,10 @@ def _count_params(text) -> dict:
         # Routed experts only: shared experts run for every token.
         if ".experts." in name:
             experts += p.numel()
+        # Quantization applies to linear weights (2-D and up), never to the embedding.
+        module = name.rsplit(".", 1)[0] if name.endswith((".weight", ".bias")) else name
+        if quantization and p.dim() >= 2 and p is not embed_weight and not _exempt(module, exempt):
+            quantized += p.numel()
     embedding = embed_weight.numel()
     head = head_weight.numel()
     tied = embed_weight is head_weight
@@ -222,7 +242,7 @@ def _count_params(text) -> dict:
                       if getattr(text, n, None)), None)
     active = total - experts + (experts * text.num_experts_per_tok // n_experts if n_experts else 0)
     return {"total": total, "embedding": embedding, "head": head, "tied_head": tied, "routed_experts": experts,
-            "active": active,
+            "active": active, "quantized": quantized,
             # Weights one token multiplies through: the active ones less the embedding, a lookup (a tied
             # embedding is counted once, as the head's matmul).
             "matmul_per_token": active - (0 if tied else embedding)}
@@ -247,7 +267,8 @@ def read_target(model: str) -> TargetSpec:
             raise PlanError(f"{path}: model_type {raw.get('model_type')!r} is unknown to transformers "
                             f"and the config has no text_config") from None
         text = AutoConfig.for_model(**raw["text_config"])
-    return TargetSpec(source=str(path), raw=raw, text=text, params=_count_params(text),
+    quantization = raw.get("quantization_config") or raw.get("text_config", {}).get("quantization_config")
+    return TargetSpec(source=str(path), raw=raw, text=text, params=_count_params(text, quantization),
                       template=_chat_template(path.parent))
 
 
@@ -289,11 +310,22 @@ def expected_tokens(recipe: Recipe, run: Run | None, tokens_per_sample: int | No
 
 # --- the drafter and its training memory ---------------------------------------------------------
 
+def drafter_head_dim(text) -> int:
+    """The drafter's attention head width: a Llama-style layer cannot copy MLA's split rope / no-rope
+    heads, so MLA targets (DeepSeek-V3, Kimi) use the value head width, as the published Kimi-K2 drafter
+    does (64 heads x 128); others their own head_dim (the rule of `Target.drafter_head_dim`)."""
+    return (getattr(text, "v_head_dim", None) or getattr(text, "head_dim", None)
+            or text.hidden_size // text.num_attention_heads)
+
+
 def drafter_config(spec: TargetSpec, aux_layer_ids: list[int], draft_vocab_size: int):
+    """The trainer's own drafter config for this target (`DrafterConfig.from_target`)."""
     from .drafter.model import DrafterConfig
 
-    return DrafterConfig.from_target(SimpleNamespace(text_config=spec.text, aux_layer_ids=aux_layer_ids),
-                                     draft_vocab_size)
+    head_dim = drafter_head_dim(spec.text)
+    cfg = DrafterConfig.from_target(SimpleNamespace(text_config=spec.text, aux_layer_ids=aux_layer_ids,
+                                                    drafter_head_dim=head_dim), draft_vocab_size)
+    return replace(cfg, head_dim=head_dim)
 
 
 def drafter_parameters(cfg) -> dict:

@@ -48,10 +48,7 @@ class DrafterConfig:
             hidden_size=c.hidden_size,
             num_attention_heads=c.num_attention_heads,
             num_key_value_heads=c.num_key_value_heads,
-            # MLA targets (DeepSeek-V3, Kimi) name their query/key rope width head_dim; the drafter's
-            # Llama layer takes the value width, as the published Kimi-K2 drafter does (64 x 128).
-            head_dim=getattr(c, "v_head_dim", None) or getattr(c, "head_dim", None)
-            or c.hidden_size // c.num_attention_heads,
+            head_dim=getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
             intermediate_size=c.intermediate_size,
             vocab_size=c.vocab_size,
             draft_vocab_size=min(draft_vocab_size, c.vocab_size),
