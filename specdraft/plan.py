@@ -572,7 +572,8 @@ def _check(plan: dict, recipe: Recipe, spec: TargetSpec, tokens: dict, per_token
         sharded = memory(True, online)
         recs.append({"do": f"FSDP over {n_gpus} GPUs (torchrun)",
                      "why": f"weights, grads and AdamW states sharded: {_bytes(sharded['total'])} per GPU "
-                            f"({'fits' if sharded['total'] <= limit else 'still over'} {_bytes(limit)})"})
+                            f"({'fits' if sharded['total'] <= limit else 'still over'} {_bytes(limit)})",
+                     "per_gpu_bytes": sharded["total"]})
     if mem["total"] > limit:
         act = plan["train_memory"]["activation"]
         per_token_act = act["batch"] / recipe.train.batch_tokens

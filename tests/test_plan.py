@@ -1,0 +1,156 @@
+"""plan: the bill of a run from the target's config alone, checked against published figures (FACTS.md,
+the model cards) and against the drafter the trainer really builds."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from specdraft.cli import main
+from specdraft.config import load_recipe
+from specdraft.plan import PlanError, make_plan, read_target
+
+CONFIGS = Path(__file__).parent / "data" / "configs"
+TiB = 2**40
+
+
+def _recipe(num_train=10_000, draft_vocab=32_000, **train):
+    recipe = load_recipe("smollm2-cpu")
+    recipe.data.num_train = num_train
+    recipe.train.draft_vocab_size = draft_vocab
+    for k, v in train.items():
+        setattr(recipe.train, k, v)
+    return recipe
+
+
+def test_kimi_k25_reference_figures():
+    """FACTS.md's reference run: 4 bf16 states = 57,344 bytes/token, ~2.1 TiB for 10 K x 4 K tokens, and a
+    drafter of 1190.9 M trainable / 1403.8 M frozen (embedding + the teacher's draft-vocab lm_head)."""
+    plan = make_plan(_recipe(), target=str(CONFIGS / "kimi-k2.5.json"), tokens_per_sample=4096, gpus=8,
+                     gpu_memory_gib=141)
+    assert plan["aux_layer_ids"] == [2, 30, 58]
+    assert plan["hidden"]["bytes_per_token"] == 57_344
+    assert plan["tokens"]["tokens"] == 10_000 * 4096
+    assert round(plan["tokens"]["tokens"] * plan["hidden"]["bytes_per_token"] / TiB, 1) == 2.1
+    d = plan["drafter"]
+    assert round(d["trainable"] / 1e6, 1) == 1190.9
+    assert round(d["frozen"] / 1e6, 1) == 1403.8
+    assert round(d["total"] / 1e6, 1) == 2594.7
+    assert d["config"]["num_attention_heads"] == 64 and d["config"]["head_dim"] == 128
+    t = plan["target"]
+    assert t["model_type"] == "kimi_k25" and t["num_layers"] == 61 and t["hidden_size"] == 7168
+    assert t["vocab_size"] == 163_840 and t["mtp_layers"] == 0
+    assert t["moe"]["routed_experts"] == 384 and t["moe"]["top_k"] == 8 and t["moe"]["shared_experts"] == 1
+    assert t["mla"]["kv_lora_rank"] == 512
+    assert t["quantization"]["kind"] == "int4"
+    # Kimi-K2: 1.04 T parameters, 32 B active (model card); INT4 experts make a ~594 GB checkpoint.
+    assert 1.02e12 < t["parameters"]["total"] < 1.05e12
+    assert 32e9 < t["parameters"]["active"] < 34e9
+    assert 580e9 < read_target(str(CONFIGS / "kimi-k2.5.json")).weight_bytes() < 610e9
+
+
+def test_fp8_storage_halves_the_disk_with_a_scale_per_row():
+    plan = make_plan(_recipe(), target=str(CONFIGS / "kimi-k2.5.json"), tokens_per_sample=4096)
+    recipe = _recipe()
+    recipe.extract.store_dtype = "fp8_e4m3"  # the field the extract stage's fp8 storage adds
+    fp8 = make_plan(recipe, target=str(CONFIGS / "kimi-k2.5.json"), tokens_per_sample=4096)
+    assert fp8["hidden"]["bytes_per_token"] == 4 * (7168 + 4)
+    assert fp8["hidden"]["disk_bytes"] < 0.51 * plan["hidden"]["disk_bytes"]
+
+
+@pytest.mark.parametrize("name,total,active,layers,experts,top_k,mtp", [
+    # Published sizes: DeepSeek-V3 671 B / 37 B active; Qwen3-30B-A3B 30.5 B / 3.3 B; gpt-oss-120b 116.8 B
+    # (5.1 B active without the 0.58 B embedding, which a token only looks up).
+    ("deepseek-v3", 671.0e9, 37.5e9, 61, 256, 8, 1),
+    ("qwen3-moe", 30.5e9, 3.35e9, 48, 128, 8, 0),
+    ("gpt-oss", 116.8e9, 5.7e9, 36, 128, 4, 0),
+])
+def test_big_target_configs(name, total, active, layers, experts, top_k, mtp):
+    plan = make_plan(_recipe(), target=str(CONFIGS / f"{name}.json"), tokens_per_sample=4096)
+    t = plan["target"]
+    assert t["num_layers"] == layers and plan["aux_layer_ids"] == [2, layers // 2, layers - 3]
+    assert t["moe"]["routed_experts"] == experts and t["moe"]["top_k"] == top_k and t["mtp_layers"] == mtp
+    assert abs(t["parameters"]["total"] - total) / total < 0.01
+    assert abs(t["parameters"]["active"] - active) / active < 0.02
+    assert plan["hidden"]["bytes_per_token"] == 4 * t["hidden_size"] * 2
+    # The drafter is the trainer's own: one Llama-style layer at the target's width, its vocab restricted.
+    cfg = plan["drafter"]["config"]
+    assert cfg["hidden_size"] == t["hidden_size"] and cfg["draft_vocab_size"] == 32_000
+    parts = plan["drafter"]["parts"]
+    assert parts["fc"]["trainable"] == 3 * t["hidden_size"] ** 2
+    assert parts["embed_tokens"]["frozen"] == t["vocab_size"] * t["hidden_size"]
+    assert parts["lm_head"]["trainable"] == parts["teacher_head"]["frozen"] == 32_000 * t["hidden_size"]
+
+
+def test_published_checkpoint_sizes_from_quantization_configs():
+    """Weights resident in online mode: DeepSeek-V3 FP8 ~ 0.67 TB (its 689 GB checkpoint holds the MTP layer
+    too), gpt-oss-120b MXFP4 experts with bf16 attention ~ 65 GB (published 65.3 GB)."""
+    assert 650e9 < read_target(str(CONFIGS / "deepseek-v3.json")).weight_bytes() < 690e9
+    assert 62e9 < read_target(str(CONFIGS / "gpt-oss.json")).weight_bytes() < 67e9
+
+
+def test_smollm2_plan_is_the_trainers_drafter(target):
+    """The bundled target: 4 bf16 states x 576, aux (2, 15, 27), and the drafter's parameters equal those of
+    the drafter the trainer instantiates for real."""
+    from specdraft.drafter.model import DrafterConfig, Eagle3Drafter
+
+    recipe = load_recipe("smollm2-cpu")
+    plan = make_plan(recipe)
+    assert plan["aux_layer_ids"] == target.aux_layer_ids == [2, 15, 27]
+    assert plan["hidden"]["bytes_per_token"] == 4 * 576 * 2
+    assert plan["tokens"]["tokens"] == recipe.data.num_train * min(
+        recipe.render.max_length, recipe.data.max_prompt_tokens + recipe.gen.max_new_tokens)
+    real = Eagle3Drafter(DrafterConfig.from_target(target, recipe.train.draft_vocab_size))
+    assert plan["drafter"]["trainable"] == sum(p.numel() for p in real.parameters() if p.requires_grad)
+    assert plan["drafter"]["parts"]["embed_tokens"]["frozen"] == real.embed_tokens.weight.numel()
+    assert plan["target"]["parameters"]["total"] == 134_515_008
+    assert plan["target"]["chat_template_sha256"] is not None
+    assert all(r["source"].startswith("default:") for r in plan["time"])
+
+
+def test_a_plan_that_does_not_fit_recommends_with_numbers(tmp_path):
+    """Through the CLI with a config folder: more hidden states than the disk holds, and a drafter that
+    needs more than one GPU's memory, give online / fp8 / fewer samples / FSDP, each with its figures."""
+    folder = tmp_path / "kimi"
+    folder.mkdir()
+    shutil.copy(CONFIGS / "kimi-k2.5.json", folder / "config.json")
+    free = shutil.disk_usage(tmp_path).free
+    per_sample = 4096 * (57_344 + 5)
+    num_train = 2 * free // per_sample + 1  # twice what the disk holds
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        assert main(["plan", "smollm2-cpu", "--target", str(folder), "--tokens-per-sample", "4096", "--json",
+                     "--set", f"data.num_train={num_train}", "--set", "train.draft_vocab_size=32000",
+                     "--gpus", "8", "--gpu-memory-gib", "24"]) == 0
+    plan = json.loads(buf.getvalue())
+    disk = next(c for c in plan["checks"] if c["check"] == "disk")
+    assert not disk["ok"] and disk["need_bytes"] > disk["usable_bytes"]
+    dos = [r["do"] for r in plan["recommendations"]]
+    assert "--set train.hidden=online" in dos and "--set extract.store_dtype=fp8_e4m3" in dos
+    fewer = next(r for r in plan["recommendations"] if r["do"].startswith("--num-train"))
+    n = int(fewer["do"].split()[1])
+    assert n * per_sample <= disk["usable_bytes"] < (n + 1) * per_sample
+    mem = next(c for c in plan["checks"] if c["check"] == "train memory")
+    assert not mem["ok"]
+    # FSDP over the 8 GPUs shards the fp32 weights, grads and AdamW states; activations stay per GPU.
+    fsdp = next(r for r in plan["recommendations"] if r["do"] == "FSDP over 8 GPUs (torchrun)")
+    d, per_gpu = plan["drafter"], plan["train_memory"]["per_gpu"]
+    head = plan["target"]["parameters"]["head"]
+    assert per_gpu["optimizer"] == d["trainable"] * 8 and per_gpu["grads"] == d["trainable"] * 4
+    assert fsdp["per_gpu_bytes"] == ((d["trainable"] + d["frozen"]) * 4 // 8 + head * 2 + d["trainable"] * 4 // 8
+                                     + d["trainable"] * 8 // 8 + per_gpu["activations"])
+    assert fsdp["per_gpu_bytes"] < per_gpu["total"]
+
+
+def test_bad_config_names_the_file_and_line(tmp_path):
+    bad = tmp_path / "config.json"
+    bad.write_text('{\n  "model_type": "llama",\n  "hidden_size": ,\n}\n')
+    with pytest.raises(PlanError, match=rf"{bad}:3"):
+        read_target(str(bad))
+    with pytest.raises(PlanError, match="no config.json"):
+        read_target(str(tmp_path / "missing"))
