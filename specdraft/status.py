@@ -179,7 +179,11 @@ def _environment(manifest: dict) -> dict | None:
     hosts: dict[str, list[str]] = {}
     for _, s, e in sorted(recorded, key=lambda r: STAGE_ORDER.index(r[1]) if r[1] in STAGE_ORDER else 99):
         hosts.setdefault(e.get("host", "?"), []).append(s)
-    return {"source": f"stages.{stage}.environment", "env": env, "hosts": hosts}
+    disk = env.get("disk") or {}
+    sizes = {"ram": env.get("ram_bytes"), "gpu_memory": (env.get("gpus") or [{}])[0].get("memory_bytes"),
+             "disk_free": disk.get("free_bytes"), "disk_total": disk.get("total_bytes")}
+    return {"source": f"stages.{stage}.environment", "env": env, "hosts": hosts,
+            "sizes": {k: _size(v) for k, v in sizes.items() if v is not None}}
 
 
 def _problems(manifest: dict, stages: list[dict]) -> list[dict]:
@@ -365,9 +369,9 @@ def render_markdown(s: dict) -> str:
         engines = env.get("engines") or {}
         out += [
             f"- host {env.get('host')} ({env.get('platform')}); recorded by {e['source']}",
-            f"- CPU {env.get('cpu')}, {env.get('cpu_count')} cores; RAM {_size(env['ram_bytes'])}"
+            f"- CPU {env.get('cpu')}, {env.get('cpu_count')} cores; RAM {e['sizes']['ram']}"
             if env.get("ram_bytes") else f"- CPU {env.get('cpu')}",
-            "- GPUs: " + (f"{len(gpus)}x {gpus[0]['name']}, {_size(gpus[0]['memory_bytes'])} each"
+            "- GPUs: " + (f"{len(gpus)}x {gpus[0]['name']}, {e['sizes']['gpu_memory']} each"
                           + (f", linked by {topo['links']} ({', '.join(topo['link_kinds'])})" if topo else "")
                           if gpus else "none"),
         ]
@@ -376,7 +380,7 @@ def render_markdown(s: dict) -> str:
                        + (f"; GPU NUMA affinity {topo['numa_affinity']}" if topo.get("numa_affinity") else ""))
         if env.get("disk"):
             d = env["disk"]
-            out.append(f"- disk at {d['path']}: {_size(d['free_bytes'])} free of {_size(d['total_bytes'])}")
+            out.append(f"- disk at {d['path']}: {e['sizes']['disk_free']} free of {e['sizes']['disk_total']}")
         v = env.get("versions") or {}
         out.append(f"- Python {env.get('python')}, torch {v.get('torch')}, transformers {v.get('transformers')}, "
                    f"CUDA {env.get('cuda') or 'none'}, driver {env.get('driver') or 'none'}"
