@@ -84,7 +84,8 @@ def _gpu_topology() -> dict | None:
     if header:
         col = header.index("NUMA Affinity")
         numa = {r[0]: r[col] for r in rows if len(r) > col}
-    return {"links": "NVLink" if any(c.startswith("NV") for c in links) else "PCIe",
+    kind = "NVLink" if any(c.startswith("NV") for c in links) else "PCIe" if links else None  # None: one GPU
+    return {"links": kind,
             "link_kinds": sorted(links), "numa_affinity": numa, "matrix": matrix.strip()}
 
 

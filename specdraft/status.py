@@ -372,12 +372,14 @@ def render_markdown(s: dict) -> str:
             f"- CPU {env.get('cpu')}, {env.get('cpu_count')} cores; RAM {e['sizes']['ram']}"
             if env.get("ram_bytes") else f"- CPU {env.get('cpu')}",
             "- GPUs: " + (f"{len(gpus)}x {gpus[0]['name']}, {e['sizes']['gpu_memory']} each"
-                          + (f", linked by {topo['links']} ({', '.join(topo['link_kinds'])})" if topo else "")
+                          + (f", linked by {topo['links']} ({', '.join(topo['link_kinds'])})"
+                             if topo.get("links") else "")
                           if gpus else "none"),
         ]
         if env.get("numa_nodes"):
             out.append("- NUMA: " + "; ".join(f"{n} CPUs {c}" for n, c in env["numa_nodes"].items())
-                       + (f"; GPU NUMA affinity {topo['numa_affinity']}" if topo.get("numa_affinity") else ""))
+                       + ("; GPU NUMA affinity " + ", ".join(f"{g} node {n}" for g, n in topo["numa_affinity"].items())
+                          if topo.get("numa_affinity") else ""))
         if env.get("disk"):
             d = env["disk"]
             out.append(f"- disk at {d['path']}: {e['sizes']['disk_free']} free of {e['sizes']['disk_total']}")
