@@ -93,12 +93,14 @@ def _extract_progress(run: Run) -> dict | None:
     if not index_path.exists():
         return None
     index = json.loads(index_path.read_text())
-    # A shard file that exists is whole: extract writes each under a temporary name, then renames it.
-    written = {s for s in index["shards"] if (run.path / "hidden" / s).exists()}
+    # Shards are listed by name, or as {"name", "tokens", "samples", ...}. A shard file that exists is
+    # whole: extract writes each under a temporary name, then renames it.
+    names = [s if isinstance(s, str) else s["name"] for s in index["shards"]]
+    written = {s for s in names if (run.path / "hidden" / s).exists()}
     done = [s for s in index["samples"] if s["shard"] in written]
     total_tokens = sum(s["tokens"] for s in index["samples"])
     tokens = sum(s["tokens"] for s in done)
-    return {"shards": len(written), "shards_of": len(index["shards"]), "samples": len(done),
+    return {"shards": len(written), "shards_of": len(names), "samples": len(done),
             "samples_of": len(index["samples"]), "tokens": tokens, "tokens_of": total_tokens,
             "fraction": tokens / max(1, total_tokens), "index_state": index.get("state"),
             "source": "hidden/index.json and the shard files present"}
