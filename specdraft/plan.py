@@ -443,13 +443,13 @@ def time_table(recipe: Recipe, spec: TargetSpec, tokens: dict, parts: dict, stag
                    / train_flops_per_token(parts, recipe.train.ttt_steps))
     row("train", tokens["tokens"] * recipe.train.epochs, "tokens x epochs", "train", "tokens_per_s",
         train_scale, "drafter training FLOPs ratio")
-    if online:
+    if online and rows[-1]["source"].startswith("default"):  # a measured online rate includes the target
         extract_rate = refs["extract"][0] * target_scale * devices
         rows[-1]["seconds"] = round(rows[-1]["seconds"] + tokens["tokens"] * recipe.train.epochs / extract_rate, 1)
         rows[-1]["source"] += (f"; + the target's forward every epoch at {extract_rate:,.0f} tok/s "
                                f"(online hidden states)")
-    # Eval decodes each prompt twice: plainly, then speculatively (at about the same rate or better).
-    # Eval decodes one prompt at a time on one device: no data-parallel speedup.
+    # Eval decodes each prompt twice, plainly then speculatively (at about the same rate or better), one
+    # prompt at a time on one device: no data-parallel speedup.
     row("eval", 2 * recipe.eval.num_prompts * recipe.eval.max_new_tokens,
         "decoded tokens (2 x eval.num_prompts x eval.max_new_tokens)", "eval", "autoregressive_tokens_per_s",
         target_scale, "forward FLOPs ratio", devices=1)
@@ -498,13 +498,12 @@ def make_plan(recipe: Recipe, run: Run | None = None, *, target: str | None = No
     n_gpus = mach["gpus"]
     row_tokens = min(recipe.train.batch_tokens, math.ceil(tokens["tokens_per_sample"]))
     online = recipe.train.hidden == "online"
-    target_bytes = spec.weight_bytes() if online else 0
 
-    def memory(fsdp: bool, hidden_online: bool) -> dict:
+    def memory(fsdp: bool) -> dict:
         return training_memory(dcfg, params, recipe.train, row_tokens, max(1, n_gpus), fsdp,
-                               spec.weight_bytes() if hidden_online else 0, spec.params["head"])
+                               spec.weight_bytes() if online else 0, spec.params["head"])
 
-    mem = memory(False, online)
+    mem = memory(fsdp=False)
     stages = run.manifest().get("stages", {}) if run is not None else {}
     times = time_table(recipe, spec, tokens, params["parts"], stages, n_gpus)
     plan = {
@@ -517,7 +516,9 @@ def make_plan(recipe: Recipe, run: Run | None = None, *, target: str | None = No
         "hidden": {"mode": recipe.train.hidden, "store_dtype": store_dtype, "states_per_token": n_states,
                    "bytes_per_token": per_token, "record_bytes_per_token": TOKEN_RECORD_BYTES,
                    "disk_bytes": hidden_bytes if not online else 0,
-                   "disk_bytes_if_disk": hidden_bytes},
+                   "disk_bytes_if_disk": hidden_bytes,
+                   # Shards already extracted take no more free disk than they have.
+                   "on_disk_bytes": _tree_bytes(run.path / "hidden") if run is not None else 0},
         "tokens": tokens,
         "drafter": {"config": dcfg.to_dict(), **params},
         "train_memory": {"per_gpu": mem, "row_tokens": row_tokens,
@@ -537,10 +538,10 @@ def _check(plan: dict, recipe: Recipe, spec: TargetSpec, tokens: dict, per_token
     checks, recs = [], []
     online = recipe.train.hidden == "online"
     free = mach["disk_free_bytes"]
-    need = plan["hidden"]["disk_bytes"]
+    need = max(0, plan["hidden"]["disk_bytes"] - plan["hidden"]["on_disk_bytes"])
     usable = int(free * DISK_HEADROOM)
     checks.append({"check": "disk", "ok": need <= usable, "need_bytes": need, "usable_bytes": usable,
-                   "text": f"hidden states {_bytes(need)} vs {_bytes(usable)} usable of {_bytes(free)} free "
+                   "text": f"hidden states still to write {_bytes(need)} vs {_bytes(usable)} usable of {_bytes(free)} free "
                            f"on {mach['disk_path']} ({DISK_HEADROOM:.0%})"})
     if need > usable:
         recs.append({"do": "--set train.hidden=online",
@@ -569,7 +570,7 @@ def _check(plan: dict, recipe: Recipe, spec: TargetSpec, tokens: dict, per_token
                    "usable_bytes": limit,
                    "text": f"training {_bytes(mem['total'])} per device vs {_bytes(limit)} usable ({where})"})
     if mem["total"] > limit and n_gpus > 1:
-        sharded = memory(True, online)
+        sharded = memory(fsdp=True)
         recs.append({"do": f"FSDP over {n_gpus} GPUs (torchrun)",
                      "why": f"weights, grads and AdamW states sharded: {_bytes(sharded['total'])} per GPU "
                             f"({'fits' if sharded['total'] <= limit else 'still over'} {_bytes(limit)})",
@@ -584,6 +585,10 @@ def _check(plan: dict, recipe: Recipe, spec: TargetSpec, tokens: dict, per_token
                          "why": f"activations take ~{_bytes(int(per_token_act))} per token; {fit:,} tokens per "
                                 f"batch fit beside the weights"})
     return checks, recs
+
+
+def _tree_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.exists() else 0
 
 
 def record(run: Run, plan: dict) -> None:
