@@ -296,7 +296,8 @@ def expected_tokens(recipe: Recipe, run: Run | None, tokens_per_sample: int | No
         c = render["counts"]
         return {"samples": c["samples"], "tokens": c["tokens"], "tokens_per_sample": c["tokens"] / c["samples"],
                 "source": "measured: stages.render.counts (the rendered data)"}
-    samples = recipe.data.num_train
+    # gen.num_samples, where the recipe has and sets it, overrides data.num_train.
+    samples = getattr(recipe.gen, "num_samples", 0) or recipe.data.num_train
     if tokens_per_sample is not None:
         source = "assumed: samples x --tokens-per-sample"
     else:

@@ -83,9 +83,10 @@ def _gen_progress(run: Run, recipe: dict) -> dict | None:
                 records += "id" in json.loads(line)
             except json.JSONDecodeError:
                 pass  # a torn last line: gen repairs it when it resumes
-    return {"records": records, "of": recipe["data"]["num_train"], "unit": "conversations",
-            "fraction": records / max(1, recipe["data"]["num_train"]),
-            "source": "conversations.jsonl (lines) of recipe.data.num_train"}
+    # gen.num_samples (when the recipe has it and sets it) or data.num_train conversations make gen done.
+    of = recipe["gen"].get("num_samples") or recipe["data"]["num_train"]
+    return {"records": records, "of": of, "unit": "conversations", "fraction": min(1.0, records / max(1, of)),
+            "source": "conversations.jsonl lines, of gen.num_samples or data.num_train"}
 
 
 def _extract_progress(run: Run) -> dict | None:
@@ -188,6 +189,16 @@ def _environment(manifest: dict) -> dict | None:
             "sizes": {k: _size(v) for k, v in sizes.items() if v is not None}}
 
 
+# Counts a stage records that say something went wrong, whichever stage records them: what to say.
+PROBLEM_COUNTS = {
+    "empty_reasoning": "answers came back with empty reasoning",
+    "failed": "conversations failed after all retries",
+    "skipped_too_long": "prompts skipped, longer than data.max_prompt_tokens",
+    "skipped_no_answer": "conversations had no answer tokens",
+    "ties": "eval prompts diverged from plain greedy at a numerical near-tie",
+}
+
+
 def _problems(manifest: dict, stages: list[dict]) -> list[dict]:
     out = []
     for row in stages:
@@ -198,20 +209,13 @@ def _problems(manifest: dict, stages: list[dict]) -> list[dict]:
             for item in entry.get(key) or []:
                 out.append({"text": f"{stage}: {item}", "source": f"stages.{stage}.{key}"})
         c = entry.get("counts") or {}
-        if stage == "gen" and c.get("generated") and c.get("finished_with_eos") is not None \
-                and c["finished_with_eos"] < c["generated"]:
+        for key, what in PROBLEM_COUNTS.items():
+            if isinstance(c.get(key), int) and c[key] > 0:
+                out.append({"text": f"{stage}: {c[key]} {what}", "source": f"stages.{stage}.counts.{key}"})
+        if c.get("generated") and c.get("finished_with_eos") is not None and c["finished_with_eos"] < c["generated"]:
             capped = c["generated"] - c["finished_with_eos"]
-            out.append({"text": f"gen: {capped} of {c['generated']} answers stopped at gen.max_new_tokens, not at EOS "
-                                f"(cut off)", "source": "stages.gen.counts.generated - finished_with_eos"})
-        if stage == "gen" and c.get("skipped_too_long"):
-            out.append({"text": f"gen: {c['skipped_too_long']} prompts skipped, longer than data.max_prompt_tokens",
-                        "source": "stages.gen.counts.skipped_too_long"})
-        if stage == "render" and c.get("skipped_no_answer"):
-            out.append({"text": f"render: {c['skipped_no_answer']} conversations had no answer tokens",
-                        "source": "stages.render.counts.skipped_no_answer"})
-        if stage == "eval" and c.get("ties"):
-            out.append({"text": f"eval: {c['ties']} of {c['prompts']} prompts diverged from plain greedy at a "
-                                f"numerical near-tie", "source": "stages.eval.counts.ties"})
+            out.append({"text": f"{stage}: {capped} of {c['generated']} answers stopped at gen.max_new_tokens, "
+                                f"not at EOS (cut off)", "source": f"stages.{stage}.counts.generated - finished_with_eos"})
     for check in (manifest.get("plan") or {}).get("checks", []):
         if not check["ok"]:
             out.append({"text": f"plan: {check['check']} does not fit: {check['text']}", "source": "plan.checks"})
