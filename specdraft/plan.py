@@ -371,6 +371,8 @@ def activation_bytes(cfg, batch_tokens: int, row_tokens: int, ttt_steps: int) ->
     rotary), the attention output, the MLP's normed input, gate, up, activation and product (bf16), and
     the logits (bf16, fp32, log-softmax, target x log p); plus, per query, the softmax over the row's
     keys (fp32 and bf16). Per token once: the teacher distribution (fp32) and the aux states (bf16, fp32).
+    On top, while one step's attention runs: its raw scores and their masked copy (fp32) — measured by
+    bench/plan_memory.py as the gap between the saved tensors and the peak on long rows.
     """
     H, I, V = cfg.hidden_size, cfg.intermediate_size, cfg.draft_vocab_size
     q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
@@ -378,8 +380,9 @@ def activation_bytes(cfg, batch_tokens: int, row_tokens: int, ttt_steps: int) ->
                 + H * (FP32 + BF16) + 4 * I * BF16 + V * (BF16 + 3 * FP32))
     attention = cfg.num_attention_heads * row_tokens * (FP32 + BF16)
     once = V * FP32 + len(cfg.aux_layer_ids) * cfg.target_hidden_size * (BF16 + FP32)
-    return {"per_token_per_step": per_step + attention, "per_token_once": once,
-            "batch": batch_tokens * (ttt_steps * (per_step + attention) + once)}
+    transient = cfg.num_attention_heads * row_tokens * 2 * FP32
+    return {"per_token_per_step": per_step + attention, "per_token_once": once, "per_token_transient": transient,
+            "batch": batch_tokens * (ttt_steps * (per_step + attention) + once + transient)}
 
 
 def training_memory(cfg, params: dict, train, row_tokens: int, gpus: int, fsdp: bool,
