@@ -12,18 +12,14 @@ from __future__ import annotations
 import argparse
 import json
 import resource
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from specdraft import environment  # noqa: E402
-from specdraft.config import load_recipe  # noqa: E402
-from specdraft.drafter.model import Eagle3Drafter  # noqa: E402
-from specdraft.plan import drafter_config, drafter_parameters, read_target, training_memory  # noqa: E402
-from specdraft.train import ttt_loss  # noqa: E402
+from specdraft import environment
+from specdraft.config import load_recipe
+from specdraft.drafter.model import Eagle3Drafter
+from specdraft.plan import drafter_config, drafter_parameters, read_target, training_memory
+from specdraft.train import ttt_loss
 
 
 def peak_bytes(device: str) -> int:

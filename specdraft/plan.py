@@ -58,9 +58,9 @@ REFERENCE_MODEL = "SmolLM2-135M-Instruct"
 REFERENCE_MATMUL_PARAMS = 134_515_008
 # Its drafter shape (hidden 576, 9 heads / 3 KV heads of 64, intermediate 1536, 3 aux layers), for
 # scaling the training reference by drafter FLOPs.
-REFERENCE_DRAFTER = dict(hidden_size=576, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
-                         intermediate_size=1536, vocab_size=49152, target_hidden_size=576,
-                         aux_layer_ids=[2, 15, 27])
+REFERENCE_DRAFTER = {"hidden_size": 576, "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64,
+                     "intermediate_size": 1536, "vocab_size": 49152, "target_hidden_size": 576,
+                     "aux_layer_ids": [2, 15, 27]}
 REFERENCES = {
     # phase -> (tok/s, what was measured; draft vocab and TTT steps of the training reference)
     "cpu": {
@@ -540,7 +540,6 @@ def make_plan(recipe: Recipe, run: Run | None = None, *, target: str | None = No
 def _check(plan: dict, recipe: Recipe, spec: TargetSpec, tokens: dict, per_token: int, memory) -> tuple:
     mach = plan["machine"]
     checks, recs = [], []
-    online = recipe.train.hidden == "online"
     free = mach["disk_free_bytes"]
     need = max(0, plan["hidden"]["disk_bytes"] - plan["hidden"]["on_disk_bytes"])
     usable = int(free * DISK_HEADROOM)
@@ -624,19 +623,19 @@ def render_text(plan: dict) -> str:
     moe = t["moe"]
     lines = [
         f"plan for {plan['recipe']}: target {t['text_model_type']} ({t['config']})",
-        f"  {t['num_layers']} layers, hidden {t['hidden_size']}, vocab {t['vocab_size']:,}, "
-        f"{t['parameters']['total'] / 1e9:,.2f} B parameters ({t['parameters']['active'] / 1e9:,.2f} B active)"
-        + (f", {moe['routed_experts']} routed experts top-{moe['top_k']}" if moe else ""),
+        (f"  {t['num_layers']} layers, hidden {t['hidden_size']}, vocab {t['vocab_size']:,}, "
+         f"{t['parameters']['total'] / 1e9:,.2f} B parameters ({t['parameters']['active'] / 1e9:,.2f} B active)"
+         + (f", {moe['routed_experts']} routed experts top-{moe['top_k']}" if moe else "")),
         f"  aux layer ids {plan['aux_layer_ids']} ({plan['aux_layer_ids_source']})",
         "",
-        f"hidden states: {h['states_per_token']} states x {t['hidden_size']} in {h['store_dtype']} = "
-        f"{h['bytes_per_token']:,} bytes/token (+{h['record_bytes_per_token']} for ids and mask)",
+        (f"hidden states: {h['states_per_token']} states x {t['hidden_size']} in {h['store_dtype']} = "
+         f"{h['bytes_per_token']:,} bytes/token (+{h['record_bytes_per_token']} for ids and mask)"),
         f"  tokens: {tok['tokens']:,} = {tok['samples']:,} samples x {tok['tokens_per_sample']:,.0f} ({tok['source']})",
         f"  disk: {_bytes(h['disk_bytes_if_disk'])}" + (" (not written: train.hidden = online)"
                                                          if h["mode"] == "online" else ""),
         "",
-        f"drafter: {d['trainable'] / 1e6:,.1f} M trainable, {d['frozen'] / 1e6:,.1f} M frozen, "
-        f"{d['total'] / 1e6:,.1f} M total",
+        (f"drafter: {d['trainable'] / 1e6:,.1f} M trainable, {d['frozen'] / 1e6:,.1f} M frozen, "
+         f"{d['total'] / 1e6:,.1f} M total"),
     ]
     for part, n in d["parts"].items():
         lines.append(f"  {part:18s} trainable {n['trainable'] / 1e6:10,.1f} M   frozen {n['frozen'] / 1e6:10,.1f} M")

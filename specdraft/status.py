@@ -349,11 +349,11 @@ def render_markdown(s: dict) -> str:
         moe, mla = t.get("moe"), t.get("mla")
         q = t.get("quantization")
         out += [
-            f"- architecture: {', '.join(t.get('architectures') or [])} (model_type {t['model_type']}, "
-            f"language model {t['text_model_type']}); config `{t['config']}`",
-            f"- layers {t['num_layers']}, hidden {t['hidden_size']}, intermediate {t['intermediate_size']}, heads "
-            f"{t['num_attention_heads']} (KV {t['num_key_value_heads']}, head dim {t['head_dim']}), vocab "
-            f"{t['vocab_size']:,}, tied embeddings {t['tie_word_embeddings']}",
+            (f"- architecture: {', '.join(t.get('architectures') or [])} (model_type {t['model_type']}, "
+             f"language model {t['text_model_type']}); config `{t['config']}`"),
+            (f"- layers {t['num_layers']}, hidden {t['hidden_size']}, intermediate {t['intermediate_size']}, heads "
+             f"{t['num_attention_heads']} (KV {t['num_key_value_heads']}, head dim {t['head_dim']}), vocab "
+             f"{t['vocab_size']:,}, tied embeddings {t['tie_word_embeddings']}"),
             f"- parameters {t['parameters']['total']:,} ({t['parameters']['active']:,} active per token)",
             "- MoE: " + (f"{moe['routed_experts']} routed experts, {moe['shared_experts']} shared, top-{moe['top_k']}, "
                          f"expert intermediate {moe['expert_intermediate_size']}" if moe else "none (dense)"),
