@@ -138,10 +138,12 @@ def _stages(run: Run, manifest: dict, recipe: dict) -> list[dict]:
                        finished=entry.get("finished"))
         else:
             progress = _progress(stage, run, recipe)
+            if entry and entry.get("counts"):
+                row["counts"] = entry["counts"]
             if entry and entry["state"] == "failed":
                 row["error"] = entry.get("error")
             if entry and entry["state"] == "partial":
-                row.update(state="in progress", counts=entry.get("counts") or {})
+                row["state"] = "in progress"
             elif progress and (progress.get("fraction", 1) > 0):
                 # Cut off (killed, interrupted, failed) with work on disk that a rerun resumes from.
                 row["state"] = "in progress"
@@ -160,7 +162,7 @@ def _measured(manifest: dict) -> list[dict]:
     rows = []
     for stage in STAGE_ORDER:
         entry = manifest.get("stages", {}).get(stage)
-        if not entry or entry.get("state") != "done":
+        if not entry:
             continue
         for name, value in (entry.get("metrics") or {}).items():
             if value is None:
