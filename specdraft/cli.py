@@ -105,7 +105,7 @@ def _run_stage(name: str, recipe, run) -> dict:
     finally:
         from .status import after_stage
 
-        after_stage(recipe, run)
+        after_stage(name, recipe, run)
 
 
 def demo(recipe, run) -> None:

@@ -412,13 +412,15 @@ def write(run: Run) -> dict:
     return status
 
 
-def after_stage(recipe, run: Run) -> None:
-    """After every stage: refresh the run's plan with what it measured, then rewrite STATUS.md.
-    A failure here is reported and never fails (or hides the error of) the stage itself."""
+def after_stage(stage: str, recipe, run: Run) -> None:
+    """After every stage: refresh the run's plan with what a finished stage measured, then rewrite
+    STATUS.md (a failed stage's too: it says what failed and what to run). A failure here is reported
+    and never fails (or hides the error of) the stage itself."""
     from .plan import make_plan, record
 
     try:
-        record(run, make_plan(recipe, run))
+        if (run.stage(stage) or {}).get("state") == "done":
+            record(run, make_plan(recipe, run))
         write(run)
     except Exception as e:  # noqa: BLE001 - the stage's own result matters more than its summary
         print(f"specdraft: warning: {run.path / STATUS_FILE} not updated: {type(e).__name__}: {e}", file=sys.stderr)

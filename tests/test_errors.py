@@ -26,8 +26,10 @@ def assert_one_line_error(proc, *needles):
 
 
 def leftovers(run: Path) -> list[str]:
-    """Files a failed stage left behind beyond the manifest (temporary names included)."""
-    return sorted(str(p.relative_to(run)) for p in run.rglob("*") if p.is_file() and p.name != "manifest.json")
+    """Files a failed stage left behind beyond the run's records, manifest.json and STATUS.md (temporary
+    names included)."""
+    return sorted(str(p.relative_to(run)) for p in run.rglob("*")
+                  if p.is_file() and p.name not in ("manifest.json", "STATUS.md"))
 
 
 def test_missing_model_path(tmp_path):
