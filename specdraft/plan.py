@@ -676,6 +676,7 @@ def run_plan(spec: str, *, overrides: list[str], json_out: bool, target: str | N
     print(json.dumps(plan, indent=2) if json_out else render_text(plan))
     if not json_out:
         where = f"--run {run.path}" if run is not None else f"--recipe {spec}"
+        where += "".join(f" --set {item}" for item in overrides)
         first = next((s for s in ("gen", "render", "extract", "train", "export", "eval")
                       if run is None or (run.stage(s) or {}).get("state") != "done"), None)
         print(f"\nnext: specdraft {first} {where}" if first else f"\nnext: specdraft status {run.path}")
