@@ -52,6 +52,9 @@ max_prompt_tokens = 96
 [gen]
 batch_size = 3
 max_new_tokens = 16
+[extract]
+# float32, so the stored states can be checked exactly: in bf16, random routers flip experts at near-ties.
+dtype = "float32"
 [train]
 draft_vocab_size = 256
 ttt_steps = 2
@@ -167,8 +170,8 @@ def test_every_stage_runs_on_a_big_architecture(name, tiny_models, tiny_root, ca
     manifest = json.loads((run / "manifest.json").read_text())
     for stage in ("gen", "render", "extract", "train", "export", "eval"):
         assert manifest["stages"][stage]["state"] == "done", stage
-    # 3 aux layers + the last, hidden 64, bf16.
-    assert manifest["stages"]["extract"]["metrics"]["bytes_per_token"] == 4 * 64 * 2
+    # 3 aux layers + the last, hidden 64, float32.
+    assert manifest["stages"]["extract"]["metrics"]["bytes_per_token"] == 4 * 64 * 4
     index = json.loads((run / "hidden" / "index.json").read_text())
     assert index["aux_layer_ids"] == [2, 4, 5]
     assert index["target"]["architecture"] == arch
@@ -183,12 +186,10 @@ def test_every_stage_runs_on_a_big_architecture(name, tiny_models, tiny_root, ca
     for j, k in enumerate(index["aux_layer_ids"]):
         got = sample["aux"][:, j * 64:(j + 1) * 64].float()
         ref = out.hidden_states[k][0]
-        assert ((got - ref).norm() / ref.norm()) < 0.02, (name, k)
+        assert ((got - ref).norm() / ref.norm()) < 1e-4, (name, k)
     last = out.last_hidden_state[0]
-    assert ((sample["last"].float() - last).norm() / last.norm()) < 0.02
+    assert ((sample["last"].float() - last).norm() / last.norm()) < 1e-4
 
-    report = json.loads((run / "eval" / "report.json").read_text())
-    assert report["exactness"]["errors"] == 0 if "exactness" in report else True
     for fmt in ("vllm", "sglang"):
         capsys.readouterr()
         assert main(["doctor", str(run / "export" / fmt)]) == 0, capsys.readouterr().out
