@@ -141,6 +141,22 @@ def test_mla_drafter_takes_the_value_head_width(full_size):
     assert DrafterConfig.from_target(full_size["qwen3-moe"], 32000).head_dim == 128
 
 
+def test_kimi_recipe_loads_and_names_the_published_drafter_layout(full_size):
+    """recipes/kimi-k2.5-8gpu.toml loads (unknown keys would be errors) and, on the real config, gives the
+    published Kimi-K2 drafter: aux [2, 30, 58], 64 heads x 128, 1,190.9 M trainable parameters (FACTS.md)."""
+    from specdraft.config import load_recipe
+    from specdraft.drafter.model import DrafterConfig, Eagle3Drafter
+
+    recipe = load_recipe(str(Path(__file__).parents[1] / "recipes" / "kimi-k2.5-8gpu.toml"))
+    assert recipe.data.num_train == 10000 and recipe.train.hidden in ("disk", "online")
+    kimi = Target(str(full_size["kimi-k2.5"].path), recipe.target.aux_layer_ids)
+    assert kimi.aux_layer_ids == kimi.default_aux_layer_ids() == [2, 30, 58]
+    with torch.device("meta"):
+        drafter = Eagle3Drafter(DrafterConfig.from_target(kimi, recipe.train.draft_vocab_size))
+    trainable = sum(p.numel() for p in drafter.parameters() if p.requires_grad)
+    assert trainable == 1_190_948_864
+
+
 @pytest.fixture(scope="module")
 def tiny_root(tmp_path_factory):
     return tmp_path_factory.mktemp("bigtargets")
