@@ -358,7 +358,7 @@ class Target:
         import torch
 
         w = self.read_tensor(self.family.norm_weight).float() + self.family.norm_offset
-        eps = getattr(self.text_config, "rms_norm_eps", None) or getattr(self.text_config, "layer_norm_eps")
+        eps = getattr(self.text_config, "rms_norm_eps", None) or self.text_config.layer_norm_eps
         x = pre_norm.float()
         return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
 
