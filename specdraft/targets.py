@@ -84,7 +84,8 @@ FAMILIES: dict[str, Family] = {
         embed="language_model.model.embed_tokens.weight", head="language_model.lm_head.weight",
         norm_weight="language_model.model.norm.weight", auto_class="AutoModelForImageTextToText", **_MLA),
     "gpt_oss": Family(attention="gqa+sliding", **_SERVED),
-    # (1 + w) final norm; neither engine captures EAGLE-3 aux states from Gemma 3 (vllm 0.32).
+    # (1 + w) final norm. vLLM 0.32 captures no EAGLE-3 aux states from Gemma 3; SGLang unchecked, so
+    # marked not served rather than guessed.
     "gemma3_text": Family(norm_offset=1.0),
 }
 
