@@ -13,6 +13,7 @@ import importlib.util
 import json
 import os
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +27,12 @@ class TargetError(ValueError):
     """A target that cannot be found or loaded."""
 
 
+def eagle3_aux_layers(num_layers: int) -> list[int]:
+    """EAGLE-3's low/mid/high layers, (2, L//2, L-3): what vLLM and SGLang assume when a drafter names
+    none, and what the published drafters of every family below use (Kimi-K2: [2, 30, 58] of 61)."""
+    return [2, num_layers // 2, num_layers - 3]
+
+
 @dataclass(frozen=True)
 class Family:
     decoder: str = "model"  # attribute path of the decoder without lm_head (returns final-norm states)
@@ -33,15 +40,67 @@ class Family:
     norm: str = "model.norm"  # the final norm, applied before lm_head
     embed: str = "model.embed_tokens.weight"  # tensor names in the checkpoint
     head: str = "lm_head.weight"
+    # The final norm's weight in the checkpoint, and what its scale is: Gemma-style norms store w and
+    # multiply by (1 + w), so a pre-norm state normalised with w alone is off by the whole residual.
+    norm_weight: str = "model.norm.weight"
+    norm_offset: float = 0.0
+    # The transformers auto class that loads the full model (multimodal wrappers are not causal LMs).
+    auto_class: str = "AutoModelForCausalLM"
+    # "mla" (DeepSeek's low-rank latent attention), "gqa", or "gqa+sliding" (alternating windows).
+    attention: str = "gqa"
+    # The config field giving the drafter's attention head width: a Llama-style drafter layer cannot copy
+    # MLA's split rope/no-rope heads, so MLA families use the value head width (128: the published
+    # Kimi-K2 drafter's 64 heads x 128).
+    drafter_head_dim: str = "head_dim"
+    # The config field counting multi-token-prediction layers stored after the decoder layers (DeepSeek's
+    # `num_nextn_predict_layers`); transformers skips them, aux ids never reach them.
+    mtp_field: str = ""
+    # Whether the serving engine can capture aux states from this family and run an EAGLE-3 drafter on it
+    # (vLLM: the model class implements SupportsEagle3, checked in vllm 0.32; SGLang: it implements
+    # set_eagle3_layers_to_capture).
+    vllm_eagle3: bool = False
+    sglang_eagle3: bool = False
+    aux_layers: Callable[[int], list[int]] = eagle3_aux_layers
 
 
-# model_type -> Family; families absent here use the Llama layout, which most HF decoders share.
+_SERVED = dict(vllm_eagle3=True, sglang_eagle3=True)
+_MLA = dict(attention="mla", drafter_head_dim="v_head_dim", mtp_field="num_nextn_predict_layers", **_SERVED)
+
+# model_type -> Family; families absent here use the Llama layout, which most HF decoders share. A
+# multimodal wrapper is looked up by its own model_type first, then by its text model's.
 FAMILIES: dict[str, Family] = {
-    "llama": Family(),
-    "mistral": Family(),
-    "qwen2": Family(),
-    "qwen3": Family(),
+    "llama": Family(**_SERVED),
+    "mistral": Family(**_SERVED),
+    "qwen2": Family(**_SERVED),
+    "qwen3": Family(**_SERVED),
+    "qwen3_moe": Family(**_SERVED),
+    "deepseek_v2": Family(**_MLA),
+    "deepseek_v3": Family(**_MLA),
+    # Kimi-K2.5: a vision tower and projector around a DeepSeek-V3 text model. transformers loads it as
+    # model.language_model (decoder) + lm_head; the published checkpoint names its tensors
+    # language_model.model.* and language_model.lm_head.* (transformers renames them on load and save).
+    "kimi_k25": Family(
+        decoder="model.language_model", layers="model.language_model.layers", norm="model.language_model.norm",
+        embed="language_model.model.embed_tokens.weight", head="language_model.lm_head.weight",
+        norm_weight="language_model.model.norm.weight", auto_class="AutoModelForImageTextToText", **_MLA),
+    "gpt_oss": Family(attention="gqa+sliding", **_SERVED),
+    # (1 + w) final norm. vLLM 0.32 captures no EAGLE-3 aux states from Gemma 3; SGLang unchecked, so
+    # marked not served rather than guessed.
+    "gemma3_text": Family(norm_offset=1.0),
 }
+
+# Config fields naming the same quantity in different families (DeepSeek, Qwen3-MoE, gpt-oss).
+_ROUTED_EXPERTS = ("n_routed_experts", "num_experts", "num_local_experts")
+_TOP_K = ("num_experts_per_tok", "experts_per_token", "num_experts_per_token")
+_MLA_RANKS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+
+
+def _first(config, names: tuple[str, ...]):
+    for name in names:
+        value = getattr(config, name, None)
+        if value is not None:
+            return value
+    return None
 
 
 def cache_dir() -> Path:
@@ -146,7 +205,7 @@ class Target:
         self.config = AutoConfig.from_pretrained(self.path)
         text = getattr(self.config, "text_config", None) or self.config
         self.text_config = text
-        self.family = FAMILIES.get(text.model_type, Family())
+        self.family = FAMILIES.get(self.config.model_type) or FAMILIES.get(text.model_type, Family())
         self.num_layers: int = text.num_hidden_layers
         self.hidden_size: int = text.hidden_size
         self.vocab_size: int = text.vocab_size
@@ -161,8 +220,60 @@ class Target:
         self._tokenizer = None
 
     def default_aux_layer_ids(self) -> list[int]:
-        L = self.num_layers
-        return [2, L // 2, L - 3]
+        return self.family.aux_layers(self.num_layers)
+
+    @property
+    def tied(self) -> bool:
+        """Whether lm_head is the embedding (a wrapper may say so at its top level or in its text config)."""
+        return bool(getattr(self.text_config, "tie_word_embeddings", False) or (
+            self.config is not self.text_config and getattr(self.config, "tie_word_embeddings", False)))
+
+    @property
+    def mtp_layers(self) -> int:
+        return int(getattr(self.text_config, self.family.mtp_field, 0) or 0) if self.family.mtp_field else 0
+
+    @property
+    def drafter_head_dim(self) -> int:
+        c = self.text_config
+        return getattr(c, self.family.drafter_head_dim, None) or c.hidden_size // c.num_attention_heads
+
+    def architecture(self) -> dict:
+        """What kind of model this is, for STATUS.md and plan: attention kind (with MLA ranks), experts
+        (routed, shared, top-k; None for a dense model), MTP layers, quantization, tied head, final-norm
+        quirk, and which engines serve an EAGLE-3 drafter for it."""
+        c = self.text_config
+        routed = _first(c, _ROUTED_EXPERTS)
+        experts = None
+        if routed:
+            experts = {
+                "routed": int(routed),
+                "shared": int(getattr(c, "n_shared_experts", 0) or 0),
+                "top_k": int(_first(c, _TOP_K)),
+                "intermediate_size": getattr(c, "moe_intermediate_size", None) or c.intermediate_size,
+                # DeepSeek keeps its first k layers dense.
+                "dense_layers": int(getattr(c, "first_k_dense_replace", 0) or 0),
+            }
+        raw = json.loads((self.path / "config.json").read_text())
+        quant = raw.get("quantization_config") or raw.get("text_config", {}).get("quantization_config")
+        return {
+            "model_type": self.config.model_type,
+            "text_model_type": c.model_type,
+            "multimodal_wrapper": self.config is not c,
+            "layers": self.num_layers,
+            "hidden_size": self.hidden_size,
+            "vocab_size": self.vocab_size,
+            "attention": self.family.attention,
+            "attention_heads": c.num_attention_heads,
+            "kv_heads": getattr(c, "num_key_value_heads", None),
+            "mla": {k: getattr(c, k) for k in _MLA_RANKS} if self.family.attention == "mla" else None,
+            "sliding_window": getattr(c, "sliding_window", None) if self.family.attention == "gqa+sliding" else None,
+            "experts": experts,
+            "mtp_layers": self.mtp_layers,
+            "quantization": _quantization(quant),
+            "tied_embeddings": self.tied,
+            "final_norm": "rms (1+w)" if self.family.norm_offset else "rms",
+            "eagle3_serving": {"vllm": self.family.vllm_eagle3, "sglang": self.family.sglang_eagle3},
+        }
 
     @property
     def tokenizer(self):
@@ -193,6 +304,7 @@ class Target:
             "vocab_size": self.vocab_size,
             "aux_layer_ids": self.aux_layer_ids,
             "fingerprint": self.fingerprint(),
+            "architecture": self.architecture(),
         }
 
     def fingerprint(self) -> dict:
@@ -207,9 +319,10 @@ class Target:
 
     def load_model(self, dtype: str = "bfloat16", device: str = "cpu"):
         import torch
-        from transformers import AutoModelForCausalLM
+        import transformers
 
-        model = AutoModelForCausalLM.from_pretrained(self.path, dtype=getattr(torch, dtype))
+        auto = getattr(transformers, self.family.auto_class)
+        model = auto.from_pretrained(self.path, dtype=getattr(torch, dtype))
         return model.to(device).eval()
 
     def read_tensor(self, name: str):
@@ -230,17 +343,36 @@ class Target:
 
     def head_weight(self):
         """The output projection [vocab, H]; the embedding when the target ties them."""
-        tied = getattr(self.text_config, "tie_word_embeddings", False) or getattr(
-            self.config, "tie_word_embeddings", False)
         try:
             return self.read_tensor(self.family.head)
         except TargetError:
-            if tied:
+            if self.tied:
                 return self.read_tensor(self.family.embed)
             raise
 
     def embed_weight(self):
         return self.read_tensor(self.family.embed)
+
+    def final_norm(self, pre_norm):
+        """The target's final RMS norm applied to pre-norm states [..., H] from the checkpoint's weight,
+        for engines that hand out the pre-norm residual (vLLM's aux id L), in float32."""
+        import torch
+
+        w = self.read_tensor(self.family.norm_weight).float() + self.family.norm_offset
+        eps = getattr(self.text_config, "rms_norm_eps", None) or self.text_config.layer_norm_eps
+        x = pre_norm.float()
+        return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def _quantization(quant: dict | None) -> dict | None:
+    """The checkpoint's quantization in a few words: method, weight bits and group size where given."""
+    if not quant:
+        return None
+    weights = next(iter(quant.get("config_groups", {}).values()), {}).get("weights", {})
+    out = {"method": quant.get("quant_method"), "format": quant.get("format") or quant.get("fmt"),
+           "bits": weights.get("num_bits"), "group_size": weights.get("group_size"),
+           "block": quant.get("weight_block_size")}
+    return {k: v for k, v in out.items() if v is not None}
 
 
 def get_attr(obj, dotted: str):

@@ -48,7 +48,7 @@ class DrafterConfig:
             hidden_size=c.hidden_size,
             num_attention_heads=c.num_attention_heads,
             num_key_value_heads=c.num_key_value_heads,
-            head_dim=getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
+            head_dim=target.drafter_head_dim,  # MLA targets: the value head width (targets.py)
             intermediate_size=c.intermediate_size,
             vocab_size=c.vocab_size,
             draft_vocab_size=min(draft_vocab_size, c.vocab_size),
