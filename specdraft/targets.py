@@ -33,6 +33,8 @@ class Family:
     norm: str = "model.norm"  # the final norm, applied before lm_head
     embed: str = "model.embed_tokens.weight"  # tensor names in the checkpoint
     head: str = "lm_head.weight"
+    # (start, end) of the reasoning span when the tokenizer's added tokens do not show them.
+    thinking: tuple[str, str] | None = None
 
 
 # model_type -> Family; families absent here use the Llama layout, which most HF decoders share.
@@ -42,6 +44,10 @@ FAMILIES: dict[str, Family] = {
     "qwen2": Family(),
     "qwen3": Family(),
 }
+
+
+# Reasoning markers seen as added tokens in thinking models' tokenizers, most common first.
+THINKING_MARKERS = [("<think>", "</think>"), ("<thinking>", "</thinking>")]
 
 
 def cache_dir() -> Path:
@@ -172,6 +178,21 @@ class Target:
             self._tokenizer = AutoTokenizer.from_pretrained(self.path)
             _fix_special_tokens(self._tokenizer, self.text_config)
         return self._tokenizer
+
+    @property
+    def thinking_markers(self) -> tuple[str, str] | None:
+        """The (start, end) markers around the target's reasoning, or None for a model that does not think.
+
+        The family table wins; otherwise a tokenizer that has both markers as added tokens (Qwen3, DeepSeek-R1,
+        Kimi: `<think>`/`</think>`) is a thinking model.
+        """
+        if self.family.thinking is not None:
+            return self.family.thinking
+        added = set(self.tokenizer.get_added_vocab())
+        for start, end in THINKING_MARKERS:
+            if start in added and end in added:
+                return start, end
+        return None
 
     @property
     def eos_token_id(self) -> int:
