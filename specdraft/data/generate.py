@@ -377,8 +377,11 @@ class ServerGen:
                         f"(threshold {c.max_error_share:.0%}); see {self.err_path} for the reasons")
         return None
 
-    async def run(self, target_n: int, done: set[str]) -> str | None:
-        """Save conversations until `target_n` are on disk; return why it stopped early (None when complete)."""
+    async def run(self, target_n: int, done: set[str], items=None) -> str | None:
+        """Save conversations until `target_n` are on disk; return why it stopped early (None when complete).
+
+        `items` ({"id", "system", "users"} each) replaces the recipe's data source (benchmarks use it).
+        """
         from tqdm import tqdm
 
         cfg = self.cfg
@@ -388,7 +391,8 @@ class ServerGen:
             system = [{"role": "system", "content": cfg.system_prompt}] if cfg.system_prompt else []
             items = ({"attempt": a, "system": system} for a in range(target_n * SELF_INSTRUCT_ATTEMPTS_PER_SAMPLE))
         else:
-            items = (it for it in _conversation_prompts(self.recipe, self.target, self.counts) if it["id"] not in done)
+            source = items if items is not None else _conversation_prompts(self.recipe, self.target, self.counts)
+            items = (it for it in source if it["id"] not in done)
         saved = len(done)
         claimed = set(done)
         stop = None
