@@ -172,7 +172,8 @@ def _assistant_message(target: Target, ids: list[int], finish: str) -> dict:
     raw = tok.decode(text_ids, skip_special_tokens=markers is None)
     content, reasoning, source = split_reasoning({"content": raw}, markers)
     if markers is not None:
-        content = tok.decode(tok.encode(content, add_special_tokens=False), skip_special_tokens=True)
+        for special in tok.all_special_tokens:
+            content = content.replace(special, "")
     return {"role": "assistant", "content": content, "reasoning": reasoning, "reasoning_source": source,
             "token_ids": ids}
 
