@@ -89,3 +89,14 @@ def test_thinking_markers_of_the_bundled_target_and_a_family_override(target, mo
     assert target.thinking_markers is None  # SmolLM2 does not think
     monkeypatch.setitem(targets.FAMILIES, "llama", targets.Family(thinking=("<reason>", "</reason>")))
     assert targets.Target("smollm2").thinking_markers == ("<reason>", "</reason>")
+
+
+def test_render_reads_the_fields_gen_wrote_on_each_message(tmp_path):
+    from specdraft.data.sources import read_jsonl
+
+    answer = {"role": "assistant", "content": "A", "reasoning": "R", "reasoning_source": "reasoning",
+              "token_ids": [1, 2, 3]}
+    path = tmp_path / "conversations.jsonl"
+    path.write_text(json.dumps({"id": "x", "messages": [{"role": "user", "content": "Q"}, answer]}) + "\n")
+    (record,) = read_jsonl(path)
+    assert record["messages"][1] == answer
