@@ -489,4 +489,6 @@ def run_server(recipe: Recipe, run: Run) -> dict:
 def run(recipe: Recipe, run: Run) -> dict:
     if recipe.gen.endpoints:
         return run_server(recipe, run)
+    if recipe.gen.self_instruct:
+        raise ConfigError("gen.self_instruct asks a server's completions endpoint: give --endpoint URL")
     return run_inprocess(recipe, run)
