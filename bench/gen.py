@@ -110,7 +110,6 @@ def main() -> None:
         body = ServerGen(recipe, Run(Path(tempfile.gettempdir())), target).sampling()
         asyncio.run(plain_loop(url, model, prompts, max(levels), body))  # warm the prefix cache for both
         rows = []
-        best = lambda runs: max(runs, key=lambda r: r["output_tok_s"])  # noqa: E731
         for c in levels:
             mine, plain = [], []
             for i in range(args.repeats):
@@ -120,7 +119,7 @@ def main() -> None:
                         mine.append(ours(recipe, target, prompts, c))
                     else:
                         plain.append(asyncio.run(plain_loop(url, model, prompts, c, body)))
-            mine, plain = best(mine), best(plain)
+            mine, plain = (max(runs, key=lambda r: r["output_tok_s"]) for runs in (mine, plain))
             rows.append({"concurrency": c, "specdraft": mine, "plain": plain,
                          "ratio_samples": round(mine["samples_per_s"] / plain["samples_per_s"], 3),
                          "ratio_tok_s": round(mine["output_tok_s"] / plain["output_tok_s"], 3)})
