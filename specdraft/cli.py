@@ -38,6 +38,8 @@ def _flag_help(tp) -> str:
     name = getattr(tp, "__name__", str(tp))
     if typing.get_origin(tp) is list:
         name = "comma-separated list"
+    if tp is dict:
+        name = "json object"
     return name
 
 
