@@ -38,6 +38,8 @@ def _flag_help(tp) -> str:
     name = getattr(tp, "__name__", str(tp))
     if typing.get_origin(tp) is list:
         name = "comma-separated list"
+    if tp is dict:
+        name = "json object"
     return name
 
 
@@ -55,8 +57,13 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=f"run the {name} stage on a run folder")
         common(p)
         for field_name, tp in stage_fields(section):
+            # A bool flag alone (`--self-instruct`) means true.
+            bare = {"nargs": "?", "const": "true"} if tp is bool else {}
             p.add_argument(f"--{field_name.replace('_', '-')}", dest=f"{section}.{field_name}",
-                           default=None, metavar=_flag_help(tp).upper())
+                           default=None, metavar=_flag_help(tp).upper(), **bare)
+        if name == "gen":
+            p.add_argument("--endpoint", dest="gen.endpoints", action="append", metavar="URL",
+                           help="an OpenAI-compatible server to ask; repeatable (none: in-process)")
     p = sub.add_parser("doctor", help="check an exported drafter folder for the failures that load but accept nothing")
     p.add_argument("folder", help="a drafter folder (speculators or flat format)")
     p.add_argument("--target", help="the target it drafts for (default: the run's recipe)")

@@ -8,6 +8,7 @@ because a typo in a recipe would otherwise silently train with the default.
 from __future__ import annotations
 
 import dataclasses
+import json
 import tomllib
 import typing
 from dataclasses import dataclass, field
@@ -50,6 +51,40 @@ class GenConfig:
     top_p: float = 1.0
     seed: int = 0
     dtype: str = "bfloat16"
+    # OpenAI-compatible servers to ask (vLLM, SGLang, llama.cpp); none means in-process transformers.
+    endpoints: list[str] = field(default_factory=list)
+    # The served model name; empty means the first one the first endpoint lists at /v1/models.
+    model: str = ""
+    # Requests in flight per endpoint; the conversations are spread over the endpoints.
+    concurrency: int = 8
+    # Long reasoning answers at high concurrency take minutes; a 60 s client default failed 8 % of them.
+    timeout_s: float = 600.0
+    # Retries per request after a timeout, a dropped connection, 429 or 5xx (never another 4xx).
+    max_retries: int = 6
+    # Exponential backoff: base * 2**attempt seconds with full jitter, capped.
+    backoff_s: float = 1.0
+    backoff_max_s: float = 60.0
+    # Conversations to save; the run ends with exactly this many. 0 means data.num_train.
+    num_samples: int = 0
+    # User turns replayed per conversation (each answered by the target given its own answers); 0 = all.
+    max_turns: int = 0
+    # "auto" expects reasoning when the target has thinking markers (and thinking is not switched off).
+    expect_reasoning: str = "auto"
+    # Stop when more than this share of the last `empty_reasoning_window` answers had no reasoning.
+    empty_reasoning_share: float = 0.02
+    empty_reasoning_window: int = 200
+    # Stop when more than this share of the last `error_window` conversations failed after retries.
+    max_error_share: float = 0.10
+    error_window: int = 200
+    # Put first in every conversation that has no system message of its own; empty = the template's.
+    system_prompt: str = ""
+    # Passed through as-is when set (e.g. {enable_thinking = true}; "low"/"medium"/"high").
+    chat_template_kwargs: dict = field(default_factory=dict)
+    reasoning_effort: str = ""
+    # Magpie: the target writes the user turn from its template's user-turn prefix, then answers it.
+    self_instruct: bool = False
+    # Ask the server for the ids it generated (vLLM's return_token_ids) so render stays on-policy.
+    return_token_ids: bool = True
 
 
 @dataclass
@@ -133,6 +168,15 @@ def _coerce(value, tp, where: str):
         if not isinstance(value, list):
             raise ConfigError(f"{where}: expected a list, got {value!r}")
         return [_coerce(v, item_tp, where) for v in value]
+    if tp is dict:
+        if isinstance(value, str):
+            try:
+                value = json.loads(value) if value.strip() else {}
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"{where}: expected a JSON object, got {value!r} ({e.msg})") from None
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a table / JSON object, got {value!r}")
+        return value
     if tp is bool:
         if isinstance(value, str):
             if value.lower() in ("1", "true", "yes", "on"):

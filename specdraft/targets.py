@@ -61,6 +61,8 @@ class Family:
     vllm_eagle3: bool = False
     sglang_eagle3: bool = False
     aux_layers: Callable[[int], list[int]] = eagle3_aux_layers
+    # (start, end) of the reasoning span when the tokenizer's added tokens do not show them.
+    thinking: tuple[str, str] | None = None
 
 
 _SERVED = dict(vllm_eagle3=True, sglang_eagle3=True)
@@ -101,6 +103,10 @@ def _first(config, names: tuple[str, ...]):
         if value is not None:
             return value
     return None
+
+
+# Reasoning markers seen as added tokens in thinking models' tokenizers, most common first.
+THINKING_MARKERS = [("<think>", "</think>"), ("<thinking>", "</thinking>")]
 
 
 def cache_dir() -> Path:
@@ -283,6 +289,21 @@ class Target:
             self._tokenizer = AutoTokenizer.from_pretrained(self.path)
             _fix_special_tokens(self._tokenizer, self.text_config)
         return self._tokenizer
+
+    @property
+    def thinking_markers(self) -> tuple[str, str] | None:
+        """The (start, end) markers around the target's reasoning, or None for a model that does not think.
+
+        The family table wins; otherwise a tokenizer that has both markers as added tokens (Qwen3, DeepSeek-R1,
+        Kimi: `<think>`/`</think>`) is a thinking model.
+        """
+        if self.family.thinking is not None:
+            return self.family.thinking
+        added = set(self.tokenizer.get_added_vocab())
+        for start, end in THINKING_MARKERS:
+            if start in added and end in added:
+                return start, end
+        return None
 
     @property
     def eos_token_id(self) -> int:

@@ -41,11 +41,13 @@ def test_gen_kept_the_targets_own_token_ids(tiny_run, target):
     records = [json.loads(line) for line in (tiny_run / "conversations.jsonl").read_text().splitlines()]
     assert len(records) == 8 and len({r["id"] for r in records}) == 8
     for r in records:
-        assert r["messages"][-1]["role"] == "assistant"
-        ids = r["answer_token_ids"]
+        answer = r["messages"][-1]
+        assert answer["role"] == "assistant"
+        assert answer["reasoning"] == "" and answer["reasoning_source"] == "none"
+        ids = answer["token_ids"]
         assert 0 < len(ids) <= 24
         assert (r["finish_reason"] == "stop") == (ids[-1] == target.eos_token_id)
-        assert r["messages"][-1]["content"] == target.tokenizer.decode(
+        assert answer["content"] == target.tokenizer.decode(
             ids[:-1] if r["finish_reason"] == "stop" else ids, skip_special_tokens=True)
 
 
@@ -57,7 +59,7 @@ def test_render_masks_only_the_answer(tiny_run, target):
     assert index["ids"] == [r["id"] for r in records]
     for (ids, mask), r in zip(samples, records):
         answer = [t for t, m in zip(ids, mask) if m]
-        assert answer == r["answer_token_ids"]
+        assert answer == r["messages"][-1]["token_ids"]
         prompt = target.chat_ids(r["messages"][:-1], add_generation_prompt=True)
         assert ids[: len(prompt)] == prompt and not any(mask[: len(prompt)])
 

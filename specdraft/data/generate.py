@@ -1,24 +1,50 @@
 """gen: the target answers the prompts itself, so the drafter learns what the target really says.
 
-In-process batched `generate` on the target. The answer's token ids are kept beside its text:
-re-tokenizing generated text changes the tokens of ~15 % of answers (FACTS.md), and render uses the
-ids so training data stays exactly on-policy. Records are appended and flushed batch by batch;
-a rerun skips the ids already written and repairs a line torn by an interruption.
+Two ways to ask it, one record format:
+- servers (`gen.endpoints`): any OpenAI-compatible chat server (vLLM, SGLang, llama.cpp), asked
+  asynchronously through `client.ServerPool`; multi-turn conversations are replayed turn by turn, each
+  answer given the target's own earlier answers; `self_instruct` lets the target write the prompts too.
+- in-process: batched `generate` with transformers, for small targets and tests.
+
+Record (one JSON line per finished conversation; render reads it):
+    {"id", "split", "messages": [..., {"role": "assistant", "content", "reasoning", "reasoning_source",
+     "token_ids"}], "finish_reason", "prompt_tokens", "generator": {"kind", ...}}
+`token_ids` are the ids the target produced for that turn (reasoning included, eos included when it
+stopped; absent when a server gave none): re-tokenizing generated text changes the tokens of ~15 % of
+answers (FACTS.md), and render trains on these ids. Lines are appended and flushed one by one; a rerun
+skips the ids already written and drops a line torn by `kill -9`. Failures go to gen_errors.jsonl.
 """
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
 import json
 import os
 import time
+from collections import Counter, deque
 from pathlib import Path
 
-from ..config import Recipe
+from ..config import ConfigError, Recipe
 from ..run import Run
 from ..targets import Target
+from .client import RequestFailed, ServerPool
 from .sources import DataError, prompts
 
 CONVERSATIONS = "conversations.jsonl"
+ERRORS = "gen_errors.jsonl"
+REASONING_FIELDS = ("reasoning", "reasoning_content")  # vLLM >= 0.10 says `reasoning`; older vLLM, SGLang the other
+# Magpie samples the user turn: greedy decoding would write the same prompt every time.
+SELF_INSTRUCT_TEMPERATURE = 1.0
+# A self-instruct run gives up when this many user turns per wanted sample came back unusable (duplicate,
+# empty or cut off): the target keeps writing the same few prompts.
+SELF_INSTRUCT_ATTEMPTS_PER_SAMPLE = 4
+# Stands in for the user's text while finding where the template's user-turn prefix ends.
+_USER_SENTINEL = "\u2063SPECDRAFT-USER\u2063"
+
+
+class GenStopped(RuntimeError):
+    """The run stopped itself: too many failures, or answers without the reasoning they should have."""
 
 
 def _repair_tail(path: Path) -> int:
@@ -43,9 +69,47 @@ def finished_ids(path: Path) -> set[str]:
             for lineno, line in enumerate(f, 1):
                 try:
                     ids.add(json.loads(line)["id"])
-                except (json.JSONDecodeError, KeyError):
+                except (json.JSONDecodeError, KeyError, TypeError):
                     raise DataError(f"{path}:{lineno}: not a conversation record") from None
     return ids
+
+
+def num_samples(recipe: Recipe) -> int:
+    return recipe.gen.num_samples or recipe.data.num_train
+
+
+def split_reasoning(message: dict, markers: tuple[str, str] | None) -> tuple[str, str, str]:
+    """(answer, reasoning, where the reasoning was) from a chat response message, whatever the server calls it.
+
+    A client that read only `reasoning_content` while vLLM filled `reasoning` saved 388 answers without
+    their reasoning (FACTS.md); both fields are read, then `<think>…</think>` left inline in the content.
+    An answer that starts inside the reasoning (the template opened the marker in the generation prompt)
+    has only the end marker.
+    """
+    content = message.get("content") or ""
+    for name in REASONING_FIELDS:
+        if message.get(name):
+            return content, message[name], name
+    if markers:
+        start, end = markers
+        head, sep, tail = content.partition(end)
+        if sep:
+            before, opened, reasoning = head.partition(start)
+            if opened and before.strip():
+                return content, "", "none"  # a marker quoted mid-answer, not a reasoning span
+            return tail.lstrip("\n"), (reasoning if opened else head).strip("\n"), "inline"
+    return content, "", "none"
+
+
+def expects_reasoning(cfg, markers: tuple[str, str] | None) -> bool:
+    value = cfg.expect_reasoning.lower()
+    if value in ("true", "yes", "on", "1"):
+        return True
+    if value in ("false", "no", "off", "0"):
+        return False
+    if value != "auto":
+        raise ConfigError(f"gen.expect_reasoning: expected auto / true / false, got {cfg.expect_reasoning!r}")
+    return markers is not None and cfg.chat_template_kwargs.get("enable_thinking", True) is not False
 
 
 def _prompt_messages(conv: dict) -> list[dict]:
@@ -74,6 +138,10 @@ def select_prompts(recipe: Recipe, target: Target, split: str, limit: int) -> tu
     return chosen, too_long
 
 
+# ---------------------------------------------------------------------------------------------------------
+# in-process
+
+
 def generate_batch(model, batch_ids: list[list[int]], eos_id: int, pad_id: int, cfg) -> list[tuple[list[int], str]]:
     """Left-padded batched generate; returns (answer ids incl. eos when reached, finish reason) per row."""
     import torch
@@ -95,7 +163,22 @@ def generate_batch(model, batch_ids: list[list[int]], eos_id: int, pad_id: int, 
     return results
 
 
-def run(recipe: Recipe, run: Run) -> dict:
+def _assistant_message(target: Target, ids: list[int], finish: str) -> dict:
+    """The assistant message of an in-process answer, split like a server's would be."""
+    tok = target.tokenizer
+    text_ids = ids[:-1] if finish == "stop" else ids
+    markers = target.thinking_markers
+    # Thinking markers are often special tokens: keep them in the text only to find the reasoning span.
+    raw = tok.decode(text_ids, skip_special_tokens=markers is None)
+    content, reasoning, source = split_reasoning({"content": raw}, markers)
+    if markers is not None:
+        for special in tok.all_special_tokens:
+            content = content.replace(special, "")
+    return {"role": "assistant", "content": content, "reasoning": reasoning, "reasoning_source": source,
+            "token_ids": ids}
+
+
+def run_inprocess(recipe: Recipe, run: Run) -> dict:
     import torch
     from tqdm import tqdm
 
@@ -105,7 +188,7 @@ def run(recipe: Recipe, run: Run) -> dict:
     tok = target.tokenizer
     out_path = run.path / CONVERSATIONS
     done = finished_ids(out_path)
-    chosen, too_long = select_prompts(recipe, target, "train", recipe.data.num_train)
+    chosen, too_long = select_prompts(recipe, target, "train", num_samples(recipe))
     pending = [c for c in chosen if c["id"] not in done]
     # Similar lengths in one batch waste less compute on padding.
     pending.sort(key=lambda c: len(c["prompt_ids"]))
@@ -113,6 +196,8 @@ def run(recipe: Recipe, run: Run) -> dict:
     generated_tokens = 0
     stopped = 0
     gen_seconds = 0.0
+    sampling = {"temperature": cfg.temperature, "top_p": cfg.top_p, "max_new_tokens": cfg.max_new_tokens,
+                "seed": cfg.seed, "dtype": cfg.dtype}
     if pending:
         model = target.load_model(cfg.dtype)
         torch.manual_seed(cfg.seed)
@@ -125,17 +210,14 @@ def run(recipe: Recipe, run: Run) -> dict:
                                          tok.pad_token_id, cfg)
                 gen_seconds += time.time() - t0
                 for conv, (ids, finish) in zip(batch, answers):
-                    text_ids = ids[:-1] if finish == "stop" else ids
                     record = {
                         "id": conv["id"],
                         "split": "train",
-                        "messages": conv["messages"] + [
-                            {"role": "assistant", "content": tok.decode(text_ids, skip_special_tokens=True)}],
-                        "answer_token_ids": ids,
+                        "messages": conv["messages"] + [_assistant_message(target, ids, finish)],
                         "finish_reason": finish,
                         "prompt_tokens": len(conv["prompt_ids"]),
                         "generator": {"kind": "inprocess", "target": target.describe()["fingerprint"],
-                                      "temperature": cfg.temperature, "max_new_tokens": cfg.max_new_tokens},
+                                      "sampling": sampling},
                     }
                     f.write(json.dumps(record, ensure_ascii=False) + "\n")
                     generated_tokens += len(ids)
@@ -150,3 +232,263 @@ def run(recipe: Recipe, run: Run) -> dict:
     metrics = {"tokens_per_s": round(generated_tokens / gen_seconds, 1) if gen_seconds else None}
     return run.record("gen", state="done", config=cfg, counts=counts, metrics=metrics,
                       seconds=time.time() - t_start)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# servers
+
+
+def user_turn_prefix(target: Target, system_prompt: str) -> list[int]:
+    """The token ids the target's own template puts before a user's words (Magpie's prompt)."""
+    tok = target.tokenizer
+    messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + [
+        {"role": "user", "content": _USER_SENTINEL}]
+    text = tok.apply_chat_template(messages, tokenize=False)
+    return tok.encode(text[: text.index(_USER_SENTINEL)], add_special_tokens=False)
+
+
+def _conversation_prompts(recipe: Recipe, target: Target, counts: Counter):
+    """Source conversations as (id, leading system messages, user turns), first turn within max_prompt_tokens."""
+    d, cfg = recipe.data, recipe.gen
+    for conv in prompts(d.source, "train", d.eval_fraction, d.split_seed):
+        system = [{"role": "system", "content": m["content"]} for m in conv["messages"][:1] if m["role"] == "system"]
+        if not system and cfg.system_prompt:
+            system = [{"role": "system", "content": cfg.system_prompt}]
+        users = [m["content"] for m in conv["messages"] if m["role"] == "user"]
+        if cfg.max_turns:
+            users = users[: cfg.max_turns]
+        first = system + [{"role": "user", "content": users[0]}]
+        if len(target.chat_ids(first, add_generation_prompt=True)) > d.max_prompt_tokens:
+            counts["skipped_too_long"] += 1
+            continue
+        yield {"id": conv["id"], "system": system, "users": users}
+
+
+class ServerGen:
+    """One server-side gen run: ask, replay, check, save; stop early when the answers cannot be right."""
+
+    def __init__(self, recipe: Recipe, run: Run, target: Target):
+        self.recipe, self.cfg, self.target = recipe, recipe.gen, target
+        self.out_path = run.path / CONVERSATIONS
+        self.err_path = run.path / ERRORS
+        self.markers = target.thinking_markers
+        self.expect_reasoning = expects_reasoning(self.cfg, self.markers)
+        self.counts: Counter[str] = Counter()
+        self.recent_failed: deque[bool] = deque(maxlen=self.cfg.error_window)
+        self.recent_empty: deque[bool] = deque(maxlen=self.cfg.empty_reasoning_window)
+        self.tokens = 0
+        self.model = self.cfg.model
+
+    def sampling(self) -> dict:
+        """What every chat request asks for besides the messages (stored in the manifest and each record)."""
+        c = self.cfg
+        body = {"max_tokens": c.max_new_tokens, "temperature": c.temperature, "top_p": c.top_p, "seed": c.seed}
+        if c.chat_template_kwargs:
+            body["chat_template_kwargs"] = c.chat_template_kwargs
+        if c.reasoning_effort:
+            body["reasoning_effort"] = c.reasoning_effort
+        if c.return_token_ids:
+            body["return_token_ids"] = True
+        return body
+
+    async def _chat(self, pool: ServerPool, messages: list[dict]) -> tuple[dict, str | None, int | None, str]:
+        """One answer: (assistant message, finish reason, prompt tokens, endpoint)."""
+        wire = [{"role": m["role"], "content": m["content"]} for m in messages]
+        body, endpoint = await pool.post("/v1/chat/completions",
+                                         {"model": self.model, "messages": wire, **self.sampling()})
+        try:
+            choice = body["choices"][0]
+            message = choice["message"]
+        except (KeyError, IndexError, TypeError):
+            raise RequestFailed(f"malformed chat response: {json.dumps(body)[:300]}", endpoint=endpoint) from None
+        content, reasoning, source = split_reasoning(message, self.markers)
+        out = {"role": "assistant", "content": content, "reasoning": reasoning, "reasoning_source": source}
+        if choice.get("token_ids"):
+            out["token_ids"] = choice["token_ids"]
+        usage = body.get("usage") or {}
+        self.tokens += usage.get("completion_tokens") or len(out.get("token_ids", []))
+        return out, choice.get("finish_reason"), usage.get("prompt_tokens"), endpoint
+
+    async def _self_instruct_prompt(self, pool: ServerPool, attempt: int, prefix: list[int]) -> str | None:
+        """A user turn written by the target itself, or None when it came back unusable."""
+        body, _ = await pool.post("/v1/completions", {
+            "model": self.model, "prompt": prefix, "max_tokens": self.cfg.max_new_tokens,
+            "temperature": SELF_INSTRUCT_TEMPERATURE, "top_p": self.cfg.top_p, "seed": self.cfg.seed + attempt})
+        choice = (body.get("choices") or [{}])[0]
+        text = (choice.get("text") or "").strip()
+        # Cut off at max_tokens, the user turn never ended: not a prompt anyone wrote.
+        if not text or choice.get("finish_reason") != "stop":
+            return None
+        return text
+
+    async def _conversation(self, pool: ServerPool, item: dict) -> dict:
+        """Replay one conversation turn by turn; return its record (raise RequestFailed on failure)."""
+        messages = list(item["system"])
+        finish, prompt_tokens, endpoints = None, None, []
+        for turn, user in enumerate(item["users"]):
+            messages.append({"role": "user", "content": user})
+            answer, finish, turn_prompt_tokens, endpoint = await self._chat(pool, messages)
+            endpoints.append(endpoint)
+            prompt_tokens = turn_prompt_tokens if prompt_tokens is None else prompt_tokens
+            if self.expect_reasoning:
+                self.recent_empty.append(not answer["reasoning"])
+                if not answer["reasoning"]:
+                    self.counts["empty_reasoning"] += 1
+                    raise RequestFailed(f"empty reasoning at turn {turn} (expect_reasoning)", endpoint=endpoint)
+            messages.append(answer)
+        return {"id": item["id"], "split": "train", "messages": messages, "finish_reason": finish,
+                "prompt_tokens": prompt_tokens,
+                "generator": {"kind": "server", "endpoint": ",".join(dict.fromkeys(endpoints)),
+                              "model": self.model, "sampling": self.sampling()}}
+
+    async def _task(self, pool: ServerPool, item: dict, prefix: list[int] | None, claimed: set[str]):
+        try:
+            if "attempt" in item:  # self-instruct: the target writes the user turn first
+                text = await self._self_instruct_prompt(pool, item["attempt"], prefix)
+                if text is None:
+                    return "skip", "unusable", item
+                conv_id = "magpie-" + hashlib.sha256(" ".join(text.lower().split()).encode()).hexdigest()[:16]
+                if conv_id in claimed:
+                    return "skip", "duplicate", item
+                claimed.add(conv_id)
+                item = {"id": conv_id, "system": item["system"], "users": [text]}
+            return "ok", await self._conversation(pool, item), item
+        except RequestFailed as e:
+            return "error", e, item
+
+    def _failure_check(self, target_n: int) -> str | None:
+        """Why the run must stop now, or None."""
+        c = self.cfg
+        need = min(c.empty_reasoning_window, target_n)
+        if self.expect_reasoning and len(self.recent_empty) >= need:
+            empty = sum(self.recent_empty)
+            if empty > c.empty_reasoning_share * len(self.recent_empty):
+                return (f"{empty} of the last {len(self.recent_empty)} answers came back without reasoning "
+                        f"(threshold {c.empty_reasoning_share:.0%}), but this target is expected to reason. Likely "
+                        f"causes: the server was started without a reasoning parser (vLLM: --reasoning-parser "
+                        f"NAME; then the reasoning stays inline or is dropped), thinking is disabled in the chat "
+                        f"template (chat_template_kwargs {{\"enable_thinking\": true}}), or the server's reasoning "
+                        f"field is one this client does not know. Fix the server, or set "
+                        f"gen.expect_reasoning=false if the answers are meant to have none.")
+        need = min(c.error_window, target_n)
+        if len(self.recent_failed) >= need:
+            failed = sum(self.recent_failed)
+            if failed > c.max_error_share * len(self.recent_failed):
+                return (f"{failed} of the last {len(self.recent_failed)} conversations failed after retries "
+                        f"(threshold {c.max_error_share:.0%}); see {self.err_path} for the reasons")
+        return None
+
+    async def run(self, target_n: int, done: set[str], items=None) -> str | None:
+        """Save conversations until `target_n` are on disk; return why it stopped early (None when complete).
+
+        `items` ({"id", "system", "users"} each) replaces the recipe's data source (benchmarks use it).
+        """
+        from tqdm import tqdm
+
+        cfg = self.cfg
+        prefix = None
+        if cfg.self_instruct:
+            prefix = user_turn_prefix(self.target, cfg.system_prompt)
+            system = [{"role": "system", "content": cfg.system_prompt}] if cfg.system_prompt else []
+            items = ({"attempt": a, "system": system} for a in range(target_n * SELF_INSTRUCT_ATTEMPTS_PER_SAMPLE))
+        else:
+            source = items if items is not None else _conversation_prompts(self.recipe, self.target, self.counts)
+            items = (it for it in source if it["id"] not in done)
+        saved = len(done)
+        claimed = set(done)
+        stop = None
+        t0 = time.time()
+        bar = tqdm(total=target_n, initial=saved, desc="gen", unit="conv", dynamic_ncols=True)
+        async with ServerPool(cfg.endpoints, concurrency=cfg.concurrency, timeout_s=cfg.timeout_s,
+                              max_retries=cfg.max_retries, backoff_s=cfg.backoff_s,
+                              backoff_max_s=cfg.backoff_max_s, seed=cfg.seed) as pool:
+            if not self.model:
+                listed = await pool.get("/v1/models")
+                self.model = listed["data"][0]["id"]
+            in_flight: set[asyncio.Task] = set()
+            with open(self.out_path, "a", encoding="utf-8") as out, open(self.err_path, "a", encoding="utf-8") as err:
+                while saved < target_n and stop is None:
+                    # Never more in flight than slots, nor than conversations still wanted: the count is exact.
+                    while len(in_flight) < min(pool.slots, target_n - saved):
+                        item = next(items, None)
+                        if item is None:
+                            break
+                        in_flight.add(asyncio.create_task(self._task(pool, item, prefix, claimed)))
+                    if not in_flight:
+                        stop = (f"the source ran out: {saved} of {target_n} conversations saved"
+                                if not cfg.self_instruct else
+                                f"self-instruct gave up: {self.counts['duplicate'] + self.counts['unusable']} "
+                                f"unusable or duplicate user turns for {saved} saved")
+                        break
+                    finished, in_flight = await asyncio.wait(in_flight, return_when=asyncio.FIRST_COMPLETED)
+                    for task in finished:
+                        kind, value, item = task.result()
+                        if kind == "skip":
+                            self.counts[value] += 1
+                        elif kind == "ok":
+                            out.write(json.dumps(value, ensure_ascii=False) + "\n")
+                            out.flush()
+                            saved += 1
+                            self.recent_failed.append(False)
+                            bar.update(1)
+                        else:
+                            err.write(json.dumps({"id": item.get("id"), "reason": value.reason, "status": value.status,
+                                                  "attempts": value.attempts, "endpoint": value.endpoint,
+                                                  "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}) + "\n")
+                            err.flush()
+                            self.counts["failed"] += 1
+                            self.recent_failed.append(True)
+                    stop = stop or self._failure_check(target_n)
+                    elapsed = time.time() - t0
+                    bar.set_postfix(failed=self.counts["failed"], retries=sum(pool.retries.values()),
+                                    err=f"{sum(self.recent_failed) / max(len(self.recent_failed), 1):.1%}",
+                                    tok_s=f"{self.tokens / max(elapsed, 1e-9):.0f}")
+                for task in in_flight:
+                    task.cancel()
+                await asyncio.gather(*in_flight, return_exceptions=True)
+                os.fsync(out.fileno())
+        bar.close()
+        self.counts["saved_this_run"] = saved - len(done)
+        self.counts["requests"] = pool.requests
+        self.retries = dict(pool.retries)
+        return stop
+
+
+def run_server(recipe: Recipe, run: Run) -> dict:
+    cfg = recipe.gen
+    t_start = time.time()
+    target = Target(recipe.target.model, recipe.target.aux_layer_ids)
+    done = finished_ids(run.path / CONVERSATIONS)
+    target_n = num_samples(recipe)
+    if len(done) > target_n:
+        raise DataError(f"{run.path / CONVERSATIONS} already holds {len(done)} conversations, more than "
+                        f"gen.num_samples = {target_n}; raise it or use another run folder")
+    gen = ServerGen(recipe, run, target)
+    stop = asyncio.run(gen.run(target_n, done))
+    seconds = time.time() - t_start
+    saved = len(finished_ids(run.path / CONVERSATIONS))
+    counts = {"target": target_n, "records": saved, "already_done": len(done), **gen.counts,
+              "retries": gen.retries, "generated_tokens": gen.tokens}
+    new = gen.counts["saved_this_run"]
+    metrics = {"tokens_per_s": round(gen.tokens / seconds, 1) if seconds else None,
+               "samples_per_s": round(new / seconds, 3) if seconds else None}
+    requested = {"endpoints": cfg.endpoints, "model": gen.model, "sampling": gen.sampling(),
+                 "system_prompt": cfg.system_prompt, "self_instruct": cfg.self_instruct,
+                 "expect_reasoning": gen.expect_reasoning, "thinking_markers": gen.markers}
+    if stop is not None:
+        run.record("gen", state="failed" if saved < target_n else "done", config=cfg, counts=counts,
+                   metrics=metrics, seconds=seconds, extra={"requested": requested, "stopped": stop})
+        raise GenStopped(f"gen stopped: {stop} ({saved} of {target_n} saved in {run.path / CONVERSATIONS})")
+    entry = run.record("gen", state="done", config=cfg, counts=counts, metrics=metrics, seconds=seconds,
+                       extra={"requested": requested})
+    print(f"gen: {saved} conversations in {run.path / CONVERSATIONS} ({gen.counts['failed']} failed, "
+          f"{sum(gen.retries.values())} retries)\nnext: specdraft render --run {run.path}")
+    return entry
+
+
+def run(recipe: Recipe, run: Run) -> dict:
+    if recipe.gen.endpoints:
+        return run_server(recipe, run)
+    if recipe.gen.self_instruct:
+        raise ConfigError("gen.self_instruct asks a server's completions endpoint: give --endpoint URL")
+    return run_inprocess(recipe, run)

@@ -49,8 +49,8 @@ def render_conversation(target: Target, record: dict, max_length: int) -> tuple[
         # What the template puts after the end-of-turn token (e.g. "\n") is not the model's answer.
         end = segment.index(eos) + 1 if eos in segment else len(segment)
         answer, suffix = segment[:end], segment[end:]
-        if i == last_assistant and record.get("answer_token_ids"):
-            answer = list(record["answer_token_ids"])
+        if i == last_assistant and m.get("token_ids"):
+            answer = list(m["token_ids"])
             if answer[-1] != eos:
                 suffix = []  # cut at max_new_tokens: the turn never ended
         ids = ids + answer + suffix

@@ -88,7 +88,8 @@ def _validate_messages(messages, where: str) -> list[dict]:
     for j, m in enumerate(messages):
         if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
             raise DataError(f"{where}: message {j} needs role in {ROLES} and a string content, got {m!r:.80}")
-        out.append({"role": m["role"], "content": m["content"]})
+        # Other fields of a message (reasoning, the token ids gen kept) travel with it.
+        out.append(dict(m))
     return out
 
 
