@@ -144,6 +144,8 @@ class ChatTemplate:
         probes alike there; the one the template's source names is the one it reads, and the one to
         pass where no copying happens (older transformers, other renderers).
         """
+        from jinja2 import TemplateError
+
         rendered = []
         for name in REASONING_FIELDS:
             probe = [{"role": "user", "content": "?"},
@@ -151,16 +153,16 @@ class ChatTemplate:
             try:
                 if PROBE_REASONING in self.text(probe, add_generation_prompt=False):
                     rendered.append(name)
-            except Exception:  # a template may reject a field it does not know (raise_exception)
+            except TemplateError:  # a template may reject a field it does not know (raise_exception)
                 continue
         source = self.tokenizer.chat_template or ""
         named = [name for name in rendered if re.search(rf"\b{name}\b", source)]
         return (named or rendered or [None])[0]
 
-    def message(self, m: dict, with_reasoning: bool = True) -> dict:
+    def message(self, m: dict) -> dict:
         """A record's message as the template takes it: role, content and the reasoning field it reads."""
         out = {"role": m["role"], "content": m["content"]}
-        if with_reasoning and m["role"] == "assistant" and m.get("reasoning") and self.reasoning_field:
+        if m["role"] == "assistant" and m.get("reasoning") and self.reasoning_field:
             out[self.reasoning_field] = m["reasoning"]
         return out
 
