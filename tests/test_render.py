@@ -143,6 +143,14 @@ def test_thinking_templates_render_each_turn_as_the_model_generated_it(fmt, make
             [0] * len(template.encode(after))
 
 
+def test_a_prompt_that_opens_the_think_block_gets_it_closed_even_without_reasoning(make_template):
+    template = make_template("deepseek-r1")
+    r = render_conversation(template, thinking_conversation(with_reasoning=False), max_length=100_000)
+    eos = template.tokenizer.convert_tokens_to_ids("<｜end▁of▁sentence｜>")
+    assert r.mismatches == []
+    assert masked(r.samples[0]) == template.encode(f"\n</think>\n\n{ANSWERS[0]}") + [eos]
+
+
 def test_the_targets_own_ids_are_trained_and_retokenization_is_reported(target):
     template = ChatTemplate.of_target(target)
     tok = target.tokenizer

@@ -195,7 +195,9 @@ class ChatTemplate:
         if shell_text.count(PLACEHOLDER) != 1:
             raise RenderError("the chat template does not render an assistant answer once, as it is given")
         head, tail = shell_text.split(PLACEHOLDER)
-        if reasoning and not self.reasoning_field:
+        # A prompt that opens the think block (DeepSeek-R1) makes the target write one, even an empty one.
+        opens_thinking = bool(self.markers) and prompt_text.rstrip().endswith(self.markers[0])
+        if (reasoning or opens_thinking) and not self.reasoning_field:
             if not self.markers:
                 raise RenderError("the turn has reasoning, but the chat template ignores it and the target "
                                   "has no thinking markers to wrap it in")
