@@ -52,6 +52,8 @@ WRAP_AFTER_END = "\n\n"
 # Mismatch examples kept in the manifest (the counts cover all of them).
 MAX_EXAMPLES = 20
 VERIFY_TIMEOUT_S = 60.0
+# Connection attempts per /tokenize request: a server busy starting or restarting refuses a few.
+VERIFY_CONNECT_RETRIES = 3
 
 
 class RenderError(DataError):
@@ -302,13 +304,17 @@ def render_conversation(template: ChatTemplate, record: dict, max_length: int) -
     return out
 
 
+def verify_client():
+    import httpx
+
+    return httpx.Client(timeout=VERIFY_TIMEOUT_S, transport=httpx.HTTPTransport(retries=VERIFY_CONNECT_RETRIES))
+
+
 def verify_with_server(template: ChatTemplate, record: dict, url: str, model: str | None = None,
                        client=None) -> list[Mismatch]:
     """Compare each assistant turn's generation prompt with the server's own tokenization of it
     (vLLM's `/tokenize` with `messages`; it passes an assistant message's `reasoning` to the template)."""
-    import httpx
-
-    client = client or httpx.Client(timeout=VERIFY_TIMEOUT_S)
+    client = client or verify_client()
     messages = record["messages"]
     found = []
     for i, m in enumerate(messages):
@@ -343,7 +349,6 @@ def _template_kwargs(recipe: Recipe) -> dict:
 
 
 def run(recipe: Recipe, run: Run) -> dict:
-    import httpx
     import torch
     from safetensors.torch import save_file
     from tqdm import tqdm
@@ -359,7 +364,7 @@ def run(recipe: Recipe, run: Run) -> dict:
               "retokenized_differs": 0, "template_mismatches": 0, "skipped_mismatch": 0,
               "skipped_no_answer": 0, "vllm_checked": 0, "vllm_mismatches": 0}
     examples: list[str] = []
-    client = httpx.Client(timeout=VERIFY_TIMEOUT_S) if cfg.verify_endpoint else None
+    client = verify_client() if cfg.verify_endpoint else None
 
     def keep(ms: list[Mismatch]) -> None:
         examples.extend(str(x) for x in ms[: MAX_EXAMPLES - len(examples)])
