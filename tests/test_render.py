@@ -233,3 +233,27 @@ def test_sources_keep_the_gen_fields_and_name_a_bad_line(tmp_path):
     assert next(records)["messages"][1] == good["messages"][1]
     with pytest.raises(DataError, match=rf"{path}:2: message 1 field 'token_ids'"):
         next(records)
+
+
+def test_the_stage_names_the_file_and_conversation_it_cannot_render(tmp_path, tiny_recipe, capsys):
+    from specdraft.cli import main
+    from specdraft.config import load_recipe
+    from specdraft.run import Run
+
+    run = Run(tmp_path / "run")
+    run.init(load_recipe(str(tiny_recipe)))
+    run.record("gen", state="done")
+    plain = {"id": "plain", "messages": [{"role": "user", "content": "Hi"},
+                                         {"role": "assistant", "content": "Hello!"}]}
+    path = run.path / "conversations.jsonl"
+    path.write_text(json.dumps(plain) + "\n" + json.dumps(thinking_conversation()) + "\n")
+    assert main(["render", "--run", str(run.path)]) == 2
+    err = capsys.readouterr().err
+    assert f"{path}: conversation think-1 turn 1:" in err and "thinking markers" in err
+    assert run.stage("render")["state"] == "failed"
+    path.write_text(json.dumps(plain) + "\n")
+    assert main(["render", "--run", str(run.path)]) == 0
+    entry = run.stage("render")
+    assert entry["counts"]["samples"] == 1 and entry["counts"]["turns_with_token_ids"] == 0
+    assert entry["metrics"]["retokenized_differs_share"] is None
+    assert "next: specdraft extract" in capsys.readouterr().out
