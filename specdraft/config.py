@@ -90,6 +90,9 @@ class GenConfig:
 @dataclass
 class RenderConfig:
     max_length: int = 2048
+    # A vLLM server serving the target (its base URL); when set, every turn's prompt is also compared
+    # with the server's own tokenization (/tokenize) and mismatches are reported.
+    verify_endpoint: str = ""
 
 
 @dataclass

@@ -1,17 +1,31 @@
 """render: conversations -> input_ids + loss_mask through the target's own chat template.
 
-The drafter must see exactly the tokens the target sees when served, so the template is the
-tokenizer's own, and each assistant turn is placed after the tokens of the rendered prefix. Before
-a turn is appended, the rendered prefix must extend what was built so far; a template that renders
-earlier turns differently once later turns exist (template drift) is an error, not a silent skew.
-When gen kept the answer's token ids, they are used as they are instead of re-tokenized text.
+The drafter must see exactly the tokens the target sees when served. Each assistant turn is placed
+where the target generated it: after the template's generation prompt for the conversation so far
+(earlier turns rendered the way the template renders history at that moment), followed by the
+tokens the target produced for the turn — its own ids when gen kept them, else the turn as the
+template renders it, reasoning included. The loss mask covers the turn's reasoning, answer and
+end-of-turn token, nothing else.
+
+Templates that rewrite earlier turns (Qwen3, DeepSeek-R1, Kimi-K2 and gpt-oss drop the reasoning of
+finished turns) make a later prompt that no longer extends the tokens built so far. The turn is then
+trained in its own sample, whose context is the template's rewritten history (unmasked): every
+assistant turn is trained once, in the copy the target generated, in the context it was generated in.
+
+Reasoning goes in the message field the template reads (probed: `reasoning_content` for Qwen3,
+`thinking` for gpt-oss); a template that reads none gets it wrapped in the target's thinking markers.
+Every turn is verified against the template (the generation prompt must be a prefix of the rendered
+turn) and, with `render.verify_endpoint`, against a vLLM server's own tokenization; mismatches are
+reported with the first differing token.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import re
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..config import Recipe
@@ -21,85 +35,408 @@ from .generate import CONVERSATIONS
 from .sources import DataError, read_jsonl
 
 TOKENS_DIR = "tokens"
+# Fields templates read an assistant turn's reasoning from, probed in this order: Qwen3, DeepSeek and
+# Kimi templates read `reasoning_content`, gpt-oss reads `thinking`, vLLM >= 0.31 passes `reasoning`.
+REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+# Stands for an answer while locating a turn's end in the rendered text: private-use characters that
+# no template strips or rewrites and no real answer contains.
+PLACEHOLDER = "\ue000specdraft\ue001"
+PROBE_REASONING = "\ue002specdraft-reasoning\ue003"
+# Marker names looked for in the tokenizer when the target does not name its thinking markers.
+DEFAULT_THINKING_MARKERS = ("<think>", "</think>")
+# How reasoning is laid out between markers by templates that read no reasoning field: the layout
+# DeepSeek-R1 and Qwen3 models generate (`<think>\n...\n</think>\n\n` then the answer).
+WRAP_AFTER_START = "\n"
+WRAP_BEFORE_END = "\n"
+WRAP_AFTER_END = "\n\n"
+# Mismatch examples kept in the manifest (the counts cover all of them).
+MAX_EXAMPLES = 20
+VERIFY_TIMEOUT_S = 60.0
+# Connection attempts per /tokenize request: a server busy starting or restarting refuses a few.
+VERIFY_CONNECT_RETRIES = 3
 
 
-def render_conversation(target: Target, record: dict, max_length: int) -> tuple[list[int], list[int]]:
-    """Token ids and a loss mask (1 on assistant tokens and their end-of-turn token)."""
+class RenderError(DataError):
+    """A conversation the template cannot render as its target generated it."""
+
+
+class TemplateMismatch(RenderError):
+    """A turn whose rendering disagrees with the template, with no target ids to fall back on."""
+
+
+@dataclass
+class Mismatch:
+    """Two token sequences that should agree, and where they first differ."""
+
+    conversation: str
+    turn: int
+    kind: str  # "prefix" | "end" | "retokenized" | "vllm_prompt"
+    position: int
+    ours: str
+    theirs: str
+
+    def __str__(self) -> str:
+        return (f"conversation {self.conversation} turn {self.turn}: {self.kind} mismatch at token "
+                f"{self.position}: ours {self.ours} vs {self.theirs}")
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    """Index of the first position where a and b differ (the shorter length if one extends the other)."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+@dataclass
+class Turn:
+    prompt: list[int]  # the template's generation prompt for the conversation before the turn
+    body: list[int]  # what the target generates: reasoning + answer + end-of-turn token
+    after: list[int]  # what the template puts after the end-of-turn token (e.g. "\n"), not generated
+    end_id: int | None  # the end-of-turn token, when the template ends turns with one
+    mismatch: tuple[str, int, list[int], list[int]] | None = None  # (kind, position, ours, template's)
+
+
+class ChatTemplate:
+    """A tokenizer's chat template, with what render needs to know about it.
+
+    `markers` are the target's thinking markers; None looks them up in the tokenizer.
+    `template_kwargs` pass to the template as the server passed them (e.g. enable_thinking).
+    """
+
+    def __init__(self, tokenizer, markers: tuple[str, str] | None = None, template_kwargs: dict | None = None):
+        self.tokenizer = tokenizer
+        self.template_kwargs = dict(template_kwargs or {})
+        if markers is None:
+            vocab = tokenizer.get_added_vocab()
+            markers = DEFAULT_THINKING_MARKERS if all(m in vocab for m in DEFAULT_THINKING_MARKERS) else None
+        self.markers = tuple(markers) if markers else None
+        self.special = set(tokenizer.all_special_ids) | set(tokenizer.get_added_vocab().values())
+        self.reasoning_field = self._probe_reasoning_field()
+
+    @classmethod
+    def of_target(cls, target: Target, template_kwargs: dict | None = None) -> "ChatTemplate":
+        return cls(target.tokenizer, target.thinking_markers, template_kwargs)
+
+    @property
+    def sha256(self) -> str:
+        return hashlib.sha256((self.tokenizer.chat_template or "").encode()).hexdigest()[:16]
+
+    def describe(self) -> dict:
+        return {"reasoning": self.reasoning_field or ("wrapped" if self.markers else "unsupported"),
+                "thinking_markers": list(self.markers) if self.markers else None,
+                "template_kwargs": self.template_kwargs, "chat_template_sha256": self.sha256}
+
+    def text(self, messages: list[dict], add_generation_prompt: bool) -> str:
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                  tokenize=False, **self.template_kwargs)
+
+    def encode(self, text: str) -> list[int]:
+        # The template writes the special tokens itself (bos included), as apply_chat_template does.
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def decode_at(self, ids: list[int], i: int) -> str:
+        return f"{self.tokenizer.decode([ids[i]])!r} ({ids[i]})" if i < len(ids) else "<end>"
+
+    def _probe_reasoning_field(self) -> str | None:
+        """The assistant-message field this template renders reasoning from, if any.
+
+        transformers (5.2x) copies any of these fields into the others before rendering, so every one
+        probes alike there; the one the template's source names is the one it reads, and the one to
+        pass where no copying happens (older transformers, other renderers).
+        """
+        from jinja2 import TemplateError
+
+        rendered = []
+        for name in REASONING_FIELDS:
+            probe = [{"role": "user", "content": "?"},
+                     {"role": "assistant", "content": PLACEHOLDER, name: PROBE_REASONING}]
+            try:
+                if PROBE_REASONING in self.text(probe, add_generation_prompt=False):
+                    rendered.append(name)
+            except TemplateError:  # a template may reject a field it does not know (raise_exception)
+                continue
+        source = self.tokenizer.chat_template or ""
+        named = [name for name in rendered if re.search(rf"\b{name}\b", source)]
+        return (named or rendered or [None])[0]
+
+    def message(self, m: dict) -> dict:
+        """A record's message as the template takes it: role, content and the reasoning field it reads."""
+        out = {"role": m["role"], "content": m["content"]}
+        if m["role"] == "assistant" and m.get("reasoning") and self.reasoning_field:
+            out[self.reasoning_field] = m["reasoning"]
+        return out
+
+    def history(self, messages: list[dict]) -> list[dict]:
+        return [self.message(m) for m in messages]
+
+    def prompt_ids(self, before: list[dict]) -> list[int]:
+        return self.encode(self.text(self.history(before), add_generation_prompt=True))
+
+    def _wrap(self, head: str, reasoning: str) -> str:
+        """`head` (the rendered turn up to its answer) with the reasoning in the thinking markers."""
+        start, end = self.markers
+        laid_out = WRAP_AFTER_START + reasoning.strip("\n") + WRAP_BEFORE_END
+        empty = re.search(re.escape(start) + r"(\s*)" + re.escape(end) + r"(\s*)$", head)
+        if empty:
+            # The template writes an empty think block before the answer (Kimi-K2 writes `<think></think>`):
+            # fill it in place, with the reasoning laid out as tightly as the empty block is.
+            inner = laid_out if empty.group(1) else reasoning
+            return head[: empty.start()] + start + inner + end + empty.group(2)
+        return head + start + laid_out + end + WRAP_AFTER_END
+
+    def turn(self, before: list[dict], m: dict) -> Turn:
+        """Assistant message `m` after `before`, as the target generated it, checked against the template."""
+        history = self.history(before)
+        prompt_text = self.text(history, add_generation_prompt=True)
+        prompt = self.encode(prompt_text)
+        reasoning = m.get("reasoning") or ""
+        shell = {**self.message(m), "content": PLACEHOLDER}
+        shell_text = self.text(history + [shell], add_generation_prompt=False)
+        if shell_text.count(PLACEHOLDER) != 1:
+            raise RenderError("the chat template does not render an assistant answer once, as it is given")
+        head, tail = shell_text.split(PLACEHOLDER)
+        # A prompt that opens the think block (DeepSeek-R1) makes the target write one, even an empty one.
+        opens_thinking = bool(self.markers) and prompt_text.rstrip().endswith(self.markers[0])
+        if (reasoning or opens_thinking) and not self.reasoning_field:
+            if not self.markers:
+                raise RenderError("the turn has reasoning, but the chat template ignores it and the target "
+                                  "has no thinking markers to wrap it in")
+            full_text = self._wrap(head, reasoning) + m["content"] + tail
+        else:
+            full_text = self.text(history + [self.message(m)], add_generation_prompt=False)
+        tail_ids = self.encode(tail)
+        end_id = tail_ids[0] if tail_ids and tail_ids[0] in self.special else None
+        after = tail_ids[1:] if end_id is not None else tail_ids
+        mismatch = None
+        if not full_text.startswith(prompt_text):
+            full = self.encode(full_text)
+            pos = first_difference(full[: len(prompt)], prompt)
+            mismatch = ("prefix", len(prompt) if pos is None else pos, full, prompt)
+            generated = full_text[len(prompt_text):]
+        elif not full_text.endswith(tail):
+            generated = full_text[len(prompt_text):]
+            ours = prompt + self.encode(generated)
+            mismatch = ("end", len(ours), ours, ours + tail_ids)
+        else:
+            generated = full_text[len(prompt_text): len(full_text) - len(tail)]
+        # The served target reads the prompt's tokens and generates after them, so the turn is
+        # tokenized on its own, not merged with the prompt's last characters.
+        body = self.encode(generated) + ([end_id] if end_id is not None else [])
+        return Turn(prompt, body, after, end_id, mismatch)
+
+
+@dataclass
+class Rendered:
+    """One conversation's samples and what rendering it found."""
+
+    samples: list[tuple[list[int], list[int]]] = field(default_factory=list)
+    turns: int = 0
+    reasoning_turns: int = 0
+    turns_with_ids: int = 0
+    retokenized_differs: int = 0
+    mismatches: list[Mismatch] = field(default_factory=list)
+
+
+def own_token_ids(record: dict, messages: list[dict], i: int) -> list[int] | None:
+    """The ids the target produced for assistant turn i: the turn's `token_ids`, or (older records)
+    the record-level `answer_token_ids` of the last assistant turn."""
+    ids = messages[i].get("token_ids")
+    if ids:
+        return list(ids)
+    last = max(j for j, m in enumerate(messages) if m["role"] == "assistant")
+    if i == last and record.get("answer_token_ids"):
+        return list(record["answer_token_ids"])
+    return None
+
+
+def render_conversation(template: ChatTemplate, record: dict, max_length: int) -> Rendered:
+    """Samples (input_ids, loss_mask) of one conversation; usually one, more when the template rewrites
+    earlier turns (see the module docstring)."""
     messages = record["messages"]
-    eos = target.eos_token_id
-    last_assistant = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=None)
-    if last_assistant is None:
-        raise DataError(f"conversation {record['id']}: no assistant turn to learn from")
+    cid = record["id"]
+    out = Rendered()
     ids: list[int] = []
     mask: list[int] = []
-    for i, m in enumerate(messages[: last_assistant + 1]):
+    for i, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
-        prefix = target.chat_ids(messages[:i], add_generation_prompt=True)
-        if prefix[: len(ids)] != ids:
-            raise DataError(f"conversation {record['id']}: the chat template renders turn {i} with a prefix "
-                            f"that differs from the earlier turns (template drift)")
-        mask += [0] * (len(prefix) - len(ids))
-        ids = prefix
-        turn = target.chat_ids(messages[: i + 1], add_generation_prompt=False)
-        if turn[: len(prefix)] != prefix:
-            raise DataError(f"conversation {record['id']}: the template renders turn {i} differently with "
-                            f"and without the generation prompt (template drift)")
-        segment = turn[len(prefix):]
-        # What the template puts after the end-of-turn token (e.g. "\n") is not the model's answer.
-        end = segment.index(eos) + 1 if eos in segment else len(segment)
-        answer, suffix = segment[:end], segment[end:]
-        if i == last_assistant and m.get("token_ids"):
-            answer = list(m["token_ids"])
-            if answer[-1] != eos:
-                suffix = []  # cut at max_new_tokens: the turn never ended
-        ids = ids + answer + suffix
-        mask += [1] * len(answer) + [0] * len(suffix)
-    return ids[:max_length], mask[:max_length]
+        try:
+            turn = template.turn(messages[:i], m)
+        except RenderError as e:
+            raise RenderError(f"conversation {cid} turn {i}: {e}") from None
+        out.turns += 1
+        out.reasoning_turns += bool(m.get("reasoning"))
+        own = own_token_ids(record, messages, i)
+        if turn.mismatch:
+            kind, pos, ours, theirs = turn.mismatch
+            out.mismatches.append(Mismatch(cid, i, kind, pos, template.decode_at(ours, pos),
+                                           "template " + template.decode_at(theirs, pos)))
+            if own is None:
+                # Without the target's own ids there is no trustworthy copy of this turn.
+                raise TemplateMismatch(str(out.mismatches[-1]))
+        body = turn.body
+        if own is not None:
+            out.turns_with_ids += 1
+            stopped = turn.end_id is not None and own[-1] == turn.end_id
+            # A turn cut at max_new_tokens never produced its end token; its text re-tokenizes without it.
+            retokenized = body if stopped or turn.end_id is None else body[:-1]
+            pos = first_difference(own, retokenized)
+            if pos is not None:
+                out.retokenized_differs += 1
+                out.mismatches.append(Mismatch(cid, i, "retokenized", pos, template.decode_at(own, pos),
+                                               "re-tokenized " + template.decode_at(retokenized, pos)))
+            body = own
+            after = turn.after if stopped else []
+        else:
+            after = turn.after
+        if ids and turn.prompt[: len(ids)] != ids:
+            # The template renders the turns so far differently now (reasoning dropped, or the target's
+            # own ids differ from how the server re-tokenizes its history): they keep their own sample.
+            out.samples.append((ids, mask))
+            ids, mask = [], []
+        mask += [0] * (len(turn.prompt) - len(ids))
+        ids = turn.prompt + body + after
+        mask += [1] * len(body) + [0] * len(after)
+    out.samples.append((ids, mask))
+    out.samples = [(s[:max_length], k[:max_length]) for s, k in out.samples]
+    return out
+
+
+def verify_client():
+    import httpx
+
+    return httpx.Client(timeout=VERIFY_TIMEOUT_S, transport=httpx.HTTPTransport(retries=VERIFY_CONNECT_RETRIES))
+
+
+def verify_with_server(template: ChatTemplate, record: dict, url: str, model: str | None = None,
+                       client=None) -> list[Mismatch]:
+    """Compare each assistant turn's generation prompt with the server's own tokenization of it
+    (vLLM's `/tokenize` with `messages`; it passes an assistant message's `reasoning` to the template)."""
+    client = client or verify_client()
+    messages = record["messages"]
+    found = []
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        sent = [{"role": x["role"], "content": x["content"],
+                 **({"reasoning": x["reasoning"]} if x["role"] == "assistant" and x.get("reasoning") else {})}
+                for x in messages[:i]]
+        body = {"messages": sent, "add_generation_prompt": True}
+        if model:
+            body["model"] = model
+        if template.template_kwargs:
+            body["chat_template_kwargs"] = template.template_kwargs
+        response = client.post(url.rstrip("/") + "/tokenize", json=body)
+        if response.status_code != 200:
+            raise RenderError(f"{url}/tokenize answered {response.status_code}: {response.text[:300]}")
+        theirs = response.json()["tokens"]
+        ours = template.prompt_ids(messages[:i])
+        pos = first_difference(ours, theirs)
+        if pos is not None:
+            found.append(Mismatch(record["id"], i, "vllm_prompt", pos, template.decode_at(ours, pos),
+                                  "vLLM " + template.decode_at(theirs, pos)))
+    return found
+
+
+def _template_kwargs(recipe: Recipe) -> dict:
+    """What gen asked the template for (e.g. enable_thinking), so render sees the same template."""
+    kwargs = getattr(recipe.gen, "chat_template_kwargs", None) or {}
+    if isinstance(kwargs, str):
+        kwargs = json.loads(kwargs)
+    return dict(kwargs)
 
 
 def run(recipe: Recipe, run: Run) -> dict:
     import torch
     from safetensors.torch import save_file
+    from tqdm import tqdm
 
+    cfg = recipe.render
     t_start = time.time()
     run.require("gen")
     target = Target(recipe.target.model, recipe.target.aux_layer_ids)
-    tok = target.tokenizer
+    template = ChatTemplate.of_target(target, _template_kwargs(recipe))
     src = run.path / CONVERSATIONS
-    all_ids, all_mask, offsets, conv_ids = [], [], [0], []
-    empty = 0
-    for record in read_jsonl(src):
-        ids, mask = render_conversation(target, record, recipe.render.max_length)
-        if sum(mask) == 0:
-            empty += 1
+    all_ids, all_mask, offsets, sample_ids = [], [], [0], []
+    counts = {"conversations": 0, "samples": 0, "turns": 0, "reasoning_turns": 0, "turns_with_token_ids": 0,
+              "retokenized_differs": 0, "template_mismatches": 0, "skipped_mismatch": 0,
+              "skipped_no_answer": 0, "vllm_checked": 0, "vllm_mismatches": 0}
+    examples: list[str] = []
+    client = verify_client() if cfg.verify_endpoint else None
+
+    def keep(ms: list[Mismatch]) -> None:
+        examples.extend(str(x) for x in ms[: MAX_EXAMPLES - len(examples)])
+
+    for record in tqdm(read_jsonl(src), desc="render", unit="conv"):
+        counts["conversations"] += 1
+        try:
+            r = render_conversation(template, record, cfg.max_length)
+        except TemplateMismatch as e:
+            counts["skipped_mismatch"] += 1
+            counts["template_mismatches"] += 1
+            keep([e])
             continue
-        all_ids += ids
-        all_mask += mask
-        offsets.append(len(all_ids))
-        conv_ids.append(record["id"])
-    if not conv_ids:
-        raise DataError(f"{src}: no conversation with assistant tokens to render")
+        except RenderError as e:
+            raise RenderError(f"{src}: {e}") from None
+        for key, value in (("turns", r.turns), ("reasoning_turns", r.reasoning_turns),
+                           ("turns_with_token_ids", r.turns_with_ids),
+                           ("retokenized_differs", r.retokenized_differs)):
+            counts[key] += value
+        counts["template_mismatches"] += sum(x.kind in ("prefix", "end") for x in r.mismatches)
+        keep([x for x in r.mismatches if x.kind != "retokenized"])
+        if client is not None:
+            found = verify_with_server(template, record, cfg.verify_endpoint, client=client)
+            counts["vllm_checked"] += r.turns
+            counts["vllm_mismatches"] += len(found)
+            keep(found)
+        for k, (ids, mask) in enumerate(r.samples):
+            if sum(mask) == 0:
+                counts["skipped_no_answer"] += 1
+                continue
+            all_ids += ids
+            all_mask += mask
+            offsets.append(len(all_ids))
+            sample_ids.append(record["id"] if k == 0 else f"{record['id']}#{k}")
+    if not sample_ids:
+        raise DataError(f"{src}: no conversation with assistant tokens to render"
+                        + (f" (first problem: {examples[0]})" if examples else ""))
+    counts["samples"] = len(sample_ids)
     out = run.path / TOKENS_DIR
     out.mkdir(parents=True, exist_ok=True)
     with atomic_path(out / "tokens.safetensors") as tmp:
         save_file({"input_ids": torch.tensor(all_ids, dtype=torch.int32),
                    "loss_mask": torch.tensor(all_mask, dtype=torch.uint8),
                    "offsets": torch.tensor(offsets, dtype=torch.int64)}, str(tmp))
-    template = tok.chat_template or ""
     index = {
-        "ids": conv_ids,
-        "num_samples": len(conv_ids),
+        "ids": sample_ids,
+        "num_samples": len(sample_ids),
         "num_tokens": len(all_ids),
         "num_loss_tokens": int(sum(all_mask)),
-        "chat_template_sha256": hashlib.sha256(template.encode()).hexdigest()[:16],
+        "chat_template_sha256": template.sha256,
+        "template": template.describe(),
         "target": target.describe(),
     }
     write_json(out / "index.json", index)
-    counts = {"samples": len(conv_ids), "tokens": len(all_ids), "loss_tokens": index["num_loss_tokens"],
-              "skipped_no_answer": empty}
-    return run.record("render", state="done", config=recipe.render, counts=counts,
-                      seconds=time.time() - t_start)
+    counts.update({"tokens": len(all_ids), "loss_tokens": index["num_loss_tokens"]})
+    with_ids = counts["turns_with_token_ids"]
+    metrics = {
+        # FACTS.md: re-tokenizing SmolLM2's own answers changes 15 % of them; the ids avoid it.
+        "retokenized_differs_share": round(counts["retokenized_differs"] / with_ids, 4) if with_ids else None,
+        "template_mismatch_share": round(counts["template_mismatches"] / counts["turns"], 4) if counts["turns"] else None,
+        "vllm_mismatch_share": (round(counts["vllm_mismatches"] / counts["vllm_checked"], 4)
+                                if counts["vllm_checked"] else None),
+    }
+    for line in examples[:5]:
+        print(f"render: {line}")
+    print(f"render: {counts['samples']} samples from {counts['conversations']} conversations, "
+          f"{counts['loss_tokens']:,} loss tokens; re-tokenization differs on "
+          f"{counts['retokenized_differs']}/{with_ids} turns with the target's ids; "
+          f"{counts['template_mismatches']} template and {counts['vllm_mismatches']} vLLM mismatches")
+    print(f"next: specdraft extract --run {run.path}")
+    return run.record("render", state="done", config=cfg, counts=counts, metrics=metrics,
+                      seconds=time.time() - t_start,
+                      extra={"mismatches": examples, "template": template.describe()})
 
 
 def load_tokens(run_path: Path) -> tuple[dict, list[tuple[list[int], list[int]]]]:

@@ -21,6 +21,15 @@ SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt"
 ROLES = ("system", "user", "assistant")
 
 
+# Optional fields of a message (the gen record format): reasoning text, where the server put it, and the
+# token ids the target produced for the turn.
+MESSAGE_FIELDS = {
+    "reasoning": lambda v: v is None or isinstance(v, str),
+    "reasoning_source": lambda v: isinstance(v, str),
+    "token_ids": lambda v: isinstance(v, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in v),
+}
+
+
 class DataError(ValueError):
     """Input data that cannot be read; the message names the file (and line)."""
 
@@ -88,8 +97,14 @@ def _validate_messages(messages, where: str) -> list[dict]:
     for j, m in enumerate(messages):
         if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
             raise DataError(f"{where}: message {j} needs role in {ROLES} and a string content, got {m!r:.80}")
-        # Other fields of a message (reasoning, the token ids gen kept) travel with it.
-        out.append(dict(m))
+        kept = {"role": m["role"], "content": m["content"]}
+        # What gen recorded about an assistant turn travels with it to render.
+        for key, ok in MESSAGE_FIELDS.items():
+            if key in m:
+                if not ok(m[key]):
+                    raise DataError(f"{where}: message {j} field {key!r} has the wrong type, got {m[key]!r:.80}")
+                kept[key] = m[key]
+        out.append(kept)
     return out
 
 
