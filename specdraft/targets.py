@@ -205,10 +205,14 @@ class Target:
             "tokenizer_sha256": _sha256_file(tok_file)[:16] if tok_file.exists() else None,
         }
 
-    def load_model(self, dtype: str = "bfloat16", device: str = "cpu"):
+    def load_model(self, dtype: str = "bfloat16", device: str = "cpu", device_map: str | dict | None = None):
+        """The model on `device`, or placed layer by layer by a transformers `device_map` ("auto")."""
         import torch
         from transformers import AutoModelForCausalLM
 
+        if device_map:
+            model = AutoModelForCausalLM.from_pretrained(self.path, dtype=getattr(torch, dtype), device_map=device_map)
+            return model.eval()
         model = AutoModelForCausalLM.from_pretrained(self.path, dtype=getattr(torch, dtype))
         return model.to(device).eval()
 
