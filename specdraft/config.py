@@ -74,6 +74,11 @@ class ExtractConfig:
     # A transformers device_map ("auto" spreads a target too big for one GPU over the node's GPUs);
     # empty means the whole target on `device`.
     device_map: str = ""
+    # Who runs the target: "transformers" in this process, or "vllm" (a vLLM server driven through its
+    # extract_hidden_states speculative method, for targets only vLLM can run, e.g. with tensor parallelism).
+    backend: str = "transformers"
+    # Extra `vllm serve` arguments for the vllm backend ("--tensor-parallel-size,8").
+    vllm_args: list[str] = field(default_factory=list)
 
 
 @dataclass

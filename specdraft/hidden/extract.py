@@ -13,6 +13,8 @@ a thread while the next shard computes.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import hashlib
 import json
 import shutil
@@ -99,6 +101,82 @@ def forward_states(model, target: Target, rows: list[list[int]]):
     return aux, last
 
 
+class VllmStates:
+    """The vllm backend: the same states as `forward_states`, computed by a vLLM server.
+
+    vLLM's `extract_hidden_states` speculative method keeps the hidden states of the layers it is given
+    in a cache-only KV layer, and a KV connector writes each finished request's states [T, n, H] to a
+    safetensors file whose path the completion's `kv_transfer_params` names. Layer ids follow vLLM's
+    convention (id k = the residual after k layers = transformers' output_hidden_states[k]); id L is the
+    pre-norm residual, so the final norm is applied here to give the same `last` as the transformers
+    backend. On the CPU build the connector is specdraft's host-side subclass (vllm_connector.py).
+    """
+
+    def __init__(self, target: Target, cfg: ExtractConfig, work_dir: Path, max_model_len: int):
+        import torch
+
+        from ..evaluate.server import VllmServer
+
+        self.target = target
+        self.dir = Path(work_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        layer_ids = [*target.aux_layer_ids, target.num_layers]
+        on_gpu = torch.cuda.is_available()
+        connector = {"kv_connector": "ExampleHiddenStatesConnector" if on_gpu else "HostHiddenStatesConnector",
+                     "kv_role": "kv_producer", "kv_connector_extra_config": {"shared_storage_path": str(self.dir)}}
+        if not on_gpu:
+            connector["kv_connector_module_path"] = "specdraft.hidden.vllm_connector"
+        speculative = {"method": "extract_hidden_states", "num_speculative_tokens": 1,
+                       "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": layer_ids}}}
+        repo_root = Path(__file__).resolve().parents[2]
+        self.server = VllmServer(target.path, log_path=self.dir / "vllm.log", speculative=speculative,
+                                 max_model_len=max_model_len + 1, dtype=cfg.dtype,
+                                 extra=["--kv-transfer-config", json.dumps(connector), *cfg.vllm_args],
+                                 env={"PYTHONPATH": str(repo_root)})
+        self.norm_weight = target.read_tensor(f"{target.family.norm}.weight")
+        self.norm_eps = target.text_config.rms_norm_eps
+        self.dtype = getattr(torch, cfg.dtype)
+
+    def __enter__(self) -> "VllmStates":
+        self.server.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.stop()
+
+    def _one(self, row: list[int]):
+        import fcntl
+
+        import httpx
+        from safetensors.torch import load_file
+
+        r = httpx.post(f"{self.server.url}/v1/completions", timeout=600,
+                       json={"model": self.server.model, "prompt": row, "max_tokens": 1, "temperature": 0})
+        r.raise_for_status()
+        path = Path(r.json()["kv_transfer_params"]["hidden_states_path"])
+        lock = path.with_name(path.name + ".lock")
+        with open(lock) as f:
+            fcntl.flock(f, fcntl.LOCK_SH)  # the connector holds it exclusively until the file is written
+            data = load_file(str(path))
+        path.unlink()
+        lock.unlink()
+        if data["token_ids"].tolist() != row:
+            raise RuntimeError(f"{path}: vLLM returned the states of other tokens than were sent")
+        return data["hidden_states"]  # [T, n_aux + 1, H]
+
+    def forward(self, rows: list[list[int]]):
+        """Like forward_states: aux [N, n_aux*H] and final-norm last [N, H] of rows concatenated."""
+        import torch
+
+        with ThreadPoolExecutor(max_workers=len(rows)) as pool:  # concurrent requests: vLLM batches them
+            states = torch.cat(list(pool.map(self._one, rows)))  # [N, n_aux + 1, H]
+        aux = states[:, :-1].flatten(1).to(self.dtype)  # [N, n_aux*H]
+        pre = states[:, -1].float()  # [N, H]: the residual before the final norm
+        normed = pre * torch.rsqrt(pre.pow(2).mean(-1, keepdim=True) + self.norm_eps)
+        last = self.norm_weight.to(self.dtype) * normed.to(self.dtype)  # as transformers' RMSNorm rounds
+        return aux, last
+
+
 def to_host(tensors: dict) -> dict:
     """Device tensors -> host tensors; from a GPU, asynchronously into pinned memory (the caller
     synchronizes before reading them)."""
@@ -145,10 +223,6 @@ def check_disk(out: Path, need_bytes: int, margin: float, tokens: int, store_dty
 def extract(target: Target, samples: list[tuple[list[int], list[int]]], out: Path, cfg: ExtractConfig,
             model=None) -> dict:
     """Write the hidden states of `samples` as shards under `out` (resuming); return what it did."""
-    import torch
-    from safetensors.torch import save_file
-    from tqdm import tqdm
-
     if cfg.store_dtype not in STORE_DTYPES:
         raise ValueError(f"extract.store_dtype = {cfg.store_dtype!r}: expected one of {list(STORE_DTYPES)}")
     lengths = [len(ids) for ids, _ in samples]
@@ -199,50 +273,68 @@ def extract(target: Target, samples: list[tuple[list[int], list[int]]], out: Pat
 
     stats = {"tokens_written": todo_tokens, "shards_written": len(todo), "bytes_written": 0, "seconds": 0.0}
     if todo:
-        model = model if model is not None else load_target_model(target, cfg)
-        num_aux = len(target.aux_layer_ids)
-        bar = tqdm(total=todo_tokens, desc="extract", unit="tok", unit_scale=True)
-        writer = ThreadPoolExecutor(max_workers=1)  # one shard written while the next one computes
-        pending = None
-
-        def write(n: int, parts: list[dict], event) -> int:
-            if event is not None:
-                event.synchronize()
-            tensors = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
-            with atomic_path(out / shard_name(n)) as tmp:
-                save_file(tensors, str(tmp), metadata={"plan": plans[n]})
-            return (out / shard_name(n)).stat().st_size
-
-        t0 = time.time()
-        for n in todo:
-            parts = []
-            for batch in token_batches(shards[n], lengths, cfg.batch_tokens):
-                rows = [samples[i][0] for i in batch]
-                aux, last = forward_states(model, target, rows)
-                stored = encode_states(aux, last, cfg.store_dtype, num_aux)
-                parts.append(to_host(stored))
-                parts[-1]["input_ids"] = torch.tensor([t for r in rows for t in r], dtype=torch.int32)
-                parts[-1]["loss_mask"] = torch.tensor([m for i in batch for m in samples[i][1]], dtype=torch.uint8)
-                bar.update(sum(lengths[i] for i in batch))
-            event = None
-            if torch.cuda.is_available() and any(t.is_pinned() for t in parts[0].values()):
-                event = torch.cuda.Event()
-                event.record()
-            if pending is not None:
-                stats["bytes_written"] += pending.result()
-                bar.set_postfix(written=f"{stats['bytes_written'] / GB:.2f} GB")
-            pending = writer.submit(write, n, parts, event)
-        if pending is not None:
-            stats["bytes_written"] += pending.result()
-        writer.shutdown()
-        stats["seconds"] = time.time() - t0
-        bar.set_postfix(written=f"{stats['bytes_written'] / GB:.2f} GB")
-        bar.close()
+        with contextlib.ExitStack() as stack:
+            if cfg.backend == "vllm":
+                server = stack.enter_context(VllmStates(target, cfg, out / ".vllm", max(lengths)))
+                forward = server.forward
+            elif cfg.backend == "transformers":
+                model = model if model is not None else load_target_model(target, cfg)
+                forward = functools.partial(forward_states, model, target)
+            else:
+                raise ValueError(f"extract.backend = {cfg.backend!r}: expected 'transformers' or 'vllm'")
+            _write_shards(forward, samples, lengths, shards, todo, plans, out, cfg, len(target.aux_layer_ids),
+                          stats)
     index["state"] = "done"
     write_json(out / INDEX, index)
     stats.update(samples=len(samples), tokens=total, shards=len(shards), bytes_per_token=bpt,
                  disk_bytes=sum((out / s["name"]).stat().st_size for s in index["shards"]))
     return stats
+
+
+def _write_shards(forward, samples, lengths, shards, todo, plans, out: Path, cfg: ExtractConfig, num_aux: int,
+                  stats: dict) -> None:
+    """Compute the `todo` shards batch by batch with `forward` and write each one (in a thread)."""
+    import torch
+    from safetensors.torch import save_file
+    from tqdm import tqdm
+
+    bar = tqdm(total=stats["tokens_written"], desc="extract", unit="tok", unit_scale=True)
+    writer = ThreadPoolExecutor(max_workers=1)  # one shard written while the next one computes
+    pending = None
+
+    def write(n: int, parts: list[dict], event) -> int:
+        if event is not None:
+            event.synchronize()
+        tensors = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+        with atomic_path(out / shard_name(n)) as tmp:
+            save_file(tensors, str(tmp), metadata={"plan": plans[n]})
+        return (out / shard_name(n)).stat().st_size
+
+    t0 = time.time()
+    for n in todo:
+        parts = []
+        for batch in token_batches(shards[n], lengths, cfg.batch_tokens):
+            rows = [samples[i][0] for i in batch]
+            aux, last = forward(rows)
+            stored = encode_states(aux, last, cfg.store_dtype, num_aux)
+            parts.append(to_host(stored))
+            parts[-1]["input_ids"] = torch.tensor([t for r in rows for t in r], dtype=torch.int32)
+            parts[-1]["loss_mask"] = torch.tensor([m for i in batch for m in samples[i][1]], dtype=torch.uint8)
+            bar.update(sum(lengths[i] for i in batch))
+        event = None
+        if torch.cuda.is_available() and any(t.is_pinned() for t in parts[0].values()):
+            event = torch.cuda.Event()
+            event.record()
+        if pending is not None:
+            stats["bytes_written"] += pending.result()
+            bar.set_postfix(written=f"{stats['bytes_written'] / GB:.2f} GB")
+        pending = writer.submit(write, n, parts, event)
+    if pending is not None:
+        stats["bytes_written"] += pending.result()
+    writer.shutdown()
+    stats["seconds"] = time.time() - t0
+    bar.set_postfix(written=f"{stats['bytes_written'] / GB:.2f} GB")
+    bar.close()
 
 
 def run(recipe: Recipe, run: Run) -> dict:
