@@ -32,7 +32,7 @@ from specdraft import environment  # noqa: E402
 from specdraft.config import ExtractConfig  # noqa: E402
 from specdraft.hidden.extract import (extract, forward_states, input_device, load_target_model,  # noqa: E402
                                       plan_shards, resolve_device)
-from specdraft.hidden.store import bytes_per_token, token_batches  # noqa: E402
+from specdraft.hidden.store import disk_bytes_per_token, token_batches  # noqa: E402
 from specdraft.targets import Target, get_attr  # noqa: E402
 
 # Batches timed before measuring: kernel selection, allocator warm-up, first-call overheads.
@@ -193,7 +193,7 @@ def main(argv: list[str] | None = None) -> dict:
     else:
         model = load_target_model(target, cfg)
     lengths = [len(ids) for ids, _ in samples]
-    bpt = bytes_per_token(len(target.aux_layer_ids) + 1, target.hidden_size, cfg.store_dtype)
+    bpt = disk_bytes_per_token(len(target.aux_layer_ids) + 1, target.hidden_size, cfg.store_dtype)
     batches = [b for shard in plan_shards(lengths, bpt, cfg.shard_bytes)
                for b in token_batches(shard, lengths, cfg.batch_tokens)]
     tokens = sum(lengths)
@@ -229,6 +229,7 @@ def main(argv: list[str] | None = None) -> dict:
         "forward_tokens_per_s": round(forward_tps, 1),
         "ratio": round(extract_tps / forward_tps, 3),
         "bytes_per_token": stats["bytes_per_token"],
+        "disk_bytes_per_token": stats["disk_bytes_per_token"],
         "gb_written": round(stats["bytes_written"] / 1e9, 3),
         "mb_per_s_written": round(stats["bytes_written"] / 1e6 / stats["seconds"], 1),
         "render_s": round(render_s, 1),

@@ -112,7 +112,8 @@ def test_index_ties_samples_layers_and_target(bf16_run, target):
     assert index["state"] == "done" and index["store_dtype"] == "bfloat16"
     assert index["aux_layer_ids"] == [2, 15, 27] and index["last"] == "final_norm_output"
     assert index["target"]["fingerprint"] == target.fingerprint()
-    assert index["bytes_per_token"] == bytes_per_token(4, 576, "bfloat16") == 4 * 576 * 2 + 5
+    assert index["bytes_per_token"] == bytes_per_token(4, 576, "bfloat16") == 4 * 576 * 2
+    assert index["disk_bytes_per_token"] == 4 * 576 * 2 + 5  # + int32 id + uint8 loss mask
     assert len(index["shards"]) > 2, "the test needs several shards"
     assert sum(s["tokens"] for s in index["shards"]) == sum(len(ids) for ids, _ in samples)
     # Offsets tile each shard exactly: samples sorted by offset run back to back from 0.
@@ -271,7 +272,7 @@ def test_online_gives_the_disk_tensors(bf16_run):
     assert len(online) == len(disk) and online.aux_layer_ids == disk.aux_layer_ids
     assert online.hidden_size == disk.hidden_size and online.lengths == disk.lengths
     index = json.loads((bf16_run.path / HIDDEN_DIR / INDEX).read_text())
-    shards = ex.plan_shards(disk.lengths, index["bytes_per_token"], SHARD_BYTES)
+    shards = ex.plan_shards(disk.lengths, index["disk_bytes_per_token"], SHARD_BYTES)
     same = [b for m in shards for b in token_batches(m, disk.lengths, recipe.extract.batch_tokens)]
     other = [[0, 6, 11], [1, 2, 3, 4, 5], [7, 8, 9, 10]]
     for batches, exact in ((same, True), (other, False)):

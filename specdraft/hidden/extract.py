@@ -26,8 +26,8 @@ from ..config import ExtractConfig, Recipe
 from ..data.render import load_tokens
 from ..run import Run, atomic_path, write_json
 from ..targets import Target, get_attr, tap_hidden_states
-from .store import (HIDDEN_DIR, INDEX, STORE_DTYPES, _read_ahead, bytes_per_token, encode_states, shard_header,
-                    shard_name, token_batches)
+from .store import (HIDDEN_DIR, INDEX, STORE_DTYPES, _read_ahead, bytes_per_token, disk_bytes_per_token,
+                    encode_states, shard_header, shard_name, token_batches)
 
 # Format of index.json and the shards; bumped when the layout changes so old shards are redone.
 FORMAT = 2
@@ -227,7 +227,7 @@ def extract(target: Target, samples: list[tuple[list[int], list[int]]], out: Pat
         raise ValueError(f"extract.store_dtype = {cfg.store_dtype!r}: expected one of {list(STORE_DTYPES)}")
     lengths = [len(ids) for ids, _ in samples]
     n_states = len(target.aux_layer_ids) + 1
-    bpt = bytes_per_token(n_states, target.hidden_size, cfg.store_dtype)
+    bpt = disk_bytes_per_token(n_states, target.hidden_size, cfg.store_dtype)
     out.mkdir(parents=True, exist_ok=True)
     for stale in out.glob(".shard-*.tmp-*"):  # left by a killed run: never renamed, never valid
         stale.unlink()
@@ -248,7 +248,8 @@ def extract(target: Target, samples: list[tuple[list[int], list[int]]], out: Pat
         "hidden_size": target.hidden_size,
         "dtype": cfg.dtype,
         "store_dtype": cfg.store_dtype,
-        "bytes_per_token": bpt,
+        "bytes_per_token": bytes_per_token(n_states, target.hidden_size, cfg.store_dtype),  # hidden states only
+        "disk_bytes_per_token": bpt,  # with the token id and loss mask
         "target": desc,
         "shards": [{"name": shard_name(n), "tokens": sum(lengths[i] for i in m), "samples": len(m), "plan": p}
                    for n, (m, p) in enumerate(zip(shards, plans))],
@@ -264,7 +265,7 @@ def extract(target: Target, samples: list[tuple[list[int], list[int]]], out: Pat
     total = sum(lengths)
     alt = None
     if cfg.store_dtype != "fp8_e4m3":
-        alt = todo_tokens * bytes_per_token(n_states, target.hidden_size, "fp8_e4m3")
+        alt = todo_tokens * disk_bytes_per_token(n_states, target.hidden_size, "fp8_e4m3")
     print(f"extract: {len(samples)} samples, {total:,} tokens x {bpt:,} bytes/token ({cfg.store_dtype}) = "
           f"{total * bpt / GB:.2f} GB in {len(shards)} shards; {len(todo)} to write "
           f"({todo_tokens * bpt / GB:.2f} GB), {shutil.disk_usage(out).free / GB:.1f} GB free", flush=True)
@@ -286,7 +287,8 @@ def extract(target: Target, samples: list[tuple[list[int], list[int]]], out: Pat
                           stats)
     index["state"] = "done"
     write_json(out / INDEX, index)
-    stats.update(samples=len(samples), tokens=total, shards=len(shards), bytes_per_token=bpt,
+    stats.update(samples=len(samples), tokens=total, shards=len(shards), bytes_per_token=index["bytes_per_token"],
+                 disk_bytes_per_token=bpt,
                  disk_bytes=sum((out / s["name"]).stat().st_size for s in index["shards"]))
     return stats
 
@@ -347,7 +349,7 @@ def run(recipe: Recipe, run: Run) -> dict:
     seconds = stats["seconds"]
     counts = {k: stats[k] for k in ("samples", "tokens", "shards", "shards_written", "tokens_written",
                                     "disk_bytes")}
-    metrics = {"bytes_per_token": stats["bytes_per_token"],
+    metrics = {"bytes_per_token": stats["bytes_per_token"], "disk_bytes_per_token": stats["disk_bytes_per_token"],
                "tokens_per_s": round(stats["tokens_written"] / seconds, 1) if seconds else None,
                "mb_per_s_written": round(stats["bytes_written"] / 1e6 / seconds, 1) if seconds else None}
     print(f"next: specdraft train --run {run.path}")

@@ -42,10 +42,15 @@ def shard_name(n: int) -> str:
 
 
 def bytes_per_token(num_states: int, hidden_size: int, store_dtype: str) -> int:
-    """Disk bytes one token costs: its `num_states` hidden rows, their scales, its id and mask."""
+    """Bytes of one token's `num_states` hidden rows (and their scales) as stored."""
     if store_dtype not in STORE_DTYPES:
         raise ValueError(f"extract.store_dtype = {store_dtype!r}: expected one of {list(STORE_DTYPES)}")
-    return num_states * (hidden_size * STATE_BYTES[store_dtype] + SCALE_BYTES[store_dtype]) + TOKEN_BYTES
+    return num_states * (hidden_size * STATE_BYTES[store_dtype] + SCALE_BYTES[store_dtype])
+
+
+def disk_bytes_per_token(num_states: int, hidden_size: int, store_dtype: str) -> int:
+    """Disk bytes one token costs: its hidden rows plus its id and loss mask."""
+    return bytes_per_token(num_states, hidden_size, store_dtype) + TOKEN_BYTES
 
 
 def token_batches(indices: list[int], lengths: list[int], batch_tokens: int) -> list[list[int]]:
