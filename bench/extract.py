@@ -154,6 +154,8 @@ def bare_forward(model, target: Target, samples, batches: list[list[int]]) -> fl
             for r, row in enumerate(rows):
                 ids[r, : len(row)] = torch.tensor(row)
                 attn[r, : len(row)] = 1
+            if device.type == "cuda":  # as extract does: copies queued behind the running forward
+                ids, attn = ids.pin_memory(), attn.pin_memory()
             base(input_ids=ids.to(device, non_blocking=True), attention_mask=attn.to(device, non_blocking=True),
                  use_cache=False)
     synchronize()

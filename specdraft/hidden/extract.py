@@ -89,6 +89,9 @@ def forward_states(model, target: Target, rows: list[list[int]]):
         attn[r, : len(row)] = 1
     # Flat positions of the real tokens, known on the host: selecting them needs no device sync.
     keep = torch.cat([torch.arange(r * width, r * width + len(row)) for r, row in enumerate(rows)])
+    if device.type == "cuda":
+        # From pinned memory the copies are queued behind the running forward instead of waiting for it.
+        ids, attn, keep = ids.pin_memory(), attn.pin_memory(), keep.pin_memory()
     base = get_attr(model, target.family.decoder)
     with torch.inference_mode(), tap_hidden_states(model, target.family, target.aux_layer_ids) as cap:
         base(input_ids=ids.to(device, non_blocking=True), attention_mask=attn.to(device, non_blocking=True),
