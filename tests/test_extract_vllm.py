@@ -15,7 +15,7 @@ from specdraft.hidden.store import HiddenStore
 pytestmark = pytest.mark.slow
 
 
-def test_vllm_backend_gives_the_transformers_tensors(bf16_run, tmp_path):
+def test_vllm_backend_gives_the_transformers_tensors(bf16_run, target, tmp_path):
     from specdraft.evaluate.server import vllm_available
     from test_extract import _copy_run, _recipe
 
@@ -28,7 +28,9 @@ def test_vllm_backend_gives_the_transformers_tensors(bf16_run, tmp_path):
     assert not list((run.path / "hidden" / ".vllm").glob("*.safetensors")), "vLLM's files are consumed"
     vllm, hf = HiddenStore(run.path), HiddenStore(bf16_run.path)
     assert vllm.aux_layer_ids == hf.aux_layer_ids
+    head = target.head_weight().float()  # [V, H]
     worst = {"aux": 0.0, "last": 0.0}
+    agree = total = 0
     for i in range(len(hf)):
         x, y = vllm[i], hf[i]
         assert torch.equal(x["input_ids"], y["input_ids"])
@@ -36,9 +38,15 @@ def test_vllm_backend_gives_the_transformers_tensors(bf16_run, tmp_path):
             assert x[name].shape == y[name].shape
             rel = ((x[name].float() - y[name].float()).norm() / y[name].float().norm()).item()
             worst[name] = max(worst[name], rel)
-    print(f"vLLM vs transformers, worst relative error per sample: {worst}")
-    # Two bf16 implementations (oneDNN kernels vs torch's) over 30 layers: a few bf16 roundoffs (0.4 %).
-    assert worst["aux"] < 0.02 and worst["last"] < 0.02, worst
+        # What training uses `last` for: the target's next-token choice.
+        agree += int(((x["last"].float() @ head.T).argmax(-1) == (y["last"].float() @ head.T).argmax(-1)).sum())
+        total += x["last"].shape[0]
+    print(f"vLLM vs transformers: worst relative error per sample {worst}, top-1 agreement {agree / total:.4f}")
+    # Two bf16 implementations (vLLM's CPU kernels vs torch's) drift apart over the layers. Measured on
+    # these 12 samples: aux 0.49 % (its norm is dominated by layer 2, whose massive activations agree
+    # closely), last 3.1 % (after all 30 layers). A wrong layer or a missing final norm is ~100 %.
+    assert worst["aux"] < 0.01 and worst["last"] < 0.05, worst
+    assert agree / total > 0.9, agree / total
 
 
 from test_extract import bf16_run, rendered  # noqa: E402,F401  (the shared extraction fixtures)
