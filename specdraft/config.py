@@ -101,6 +101,22 @@ class ExtractConfig:
     # Tokens per forward batch (padding included); bounds activation memory.
     batch_tokens: int = 4096
     shard_bytes: int = 256 * 2**20
+    # How the states are stored: "bfloat16" as computed, or "fp8_e4m3" (one float32 scale per H-wide
+    # row) at about half the disk; the reader decodes either to bfloat16.
+    store_dtype: str = "bfloat16"
+    # Free disk must exceed the planned bytes by this share: the filesystem's own overhead and the
+    # checkpoints and exports later stages write into the same run folder.
+    disk_margin: float = 0.10
+    # "auto" is the GPU when there is one, else the CPU; or any torch device ("cuda:1").
+    device: str = "auto"
+    # A transformers device_map ("auto" spreads a target too big for one GPU over the node's GPUs);
+    # empty means the whole target on `device`.
+    device_map: str = ""
+    # Who runs the target: "transformers" in this process, or "vllm" (a vLLM server driven through its
+    # extract_hidden_states speculative method, for targets only vLLM can run, e.g. with tensor parallelism).
+    backend: str = "transformers"
+    # Extra `vllm serve` arguments for the vllm backend ("--tensor-parallel-size,8").
+    vllm_args: list[str] = field(default_factory=list)
 
 
 @dataclass

@@ -338,11 +338,14 @@ class Target:
             "tokenizer_sha256": _sha256_file(tok_file)[:16] if tok_file.exists() else None,
         }
 
-    def load_model(self, dtype: str = "bfloat16", device: str = "cpu"):
+    def load_model(self, dtype: str = "bfloat16", device: str = "cpu", device_map: str | dict | None = None):
+        """The model on `device`, or placed layer by layer by a transformers `device_map` ("auto")."""
         import torch
         import transformers
 
         auto = getattr(transformers, self.family.auto_class)
+        if device_map:
+            return auto.from_pretrained(self.path, dtype=getattr(torch, dtype), device_map=device_map).eval()
         model = auto.from_pretrained(self.path, dtype=getattr(torch, dtype))
         return model.to(device).eval()
 

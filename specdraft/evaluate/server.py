@@ -50,7 +50,7 @@ class VllmServer:
 
     def __init__(self, model: str | Path, *, log_path: Path, speculative: dict | None = None,
                  max_model_len: int = 2048, dtype: str = "bfloat16", extra: list[str] | None = None,
-                 python: Path = VLLM_PYTHON, port: int | None = None):
+                 python: Path = VLLM_PYTHON, port: int | None = None, env: dict | None = None):
         self.model = str(model)
         self.args = serve_args(model, max_model_len=max_model_len, dtype=dtype, speculative=speculative,
                                extra=extra)
@@ -60,6 +60,7 @@ class VllmServer:
         self.log_path = Path(log_path)
         self.process: subprocess.Popen | None = None
         self.ready_seconds: float | None = None
+        self.env = dict(env or {})  # set in the server's environment, over ours
 
     def log_tail(self, chars: int = 3000) -> str:
         return self.log_path.read_text(errors="replace")[-chars:] if self.log_path.exists() else ""
@@ -73,7 +74,8 @@ class VllmServer:
         model, *rest = self.args
         cmd = [str(self.python), "-m", "vllm.entrypoints.openai.api_server", "--model", model,
                "--host", "127.0.0.1", "--port", str(self.port), *rest]
-        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", str(CPU_KVCACHE_GIB))}
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", str(CPU_KVCACHE_GIB)),
+               **self.env}
         t0 = time.time()
         with open(self.log_path, "w") as log:
             # A session of its own, so stop() can end vLLM's worker processes with it.

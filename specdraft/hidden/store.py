@@ -1,23 +1,56 @@
 """The hidden-state shard format, its index, and the reader the trainer uses.
 
-`hidden/shard-NNNNN.safetensors` holds, per sample i, `i.input_ids` [T], `i.loss_mask` [T],
-`i.aux` [T, n_aux * H] (the aux layers' states concatenated in `aux_layer_ids` order, which is the
-order the drafter's fc expects) and `i.last` [T, H] (the final-norm output, what lm_head sees).
-`hidden/index.json` lists the shards, each sample's shard and length, the layer ids, the dtype and
-the target's fingerprint, so training and export can never disagree about which layers were used.
+A shard `hidden/shard-NNNNN.safetensors` holds a few hundred MB of samples concatenated along the
+token axis: `input_ids` [N] int32, `loss_mask` [N] uint8, `aux` [N, n_aux * H] (the aux layers'
+states concatenated in `aux_layer_ids` order, the order the drafter's fc expects) and `last` [N, H].
+`last` is the output of the target's final norm, i.e. exactly what its lm_head sees (not vLLM's
+pre-norm layer-L residual): the trainer turns it into the target's logits with the lm_head weight.
+
+Storage dtypes: "bfloat16" keeps the target's states as computed; "fp8_e4m3" halves the disk by
+storing each H-wide row (one layer at one token) as float8_e4m3fn times a float32 scale
+(`aux_scale` [N, n_aux], `last_scale` [N, 1]), chosen so the row's largest value maps to the largest
+finite e4m3 value. Either way the reader returns bfloat16.
+
+`hidden/index.json` gives every sample (in render order) its shard, token offset and token count,
+and records the layer ids, dtypes and the target's fingerprint, so training and export can never
+disagree about which layers were used.
 """
 
 from __future__ import annotations
 
 import json
+import struct
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 HIDDEN_DIR = "hidden"
 INDEX = "index.json"
+STORE_DTYPES = ("bfloat16", "fp8_e4m3")
+# The largest finite float8_e4m3fn value: each row's scale maps its largest magnitude here.
+FP8_E4M3_MAX = 448.0
+# bytes per element of the stored states, and the float32 scale each H-wide row carries in fp8.
+STATE_BYTES = {"bfloat16": 2, "fp8_e4m3": 1}
+SCALE_BYTES = {"bfloat16": 0, "fp8_e4m3": 4}
+# input_ids (int32) + loss_mask (uint8) per token.
+TOKEN_BYTES = 5
+# What the reader hands out, whatever the storage (the trainer casts as it needs).
+READ_DTYPE = "bfloat16"
 
 
 def shard_name(n: int) -> str:
     return f"shard-{n:05d}.safetensors"
+
+
+def bytes_per_token(num_states: int, hidden_size: int, store_dtype: str) -> int:
+    """Bytes of one token's `num_states` hidden rows (and their scales) as stored."""
+    if store_dtype not in STORE_DTYPES:
+        raise ValueError(f"extract.store_dtype = {store_dtype!r}: expected one of {list(STORE_DTYPES)}")
+    return num_states * (hidden_size * STATE_BYTES[store_dtype] + SCALE_BYTES[store_dtype])
+
+
+def disk_bytes_per_token(num_states: int, hidden_size: int, store_dtype: str) -> int:
+    """Disk bytes one token costs: its hidden rows plus its id and loss mask."""
+    return bytes_per_token(num_states, hidden_size, store_dtype) + TOKEN_BYTES
 
 
 def token_batches(indices: list[int], lengths: list[int], batch_tokens: int) -> list[list[int]]:
@@ -35,8 +68,60 @@ def token_batches(indices: list[int], lengths: list[int], batch_tokens: int) -> 
     return batches
 
 
+def quantize_fp8(x, rows: int):
+    """x [N, rows*H] -> (float8_e4m3fn [N, rows*H], float32 scale [N, rows]), one scale per H-wide row."""
+    import torch
+
+    N = x.shape[0]
+    grouped = x.float().reshape(N, rows, -1)  # [N, rows, H]
+    # An all-zero row (padding, or a dead state) keeps scale 1 rather than dividing by zero.
+    amax = grouped.abs().amax(dim=-1, keepdim=True)  # [N, rows, 1]
+    scale = torch.where(amax > 0, amax / FP8_E4M3_MAX, torch.ones_like(amax))
+    q = (grouped / scale).to(torch.float8_e4m3fn).reshape(N, -1)  # [N, rows*H]
+    return q, scale.reshape(N, rows)
+
+
+def dequantize_fp8(q, scale):
+    """(float8_e4m3fn [N, rows*H], scale [N, rows]) -> bfloat16 [N, rows*H]."""
+    import torch
+
+    N, rows = scale.shape
+    x = q.float().reshape(N, rows, -1) * scale.float()[:, :, None]  # [N, rows, H]
+    return x.reshape(N, -1).to(torch.bfloat16)
+
+
+def encode_states(aux, last, store_dtype: str, num_aux: int) -> dict:
+    """The tensors a shard stores for aux [N, n_aux*H] and last [N, H] under `store_dtype`."""
+    import torch
+
+    if store_dtype == "bfloat16":
+        return {"aux": aux.to(torch.bfloat16).contiguous(), "last": last.to(torch.bfloat16).contiguous()}
+    if store_dtype == "fp8_e4m3":
+        aux_q, aux_s = quantize_fp8(aux, num_aux)
+        last_q, last_s = quantize_fp8(last, 1)
+        return {"aux": aux_q, "aux_scale": aux_s, "last": last_q, "last_scale": last_s}
+    raise ValueError(f"extract.store_dtype = {store_dtype!r}: expected one of {list(STORE_DTYPES)}")
+
+
+def shard_header(path: Path) -> dict | None:
+    """A shard's safetensors header, or None when the file is torn (shorter or longer than its header
+    says) or not a safetensors file. Reads only the header: cheap enough to check every shard on resume."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            if n > size:
+                return None
+            header = json.loads(f.read(n))
+    except (OSError, ValueError, struct.error):
+        return None
+    end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+    return header if 8 + n + end == size else None
+
+
 class HiddenStore:
-    """Random access to the extracted samples (safe for DataLoader workers: handles open lazily)."""
+    """Random access to the extracted samples: `store[i]` reads only sample i's rows (memory-mapped
+    slices of its shard). Safe for DataLoader workers: file handles are opened lazily in each process."""
 
     def __init__(self, run_path: Path):
         self.dir = Path(run_path) / HIDDEN_DIR
@@ -46,9 +131,11 @@ class HiddenStore:
         self.index = json.loads(index_path.read_text())
         if self.index.get("state") != "done":
             raise RuntimeError(f"{index_path}: extraction is {self.index.get('state')}; rerun `specdraft extract`")
-        self.samples = self.index["samples"]  # [{"key", "shard", "tokens"}]
+        self.samples = self.index["samples"]  # [{"shard", "offset", "tokens"}], in render order
         self.aux_layer_ids: list[int] = self.index["aux_layer_ids"]
         self.hidden_size: int = self.index["hidden_size"]
+        self.store_dtype: str = self.index["store_dtype"]
+        self.lengths: list[int] = [s["tokens"] for s in self.samples]
         self._handles: dict = {}
 
     def __len__(self) -> int:
@@ -61,20 +148,58 @@ class HiddenStore:
             self._handles[shard] = safe_open(self.dir / shard, "pt")
         return self._handles[shard]
 
-    def __getitem__(self, i: int) -> dict:
+    def _rows(self, i: int, name: str):
         s = self.samples[i]
-        f = self._open(s["shard"])
-        return {name: f.get_tensor(f"{s['key']}.{name}") for name in ("input_ids", "loss_mask", "aux", "last")}
+        return self._open(s["shard"]).get_slice(name)[s["offset"]: s["offset"] + s["tokens"]]
+
+    def __getitem__(self, i: int) -> dict:
+        """Sample i: input_ids [T] int32, loss_mask [T] uint8, aux [T, n_aux*H] and last [T, H] bfloat16."""
+        if not 0 <= i < len(self.samples):
+            raise IndexError(f"sample {i} outside 0..{len(self.samples) - 1}")
+        out = {"input_ids": self._rows(i, "input_ids"), "loss_mask": self._rows(i, "loss_mask")}
+        for name in ("aux", "last"):
+            if self.store_dtype == "fp8_e4m3":
+                out[name] = dequantize_fp8(self._rows(i, name), self._rows(i, f"{name}_scale"))
+            else:
+                out[name] = self._rows(i, name)
+        return out
 
     def tokens(self, i: int) -> tuple[list[int], list[int]]:
         """Only the token ids and loss mask of sample i (cheap: no hidden states are read)."""
-        s = self.samples[i]
-        f = self._open(s["shard"])
-        return f.get_tensor(f"{s['key']}.input_ids").tolist(), f.get_tensor(f"{s['key']}.loss_mask").tolist()
+        return self._rows(i, "input_ids").tolist(), self._rows(i, "loss_mask").tolist()
+
+    def batch(self, indices: list[int]) -> list[dict]:
+        return [self[i] for i in indices]
+
+    def loader(self, batches: list[list[int]], num_workers: int = 0, prefetch: int = 2):
+        """Yield `self.batch(b)` for each list of indices in `batches`, read ahead of the consumer:
+        by `num_workers` DataLoader processes (each reading `prefetch` batches ahead), or, with no
+        workers, by one background thread `prefetch` batches ahead (reads release the GIL)."""
+        if num_workers > 0:
+            from torch.utils.data import DataLoader
+
+            return iter(DataLoader(self, batch_sampler=batches, collate_fn=_as_list, num_workers=num_workers,
+                                   prefetch_factor=prefetch))
+        return _read_ahead(self.batch, batches, prefetch)
 
     def __getstate__(self):
         # Open file handles do not cross into worker processes; each worker opens its own.
         return {**self.__dict__, "_handles": {}}
+
+
+def _as_list(items: list[dict]) -> list[dict]:
+    return items
+
+
+def _read_ahead(read, batches: list[list[int]], depth: int):
+    """read(b) for each b in batches, with up to `depth` reads running ahead in a thread."""
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        pending = [pool.submit(read, b) for b in batches[:depth]]
+        for n in range(len(batches)):
+            result = pending.pop(0).result()
+            if n + depth < len(batches):
+                pending.append(pool.submit(read, batches[n + depth]))
+            yield result
 
 
 def open_hidden(recipe, run):
