@@ -8,9 +8,10 @@ from specdraft.train import PAD_DOCUMENT, TTT, unroll
 
 
 def small_config(**kw) -> DrafterConfig:
-    return DrafterConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                         intermediate_size=64, vocab_size=50, draft_vocab_size=50, target_hidden_size=32,
-                         aux_layer_ids=[1, 2, 3], rope_theta=10000.0, **kw)
+    shape = dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=64,
+                 vocab_size=50, draft_vocab_size=50, target_hidden_size=32, aux_layer_ids=[1, 2, 3],
+                 rope_theta=10000.0)
+    return DrafterConfig(**{**shape, **kw})
 
 
 def small_drafter(seed=0, **kw) -> Eagle3Drafter:
@@ -141,7 +142,7 @@ def test_packing_leaks_nothing_across_documents():
 def test_flex_attention_equals_dense_on_cuda():
     """On CUDA the document mask is a FlexAttention BlockMask; it computes what the dense mask does."""
     packed, _ = packed_and_alone()
-    d = small_drafter(6).cuda()
+    d = small_drafter(6, num_attention_heads=2, head_dim=16).cuda()  # FlexAttention needs head_dim >= 16
     batch = {k: v.cuda() for k, v in packed.items()}
     assert not isinstance(document_mask(batch["documents"]), torch.Tensor)
     with torch.no_grad():
