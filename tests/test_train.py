@@ -106,20 +106,33 @@ def test_killed_run_resumes_on_the_uninterrupted_curve(extracted_run, uninterrup
         assert a["lr"] == pytest.approx(b["lr"], rel=1e-6)
 
 
+TWO_ROWS = ["--set", "train.micro_batches=2", "--set", "train.epochs=1"]
+
+
+@pytest.fixture(scope="module")
+def single_two_rows(extracted_run, tmp_path_factory) -> Path:
+    """One process taking 2 packed rows per optimizer step."""
+    run = fresh_copy(extracted_run, tmp_path_factory.mktemp("train"), "single")
+    assert main(cli(run, extracted_run, *TWO_ROWS)) == 0
+    return run
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
-def test_torchrun_two_processes_equal_one(extracted_run, tmp_path, parallel):
+def test_torchrun_two_processes_equal_one(extracted_run, single_two_rows, tmp_path, parallel):
     """torchrun with 2 gloo processes (each taking one of the step's 2 packed rows) takes the same steps
     as one process taking both rows."""
-    two_rows = ["--set", "train.micro_batches=2", "--set", "train.epochs=1"]
-    single = fresh_copy(extracted_run, tmp_path, "single")
-    assert main(cli(single, extracted_run, *two_rows)) == 0
-    multi = fresh_copy(extracted_run, tmp_path, parallel)
+    # The run folder is the default runs/<recipe name> under cwd: torchrun's own parser would take a
+    # `--run` flag for an abbreviation of its `--run-path`, even after the module name.
+    (tmp_path / parallel / "runs").mkdir(parents=True)
+    multi = fresh_copy(extracted_run, tmp_path / parallel / "runs", "tiny")
+    args = cli(multi, extracted_run, *TWO_ROWS, "--set", f"train.parallel={parallel}")
+    args = args[:3] + args[5:]  # without --run
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "0",
-           "-m", "specdraft.cli", *cli(multi, extracted_run, *two_rows, "--set", f"train.parallel={parallel}")]
-    done = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=900)
+           "-m", "specdraft.cli", *args]
+    done = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=900, cwd=tmp_path / parallel)
     assert done.returncode == 0, done.stderr[-4000:]
-    a, b = train_log(single), train_log(multi)
+    a, b = train_log(single_two_rows), train_log(multi)
     assert len(a) == len(b) >= 2
     for x, y in zip(a, b):
         assert x["weighted_loss"] == pytest.approx(y["weighted_loss"], rel=1e-4), x["step"]
