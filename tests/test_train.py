@@ -128,7 +128,7 @@ def test_torchrun_two_processes_equal_one(extracted_run, single_two_rows, tmp_pa
     multi = fresh_copy(extracted_run, tmp_path / parallel / "runs", "tiny")
     args = cli(multi, extracted_run, *TWO_ROWS, "--set", f"train.parallel={parallel}")
     args = args[:3] + args[5:]  # without --run
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "0",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            "-m", "specdraft.cli", *args]
     done = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=900, cwd=tmp_path / parallel)
     assert done.returncode == 0, done.stderr[-4000:]
