@@ -153,3 +153,29 @@ def test_flex_attention_equals_dense_on_cuda():
                             mask=dense_mask))
     for a, b in zip(flex, dense):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_gradient_checkpointing_changes_nothing_but_memory():
+    packed, _ = packed_and_alone()
+    results = []
+    for checkpointing in (False, True):
+        d = small_drafter(7)
+        model = TTT(d, torch.randn(50, 32, generator=torch.Generator().manual_seed(0)), 3, 0.8,
+                    checkpointing=checkpointing)
+        total, _ = model(packed)
+        total.backward()
+        results.append((total.detach(), [p.grad.clone() for p in d.parameters() if p.requires_grad]))
+    torch.testing.assert_close(results[0][0], results[1][0])
+    for a, b in zip(results[0][1], results[1][1]):
+        torch.testing.assert_close(a, b)
+
+
+def test_pack_fills_rows_up_to_the_budget():
+    from specdraft.train import pack
+
+    lengths = [50, 30, 80, 10, 200, 40, 60]
+    rows = pack(list(range(len(lengths))), lengths, 100)
+    assert sorted(i for row in rows for i in row) == list(range(len(lengths)))
+    for row in rows:
+        assert sum(min(lengths[i], 100) for i in row) <= 100
+    assert rows == [[0, 1], [2, 3], [4], [5, 6]]
