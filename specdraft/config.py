@@ -106,6 +106,8 @@ class TrainConfig:
     norm_before_fc: bool = False
     fc_norm: bool = False
     norm_output: bool = False
+    # DataLoader processes that read and pack the hidden states while the step runs (0: in this process).
+    loader_workers: int = 2
 
 
 @dataclass

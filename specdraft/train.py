@@ -387,6 +387,37 @@ def epoch_rows(train_idx: list[int], lengths: list[int], cfg: TrainConfig, epoch
     return rows[:usable] if usable else rows
 
 
+class PackedRows(torch.utils.data.Dataset):
+    """Packed rows as batches of one row each, built in DataLoader workers (reading and packing the
+    hidden states overlaps the training step)."""
+
+    def __init__(self, source, rows: list[list[int]], tops, budget: int):
+        self.source, self.rows, self.tops, self.budget = source, rows, tops, budget
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, k: int) -> dict:
+        return collate(self.source, [self.rows[k]], self.tops, self.budget)
+
+
+def step_batches(source, tops, train_idx, lengths, cfg: TrainConfig, step: int, steps_per_epoch: int,
+                 rank: int, world: int, device: torch.device):
+    """(epoch, this process's packed batches of the step) for every step from `step` to the end: each
+    step takes `micro_batches` consecutive rows of the epoch's order, this rank every world-th of them."""
+    workers = 0 if cfg.hidden == "online" else cfg.loader_workers  # an online target stays in this process
+    for epoch in range(step // steps_per_epoch, cfg.epochs):
+        first = step - epoch * steps_per_epoch if epoch == step // steps_per_epoch else 0
+        rows = epoch_rows(train_idx, lengths, cfg, epoch)
+        mine = [row for s in range(first, steps_per_epoch)
+                for row in rows[s * cfg.micro_batches:(s + 1) * cfg.micro_batches][rank::world]]
+        loader = torch.utils.data.DataLoader(PackedRows(source, mine, tops, cfg.batch_tokens), batch_size=None,
+                                             num_workers=workers, pin_memory=device.type == "cuda")
+        it = iter(loader)
+        for _ in range(first, steps_per_epoch):
+            yield epoch, [next(it) for _ in range(cfg.micro_batches // world)]
+
+
 @torch.no_grad()
 def evaluate(model: TTT, source, rows, tops, cfg, device, autocast) -> dict:
     model.eval()
@@ -514,31 +545,29 @@ def run(recipe: Recipe, run: Run) -> dict:
 
     bar = tqdm(total=total_steps, initial=state["step"], desc="train", unit="step", disable=rank != 0)
     last_eval = None
-    while state["step"] < total_steps:
-        epoch, in_epoch = divmod(state["step"], steps_per_epoch)
-        rows = epoch_rows(train_idx, lengths, cfg, epoch)
-        rows = rows[in_epoch * cfg.micro_batches:(in_epoch + 1) * cfg.micro_batches]
-        mine = rows[rank::world]
+    for epoch, micro in step_batches(source, tops, train_idx, lengths, cfg, state["step"], steps_per_epoch,
+                                     rank, world, device):
         t0 = time.time()
         step_stats = torch.zeros(cfg.ttt_steps, len(STAT_COLUMNS), device=device)
         tokens = 0
-        for m, row in enumerate(mine):
-            batch = to_device(collate(source, [row], tops, cfg.batch_tokens), device)
+        for m, batch in enumerate(micro):
             tokens += int((batch["documents"] != PAD_DOCUMENT).sum())
-            sync = m == len(mine) - 1
+            batch = to_device(batch, device)
+            sync = m == len(micro) - 1
             ctx = wrapped.no_sync() if (not sync and hasattr(wrapped, "no_sync")) else _null()
             with ctx:
                 with autocast:
                     loss, stats = wrapped(batch)
-                (loss / len(mine)).backward()
+                (loss / len(micro)).backward()
             step_stats += stats
         torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
+        step_tokens = all_sum(torch.tensor(float(tokens), device=device), world)
         all_sum(step_stats, world)
         state["step"] += 1
-        state["tokens"] += tokens * world
+        state["tokens"] += int(step_tokens.item())
         state["seconds"] += time.time() - t0
         if rank == 0:
             s = summarize(step_stats.cpu())
