@@ -469,7 +469,8 @@ def run(recipe: Recipe, run: Run) -> dict:
     if cfg.loss not in LOSSES:
         raise ValueError(f"train.loss = {cfg.loss!r}: expected one of {', '.join(LOSSES)}")
     t_start = time.time()
-    run.require("extract") if cfg.hidden == "disk" else None
+    if cfg.hidden == "disk":
+        run.require("extract")
     rank, world, device = distributed()
     if cfg.micro_batches % world:
         raise ValueError(f"train.micro_batches = {cfg.micro_batches} must be a multiple of the "
@@ -491,9 +492,10 @@ def run(recipe: Recipe, run: Run) -> dict:
     drafter.d2t.copy_(d2t)
     drafter.t2d.copy_(t2d)
     if cfg.init_from:
+        # Its lm_head rows belong to its own draft vocabulary, so that vocabulary is kept.
         init_from(drafter, Path(cfg.init_from), embed)
-        drafter.d2t.copy_(d2t)  # a published drafter's vocab may differ; ours comes from our data
-        drafter.t2d.copy_(t2d)
+        t2d = drafter.t2d.clone()
+        coverage = vocab.coverage(counts, t2d)
     head = target.head_weight()
     tops = target_top_tokens(source, head)
     model = TTT(drafter, head[t2d].float(), cfg.ttt_steps, cfg.step_weight_decay, cfg.loss,
@@ -515,11 +517,19 @@ def run(recipe: Recipe, run: Run) -> dict:
     meta = {"train": to_dict(cfg), "aux_layer_ids": source.aux_layer_ids, "target": target.describe(),
             "vocab_coverage": round(coverage, 4), "holdout_samples": held_idx}
     state = {"step": 0, "tokens": 0, "seconds": 0.0, "best_tau": None}
-    resumed = (cfg.resume and (ckpt_dir / LATEST / COMPLETE).exists())
+    # A stopped run (its stage not recorded done) continues from `latest`; a finished one is retrained.
+    previous = run.stage("train")
+    resumed = (cfg.resume and (ckpt_dir / LATEST / COMPLETE).exists()
+               and (previous is None or previous["state"] != "done"))
+    if world > 1:
+        torch.distributed.barrier()  # every rank has decided before rank 0 rewrites the manifest
     if resumed:
-        resume_from(ckpt_dir / LATEST, wrapped, optimizer, scheduler, state, world)
+        resume_from(ckpt_dir / LATEST, cfg, wrapped, optimizer, scheduler, state)
     if rank == 0:
+        if not resumed:
+            shutil.rmtree(ckpt_dir, ignore_errors=True)
         ckpt_dir.mkdir(parents=True, exist_ok=True)
+        run.record("train", state="partial", config=cfg)
         keep_log_until(log_path, state["step"])
         print(f"train: {len(train_idx)} samples (+{len(held_idx)} held out), draft vocab "
               f"{dcfg.draft_vocab_size} (covers {coverage:.1%} of answer tokens), {n_trainable / 1e6:.2f} M "
@@ -644,10 +654,21 @@ def rng_state() -> dict:
             "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
 
 
-def resume_from(path: Path, wrapped, optimizer, scheduler, state: dict, world: int) -> None:
+# Fields that fix the data order, the schedule or the shapes: a resumed run must keep them.
+RESUME_FIXED = ("seed", "batch_tokens", "micro_batches", "epochs", "holdout", "draft_vocab_size", "ttt_steps",
+                "lr", "warmup_steps", "schedule", "norm_before_fc", "fc_norm", "norm_output")
+
+
+def resume_from(path: Path, cfg: TrainConfig, wrapped, optimizer, scheduler, state: dict) -> None:
     """Load model, optimizer, scheduler, data position and RNG from a complete checkpoint."""
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
                                                           set_optimizer_state_dict)
+
+    saved = json.loads((path / "config.json").read_text())["train"]
+    changed = [f"{k}: {saved.get(k)!r} -> {getattr(cfg, k)!r}" for k in RESUME_FIXED if saved.get(k) != getattr(cfg, k)]
+    if changed:
+        raise ValueError(f"{path}: cannot resume with a changed train config ({'; '.join(changed)}); restore "
+                         "those fields, or start over with --set train.resume=false (checkpoints are replaced)")
 
     extra = torch.load(path / "trainer.pt", weights_only=False)
     full = StateDictOptions(full_state_dict=True, strict=False)
