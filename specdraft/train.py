@@ -73,11 +73,11 @@ def pack(order: list[int], lengths: list[int], budget: int) -> list[list[int]]:
 
 
 def collate(source, rows: list[list[int]], tops: list[torch.Tensor], budget: int) -> dict:
-    """Packed rows, right-padded to the longest: input_ids / loss_mask / documents / positions / top
-    [B, T], aux [B, T, n_aux*H], last [B, T, H]. Samples longer than `budget` are cut to it."""
+    """Packed rows, right-padded to the budget: input_ids / loss_mask / documents / positions / top
+    [B, T], aux [B, T, n_aux*H], last [B, T, H]. Samples longer than `budget` are cut to it. One shape
+    for every batch: compiled kernels (FlexAttention, torch.compile) are built once, not per length."""
     rows_items = [[(i, source[i]) for i in row] for row in rows]
-    lengths = [sum(min(it["input_ids"].numel(), budget) for _, it in row) for row in rows_items]
-    B, T = len(rows), max(lengths)
+    B, T = len(rows), budget
     first = rows_items[0][0][1]
     batch = {
         "input_ids": torch.zeros(B, T, dtype=torch.long),
