@@ -30,6 +30,8 @@ PEAK_TFLOPS = 790.0
 ANSWER_SHARE = 0.7
 # Document lengths of the packed rows: ShareGPT first turns with 128-512-token answers span about this.
 DOC_TOKENS = (128, 1536)
+# Different packed rows cycled through the timed steps.
+BATCHES = 4
 
 CONFIGS = {
     "smollm2": dict(hidden_size=576, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
@@ -111,12 +113,14 @@ def bench(name: str, shape: dict, compile_: bool, steps: int, warmup: int, devic
         model.drafter.compile()
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-4, fused=device.type == "cuda")
-    batch, lengths = random_batch(cfg, tokens, device)
+    # Distinct rows (other document boundaries each step), as in training: catches per-batch recompiles.
+    batches = [random_batch(cfg, tokens, device, seed) for seed in range(BATCHES)]
+    lengths = [n for _, ls in batches for n in ls]
     autocast = torch.autocast(device.type, dtype=torch.bfloat16)
 
-    def step():
+    def step(k):
         with autocast:
-            loss, _ = model(batch)
+            loss, _ = model(batches[k % BATCHES][0])
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
@@ -125,23 +129,23 @@ def bench(name: str, shape: dict, compile_: bool, steps: int, warmup: int, devic
 
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     t0 = time.perf_counter()
-    for _ in range(warmup):
-        step()
+    for k in range(warmup):
+        step(k)
     sync()
     warmup_s = time.perf_counter() - t0
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
-    for _ in range(steps):
-        loss = step()
+    for k in range(steps):
+        loss = step(k)
     sync()
     seconds = (time.perf_counter() - t0) / steps
-    fpt = flops_per_token(cfg, ttt_steps, lengths)
+    fpt = flops_per_token(cfg, ttt_steps, lengths)  # averaged over the rows' documents
     tflops = fpt * tokens / seconds / 1e12
     return {
         "bench": "train", "config": name, "compile": compile_, "device": device.type,
         "hardware": environment.hardware_line(), "ttt_steps": ttt_steps, "batch_tokens": tokens,
-        "documents_per_row": len(lengths), "hidden": cfg.hidden_size, "draft_vocab": cfg.draft_vocab_size,
+        "documents_per_row": round(len(lengths) / BATCHES, 1), "hidden": cfg.hidden_size, "draft_vocab": cfg.draft_vocab_size,
         "trainable_params_m": round(sum(p.numel() for p in params) / 1e6, 1),
         "step_ms": round(seconds * 1e3, 2), "tokens_per_s": round(tokens / seconds),
         "model_gflops_per_token": round(fpt / 1e9, 4), "tflops": round(tflops, 2),
