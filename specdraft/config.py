@@ -138,6 +138,30 @@ class TrainConfig:
     # Where the target's hidden states come from: "disk" reads the extract stage's shards; "online" runs
     # the target beside the trainer, batch by batch, and writes nothing.
     hidden: str = "disk"
+    # Loss against the target's distribution: "soft_ce" (EAGLE-3), "kl", or "lk" (-log of the
+    # speculative-sampling acceptance probability, acceptance-oriented).
+    loss: str = "soft_ce"
+    # Share of the samples held out (seeded) for the simulated tau that picks the `best` checkpoint.
+    holdout: float = 0.05
+    eval_every: int = 100
+    checkpoint_every: int = 100
+    # Packed rows of batch_tokens per optimizer step, split across torchrun processes (a multiple of them).
+    micro_batches: int = 1
+    # Under torchrun: "ddp" replicates the drafter, "fsdp" shards it (FSDP2) for very large targets.
+    parallel: str = "ddp"
+    schedule: str = "cosine"  # or "linear": the decay after warmup
+    gradient_checkpointing: bool = False
+    compile: bool = False
+    # Continue from checkpoints/latest when it exists (a run killed mid-epoch picks up where it stopped).
+    resume: bool = True
+    # A published drafter folder (speculators or flat SGLang layout) to start from, checked against the target.
+    init_from: str = ""
+    # EAGLE-3 follow-ups (see DrafterConfig): off by default until measured better.
+    norm_before_fc: bool = False
+    fc_norm: bool = False
+    norm_output: bool = False
+    # DataLoader processes that read and pack the hidden states while the step runs (0: in this process).
+    loader_workers: int = 2
 
 
 @dataclass

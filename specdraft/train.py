@@ -1,11 +1,18 @@
-"""train: the EAGLE-3 drafter with training-time test (TTT), from the extracted hidden states.
+"""train: the EAGLE-3 drafter with training-time test (TTT), from the target's hidden states.
 
-Alignment (T tokens x_0..x_{T-1}, target aux states h_t, final-norm states z_t): at drafting step i
-the drafter at position t reads token x_{t+1+i} and, at step 0, fc(h_t) (later: its own output of
-step i-1 at t). It predicts x_{t+2+i}, whose target distribution is softmax(lm_head(z_{t+1+i})),
-restricted to the draft vocabulary. The loss counts where x_{t+2+i} is an assistant token and the
-target's top token is inside the draft vocabulary (EAGLE-3's rule: elsewhere the drafter cannot be
-right). Step i runs at rotary positions t+i, as it does when drafting, and is weighted decay^i.
+Alignment (T tokens x_0..x_{T-1} of one document, target aux states h_t, final-norm states z_t): at
+drafting step i the drafter at position t reads token x_{t+1+i} and, at step 0, fc(h_t) (later: its
+own output of step i-1 at t). It predicts x_{t+2+i}, whose target distribution is
+softmax(lm_head(z_{t+1+i})) restricted to the draft vocabulary. The loss counts where x_{t+2+i} is an
+assistant token of the same document and the target's top token is inside the draft vocabulary
+(EAGLE-3's rule: elsewhere the drafter cannot be right). Step i runs at rotary positions t+i (counted
+from the document's start), as it does when drafting, and is weighted decay^i.
+
+Documents are packed into rows of `batch_tokens` tokens (no padding waste); attention and rotary
+positions stay per document, so a packed row computes exactly what the documents would alone.
+
+One optimizer step takes `micro_batches` packed rows; under torchrun they are split across ranks (DDP
+or FSDP2), so a run on N processes takes the same steps as one process on the same data.
 
 The trainer sees tensors only (token ids, masks, hidden states) plus the target's embedding and
 lm_head weights; it never loads the target model.
@@ -15,6 +22,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
 import shutil
 import time
@@ -22,136 +30,246 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from .config import Recipe, TrainConfig, to_dict
 from .drafter import vocab
-from .drafter.model import DrafterConfig, Eagle3Drafter
-from .hidden.store import HiddenStore, token_batches
+from .drafter.model import DrafterConfig, Eagle3Drafter, document_mask
 from .run import Run, write_json
-from .targets import Target
 
 CHECKPOINTS = "checkpoints"
 FINAL = "final"
+LATEST = "latest"
+BEST = "best"
+COMPLETE = "COMPLETE"  # written last into a checkpoint folder: a folder without it is ignored
+TRAIN_LOG = "train_log.jsonl"
 # Rows of target logits computed at once: the full-vocab logits are only needed for their argmax.
 LOGIT_CHUNK = 1024
+# Padding positions get this document id (real documents count from 0): they attend only to each other.
+PAD_DOCUMENT = -1
+# Shifted-in positions past the end of a row: a document id no position has, so nothing matches it.
+NO_DOCUMENT = -2
+LOSSES = ("soft_ce", "kl", "lk")
 
 
-def collate(store: HiddenStore, batch: list[int], tops: list[torch.Tensor]) -> dict:
-    """Right-padded batch tensors: ids/mask/valid/top [B, T], aux [B, T, n_aux*H], last [B, T, H]."""
-    items = [store[i] for i in batch]
-    T = max(it["input_ids"].numel() for it in items)
-    B = len(items)
-    aux = torch.zeros(B, T, items[0]["aux"].shape[-1], dtype=items[0]["aux"].dtype)
-    last = torch.zeros(B, T, items[0]["last"].shape[-1], dtype=items[0]["last"].dtype)
-    ids = torch.zeros(B, T, dtype=torch.long)
-    mask = torch.zeros(B, T, dtype=torch.bool)
-    valid = torch.zeros(B, T, dtype=torch.bool)
-    top = torch.zeros(B, T, dtype=torch.long)
-    for r, (i, it) in enumerate(zip(batch, items)):
-        n = it["input_ids"].numel()
-        aux[r, :n], last[r, :n] = it["aux"], it["last"]
-        ids[r, :n] = it["input_ids"].long()
-        mask[r, :n] = it["loss_mask"].bool()
-        valid[r, :n] = True
-        top[r, :n] = tops[i]
-    return {"aux": aux, "last": last, "input_ids": ids, "loss_mask": mask, "valid": valid, "top": top}
+# ---------------------------------------------------------------------------------------------------
+# Data: packing and batches
+
+
+def pack(order: list[int], lengths: list[int], budget: int) -> list[list[int]]:
+    """Samples in `order` grouped into rows of at most `budget` tokens (a longer sample gets a row of
+    its own and is cut to the budget by `collate`)."""
+    rows, current, used = [], [], 0
+    for i in order:
+        n = min(lengths[i], budget)
+        if current and used + n > budget:
+            rows.append(current)
+            current, used = [], 0
+        current.append(i)
+        used += n
+    if current:
+        rows.append(current)
+    return rows
+
+
+def collate(source, rows: list[list[int]], tops: list[torch.Tensor], budget: int) -> dict:
+    """Packed rows, right-padded to the budget: input_ids / loss_mask / documents / positions / top
+    [B, T], aux [B, T, n_aux*H], last [B, T, H]. Samples longer than `budget` are cut to it. One shape
+    for every batch: compiled kernels (FlexAttention, torch.compile) are built once, not per length."""
+    rows_items = [[(i, source[i]) for i in row] for row in rows]
+    B, T = len(rows), budget
+    first = rows_items[0][0][1]
+    batch = {
+        "input_ids": torch.zeros(B, T, dtype=torch.long),
+        "loss_mask": torch.zeros(B, T, dtype=torch.bool),
+        "documents": torch.full((B, T), PAD_DOCUMENT, dtype=torch.long),
+        "positions": torch.zeros(B, T, dtype=torch.long),
+        "top": torch.zeros(B, T, dtype=torch.long),
+        "aux": torch.zeros(B, T, first["aux"].shape[-1], dtype=first["aux"].dtype),
+        "last": torch.zeros(B, T, first["last"].shape[-1], dtype=first["last"].dtype),
+    }
+    for r, row in enumerate(rows_items):
+        at = 0
+        for doc, (i, it) in enumerate(row):
+            n = min(it["input_ids"].numel(), budget)
+            span = slice(at, at + n)
+            batch["input_ids"][r, span] = it["input_ids"][:n].long()
+            batch["loss_mask"][r, span] = it["loss_mask"][:n].bool()
+            batch["documents"][r, span] = doc
+            batch["positions"][r, span] = torch.arange(n)
+            batch["top"][r, span] = tops[i][:n]
+            batch["aux"][r, span] = it["aux"][:n]
+            batch["last"][r, span] = it["last"][:n]
+            at += n
+    return batch
 
 
 @torch.no_grad()
-def target_top_tokens(store: HiddenStore, head: torch.Tensor) -> list[torch.Tensor]:
-    """The target's top token (over its full vocab) at every position of every sample.
+def target_top_tokens(source, head: torch.Tensor, indices=None) -> dict[int, torch.Tensor]:
+    """The target's top token (over its full vocab) at every position of the given samples.
 
     Computed once before training: the full-vocab logits cost ~10x the draft-vocab ones and are only
     needed for this argmax, which does not change from epoch to epoch.
     """
+    from tqdm import tqdm
+
     head = head.to(torch.bfloat16)
-    tops = []
-    for i in range(len(store)):
-        last = store[i]["last"].to(torch.bfloat16)
-        tops.append(torch.cat([(rows @ head.T).argmax(-1) for rows in last.split(LOGIT_CHUNK)]))
+    indices = range(len(source)) if indices is None else indices
+    tops = {}
+    for i in tqdm(indices, desc="target top tokens", unit="sample", leave=False):
+        last = source[i]["last"].to(torch.bfloat16)
+        tops[i] = torch.cat([(rows @ head.T).argmax(-1) for rows in last.split(LOGIT_CHUNK)])
     return tops
 
 
-@torch.no_grad()
-def target_distribution(last: torch.Tensor, draft_head: torch.Tensor) -> torch.Tensor:
-    """The target's next-token distribution restricted to the draft vocab [B, T, Vd], from its
-    final-norm states [B, T, H] and the draft vocab's rows of its lm_head [Vd, H]."""
-    return torch.softmax(last.float() @ draft_head.T, dim=-1)
+def shift(x: torch.Tensor, n: int, fill=0) -> torch.Tensor:
+    """x[:, n:] along dim 1, filled on the right so the length stays T."""
+    pad = torch.full((x.shape[0], n, *x.shape[2:]), fill, dtype=x.dtype, device=x.device)
+    return torch.cat([x[:, n:], pad], dim=1)
 
 
-def shift_left(x: torch.Tensor, n: int, length: int) -> torch.Tensor:
-    """x[:, n:n+length], zero-padded on the right where the sequence runs out."""
-    out = x[:, n:n + length]
-    if out.shape[1] < length:
-        pad = torch.zeros((x.shape[0], length - out.shape[1], *x.shape[2:]), dtype=x.dtype, device=x.device)
-        out = torch.cat([out, pad], dim=1)
-    return out
+# ---------------------------------------------------------------------------------------------------
+# Training-time test
 
 
-def unroll(drafter: Eagle3Drafter, aux: torch.Tensor, ids: torch.Tensor, steps: int):
-    """Training-time test: yield each step's logits [B, T-1, Vd] over drafter positions t = 0..T-2.
+def position_loss(kind: str, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Per-position loss [B, T] of drafter logits against the target distribution, both [B, T, Vd].
+
+    soft_ce: cross-entropy with the target's distribution (EAGLE-3). kl: KL(target || drafter), the same
+    gradient, a loss that reaches 0. lk: -log of the acceptance probability of speculative sampling,
+    sum_x min(p, q) (acceptance-oriented; greedy acceptance is its limit).
+    """
+    logp = F.log_softmax(logits.float(), dim=-1)
+    if kind == "soft_ce":
+        return -(target * logp).sum(-1)
+    if kind == "kl":
+        return (torch.xlogy(target, target) - target * logp).sum(-1)
+    if kind == "lk":
+        accept = torch.minimum(target, logp.exp()).sum(-1)
+        return -torch.log(accept.clamp(min=torch.finfo(torch.float32).tiny))
+    raise ValueError(f"train.loss = {kind!r}: expected one of {', '.join(LOSSES)}")
+
+
+# Columns of the per-step statistics: summed loss and its positions, top-1 correct among them, and for
+# acceptance: evaluable positions, chains correct through this step, chains correct before it.
+STAT_COLUMNS = ("loss_sum", "count", "correct", "evaluable", "chain_correct", "chain_before")
+
+
+def unroll(drafter: Eagle3Drafter, aux, ids, documents, positions, steps: int, checkpointing: bool = False,
+           mask=None):
+    """Training-time test: yield each step's logits [B, T, Vd] over drafter positions t.
 
     Step i reads token x_{t+1+i} at rotary position t+i; its hidden input is fc(aux) at step 0 and the
-    previous step's output after that; its queries see the step-0 keys at positions <= t and the keys
-    of steps 1..i at t, exactly what drafting at inference sees (tests/test_drafter.py checks it).
+    previous step's output after that; its queries see the step-0 keys at positions <= t of the same
+    document and the keys of steps 1..i at t, exactly what drafting at inference sees
+    (tests/test_drafter.py checks it).
     """
-    B, T = ids.shape
-    n = T - 1  # each drafter position needs the next token as its input
-    hidden = drafter.project(aux[:, :n])  # [B, n, H]
+    mask = document_mask(documents) if mask is None else mask
+    hidden = drafter.project(aux)  # [B, T, H] (autocast runs fc in bf16)
     base, diag = None, None
     for i in range(steps):
-        tokens = shift_left(ids, 1 + i, n)  # x_{t+1+i}
-        positions = torch.arange(n, device=ids.device)[None, :].expand(B, n) + i
-        logits, hidden, kv = drafter(hidden, tokens, positions, base=base, diag=diag)
-        if i == 0:
-            base, diag = kv, []
+        tokens, pos = shift(ids, 1 + i), positions + i
+        if checkpointing and torch.is_grad_enabled():
+            from torch.utils.checkpoint import checkpoint
+
+            # Recomputed in backward: only this step's inputs are kept, not its activations.
+            logits, hidden, kv = checkpoint(drafter, hidden, tokens, pos, base, diag, 0, mask, use_reentrant=False)
         else:
-            diag = diag + [kv]
+            logits, hidden, kv = drafter(hidden, tokens, pos, base=base, diag=diag, mask=mask)
+        base, diag = (kv, []) if i == 0 else (base, diag + [kv])
         yield logits
 
 
-def ttt_loss(drafter: Eagle3Drafter, batch: dict, probs: torch.Tensor, inside: torch.Tensor,
-             cfg: TrainConfig) -> tuple[torch.Tensor, list[dict]]:
-    """The weighted TTT loss over `cfg.ttt_steps` unrolled steps, and per-step loss/accuracy."""
-    ids, mask = batch["input_ids"], batch["loss_mask"]
-    n = ids.shape[1] - 1
-    total = torch.zeros((), device=ids.device)
-    stats = []
-    for i, logits in enumerate(unroll(drafter, batch["aux"].float(), ids, cfg.ttt_steps)):
-        target = shift_left(probs, 1 + i, n)  # [B, n, Vd]: distribution of x_{t+2+i}
-        where = shift_left(mask, 2 + i, n) & shift_left(inside, 1 + i, n)  # [B, n]
-        count = where.sum()
-        logp = F.log_softmax(logits.float(), dim=-1)
-        per_pos = -(target * logp).sum(-1)  # [B, n]
-        loss = (per_pos * where).sum() / count.clamp(min=1)
-        total = total + cfg.step_weight_decay ** i * loss
-        correct = ((logits.argmax(-1) == target.argmax(-1)) & where).sum()
-        stats.append({"loss": loss.item(), "correct": correct.item(), "count": count.item()})
-    return total, stats
+class TTT(nn.Module):
+    """The training-time test of one drafter on one packed batch, as one module so DDP and FSDP wrap
+    a single forward. Returns the weighted loss and per-step statistics [steps, len(STAT_COLUMNS)]."""
+
+    def __init__(self, drafter: Eagle3Drafter, draft_head: torch.Tensor, steps: int, decay: float,
+                 loss: str = "soft_ce", checkpointing: bool = False):
+        super().__init__()
+        self.drafter = drafter
+        # The draft vocab's rows of the target's lm_head [Vd, H]: frozen, it gives the target distribution.
+        self.register_buffer("draft_head", draft_head, persistent=False)
+        self.steps, self.decay, self.loss, self.checkpointing = steps, decay, loss, checkpointing
+
+    def forward(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        d = self.drafter
+        ids, docs, pos = batch["input_ids"], batch["documents"], batch["positions"]
+        with torch.no_grad():
+            probs = torch.softmax((batch["last"] @ self.draft_head.T.to(batch["last"].dtype)).float(), -1)  # [B, T, Vd]
+            inside = d.t2d[batch["top"]]  # [B, T]
+        total = torch.zeros((), device=ids.device)
+        stats = []
+        chain = torch.ones_like(batch["loss_mask"])  # drafts correct so far, per position
+        for i, logits in enumerate(unroll(d, batch["aux"].float(), ids, docs, pos, self.steps, self.checkpointing)):
+            # x_{t+2+i}: an assistant token of the same document
+            evaluable = shift(batch["loss_mask"], 2 + i, False) & (shift(docs, 2 + i, NO_DOCUMENT) == docs)
+            where = evaluable & shift(inside, 1 + i, False)  # [B, T]
+            count = where.sum()
+            loss_sum = (position_loss(self.loss, logits, shift(probs, 1 + i)) * where).sum()
+            total = total + self.decay ** i * loss_sum / count.clamp(min=1)
+            with torch.no_grad():
+                pred = logits.argmax(-1)
+                correct = (pred + d.d2t[pred]) == shift(batch["top"], 1 + i)  # the target's greedy token
+                before = chain & evaluable
+                chain = chain & correct
+                row = [loss_sum.detach(), count, (correct & where).sum(), evaluable.sum(), (chain & evaluable).sum(),
+                       before.sum()]
+                stats.append(torch.stack([x.float() for x in row]))
+        return total, torch.stack(stats)
 
 
-def lr_at(step: int, total: int, cfg: TrainConfig) -> float:
-    """Linear warmup, then cosine decay to zero."""
+def summarize(stats: torch.Tensor) -> dict:
+    """Per TTT position: loss, top-1 accuracy, conditional acceptance (draft i accepted given drafts
+    < i were), and the simulated acceptance length tau of chain drafting with that many tokens:
+    1 + sum_k prod_{j<=k} alpha_j (vLLM's mean acceptance length, bonus token included)."""
+    s = {name: stats[:, c].tolist() for c, name in enumerate(STAT_COLUMNS)}
+    loss = [ls / max(1.0, n) for ls, n in zip(s["loss_sum"], s["count"])]
+    acc = [c / max(1.0, n) for c, n in zip(s["correct"], s["count"])]
+    alpha = [c / max(1.0, b) for c, b in zip(s["chain_correct"], s["chain_before"])]
+    tau, accepted = 1.0, 1.0
+    for a in alpha:
+        accepted *= a
+        tau += accepted
+    r = lambda xs: [round(x, 4) for x in xs]  # noqa: E731
+    return {"loss": r(loss), "acc": r(acc), "cond_accept": r(alpha), "tau": round(tau, 4)}
+
+
+def lr_factor(step: int, total: int, cfg: TrainConfig) -> float:
+    """Linear warmup, then cosine (or linear) decay to zero, as a factor of cfg.lr."""
     if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    progress = (step - cfg.warmup_steps) / max(1, total - cfg.warmup_steps)
-    return cfg.lr * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+        return (step + 1) / cfg.warmup_steps
+    progress = min(1.0, (step - cfg.warmup_steps) / max(1, total - cfg.warmup_steps))
+    if cfg.schedule == "linear":
+        return 1.0 - progress
+    return 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def save_checkpoint(drafter: Eagle3Drafter, path: Path, meta: dict) -> None:
-    """A checkpoint folder, written whole under a temporary name then renamed (a folder that exists
-    is complete). The embedding is left out: it is the target's, read from there on load."""
+# ---------------------------------------------------------------------------------------------------
+# Checkpoints
+
+
+def save_checkpoint(drafter: Eagle3Drafter, path: Path, meta: dict, extra: dict | None = None) -> None:
+    """A checkpoint folder, written whole under a temporary name, marked complete, then renamed. The
+    embedding is left out: it is the target's, read from there on load. `extra` (optimizer, scheduler,
+    data position, RNG) goes to trainer.pt for resuming."""
     from safetensors.torch import save_file
 
     tmp = path.with_name(f".{path.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    state = {k: v.detach().contiguous() for k, v in drafter.state_dict().items() if k != "embed_tokens.weight"}
+    state = {k: v.detach().cpu().contiguous() for k, v in drafter.state_dict().items() if k != "embed_tokens.weight"}
     save_file(state, str(tmp / "model.safetensors"))
     write_json(tmp / "config.json", {"drafter": drafter.config.to_dict(), **meta})
+    if extra is not None:
+        torch.save(extra, tmp / "trainer.pt")
+    (tmp / COMPLETE).write_text("")
+    old = path.with_name(f".{path.name}.old")
+    shutil.rmtree(old, ignore_errors=True)
     if path.exists():
-        shutil.rmtree(path)
+        path.rename(old)
     tmp.rename(path)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def load_checkpoint(path: Path, embed: torch.Tensor | None = None) -> tuple[Eagle3Drafter, dict]:
@@ -169,9 +287,11 @@ def load_checkpoint(path: Path, embed: torch.Tensor | None = None) -> tuple[Eagl
     return drafter.eval(), meta
 
 
-def load_trained(recipe: Recipe, run: Run) -> tuple[Eagle3Drafter, Target, torch.Tensor]:
+def load_trained(recipe: Recipe, run: Run):
     """The run's trained drafter, the target it was trained for (with the checkpoint's aux layers),
     and the target's embedding (which the drafter shares)."""
+    from .targets import Target
+
     entry = run.require("train")
     ckpt = run.path / entry.get("checkpoint", str(Path(CHECKPOINTS) / FINAL))
     meta = json.loads((ckpt / "config.json").read_text())
@@ -181,83 +301,394 @@ def load_trained(recipe: Recipe, run: Run) -> tuple[Eagle3Drafter, Target, torch
     return drafter, target, embed
 
 
+def init_from(drafter: Eagle3Drafter, folder: Path, embed: torch.Tensor) -> None:
+    """Start from a published drafter (speculators `layers.0.*` or flat `midlayer.*` layout), after
+    checking every shape against the drafter this target needs; a mismatch names each tensor."""
+    from .export.formats import read_drafter
+
+    src = read_drafter(Path(folder), embed)
+    want = {k: v.shape for k, v in drafter.state_dict().items()}
+    have = {k: v.shape for k, v in src.state_dict().items()}
+    problems = [f"{k}: drafter for this target needs {tuple(want[k])}, {folder} has "
+                f"{tuple(have[k]) if k in have else 'nothing'}" for k in want if have.get(k) != want[k]]
+    problems += [f"{k}: in {folder} but not used by this drafter" for k in have if k not in want]
+    if problems:
+        raise ValueError(f"train.init_from = {folder} does not fit the target:\n  " + "\n  ".join(problems))
+    drafter.load_state_dict(src.state_dict())
+
+
+# ---------------------------------------------------------------------------------------------------
+# Distributed
+
+
+def distributed() -> tuple[int, int, torch.device]:
+    """(rank, world size, device); under torchrun the process group is started here (NCCL on GPUs,
+    gloo on the CPU)."""
+    import torch.distributed as dist
+
+    if "RANK" not in os.environ:
+        return 0, 1, torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    if torch.cuda.is_available():
+        local = int(os.environ.get("LOCAL_RANK", 0))
+        torch.cuda.set_device(local)
+        device = torch.device("cuda", local)
+    else:
+        device = torch.device("cpu")
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def wrap(model: TTT, parallel: str, world: int, device: torch.device) -> nn.Module:
+    if world == 1:
+        return model
+    if parallel == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    if parallel == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model.drafter.layers:
+            fully_shard(layer)
+        fully_shard(model)
+        return model
+    raise ValueError(f"train.parallel = {parallel!r}: expected 'ddp' or 'fsdp'")
+
+
+def all_sum(t: torch.Tensor, world: int) -> torch.Tensor:
+    if world > 1:
+        import torch.distributed as dist
+
+        dist.all_reduce(t)
+    return t
+
+
+# ---------------------------------------------------------------------------------------------------
+# The stage
+
+
+def split_holdout(n: int, fraction: float, seed: int) -> tuple[list[int], list[int]]:
+    """(train, held-out) sample indices: a seeded random `fraction` is held out (at least one sample
+    when fraction > 0 and there are two or more)."""
+    order = list(range(n))
+    random.Random(seed).shuffle(order)
+    k = min(n - 1, max(1, round(n * fraction))) if fraction > 0 and n > 1 else 0
+    return sorted(order[k:]), sorted(order[:k])
+
+
+def epoch_rows(train_idx: list[int], lengths: list[int], cfg: TrainConfig, epoch: int) -> list[list[int]]:
+    """The packed rows of one epoch, in a seeded order that depends only on (seed, epoch): a resumed
+    run sees the same rows in the same order."""
+    order = list(train_idx)
+    random.Random(cfg.seed * 1_000_003 + epoch).shuffle(order)
+    rows = pack(order, lengths, cfg.batch_tokens)
+    usable = len(rows) - len(rows) % cfg.micro_batches  # whole optimizer steps only
+    return rows[:usable] if usable else rows
+
+
+class PackedRows(torch.utils.data.Dataset):
+    """Packed rows as batches of one row each, built in DataLoader workers (reading and packing the
+    hidden states overlaps the training step)."""
+
+    def __init__(self, source, rows: list[list[int]], tops, budget: int):
+        self.source, self.rows, self.tops, self.budget = source, rows, tops, budget
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, k: int) -> dict:
+        return collate(self.source, [self.rows[k]], self.tops, self.budget)
+
+
+def step_batches(source, tops, train_idx, lengths, cfg: TrainConfig, step: int, steps_per_epoch: int,
+                 rank: int, world: int, device: torch.device):
+    """(epoch, this process's packed batches of the step) for every step from `step` to the end: each
+    step takes `micro_batches` consecutive rows of the epoch's order, this rank every world-th of them."""
+    workers = 0 if cfg.hidden == "online" else cfg.loader_workers  # an online target stays in this process
+    for epoch in range(step // steps_per_epoch, cfg.epochs):
+        first = step - epoch * steps_per_epoch if epoch == step // steps_per_epoch else 0
+        rows = epoch_rows(train_idx, lengths, cfg, epoch)
+        mine = [row for s in range(first, steps_per_epoch)
+                for row in rows[s * cfg.micro_batches:(s + 1) * cfg.micro_batches][rank::world]]
+        loader = torch.utils.data.DataLoader(PackedRows(source, mine, tops, cfg.batch_tokens), batch_size=None,
+                                             num_workers=workers, pin_memory=device.type == "cuda")
+        it = iter(loader)
+        for _ in range(first, steps_per_epoch):
+            yield epoch, [next(it) for _ in range(cfg.micro_batches // world)]
+
+
+@torch.no_grad()
+def evaluate(model: TTT, source, rows, tops, cfg, device, autocast) -> dict:
+    model.eval()
+    total = torch.zeros(cfg.ttt_steps, len(STAT_COLUMNS), device=device)
+    for row in rows:
+        batch = to_device(collate(source, [row], tops, cfg.batch_tokens), device)
+        with autocast:
+            _, stats = model(batch)
+        total += stats
+    model.train()
+    return summarize(total.cpu())
+
+
+def to_device(batch: dict, device: torch.device) -> dict:
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+
+def plot_curves(log_path: Path, png: Path) -> None:
+    """The loss and held-out tau curves as a PNG beside the checkpoints."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = [json.loads(line) for line in log_path.read_text().splitlines() if line]
+    train = [r for r in records if r["kind"] == "train"]
+    held = [r for r in records if r["kind"] == "eval"]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    for i in range(len(train[0]["loss"]) if train else 0):
+        axes[0].plot([r["step"] for r in train], [r["loss"][i] for r in train], label=f"step {i}")
+        axes[1].plot([r["step"] for r in train], [r["acc"][i] for r in train], label=f"step {i}")
+    axes[2].plot([r["step"] for r in held], [r["tau"] for r in held], marker="o")
+    for ax, title in zip(axes, ("train loss per TTT step", "train top-1 accuracy", "held-out simulated tau")):
+        ax.set_title(title)
+        ax.set_xlabel("optimizer step")
+    axes[0].legend()
+    fig.tight_layout()
+    fig.savefig(png)
+    plt.close(fig)
+
+
 def run(recipe: Recipe, run: Run) -> dict:
     from tqdm import tqdm
 
+    from .hidden.store import open_hidden
+    from .targets import Target
+
     cfg = recipe.train
+    if cfg.loss not in LOSSES:
+        raise ValueError(f"train.loss = {cfg.loss!r}: expected one of {', '.join(LOSSES)}")
     t_start = time.time()
-    run.require("extract")
+    if cfg.hidden == "disk":
+        run.require("extract")
+    rank, world, device = distributed()
+    if cfg.micro_batches % world:
+        raise ValueError(f"train.micro_batches = {cfg.micro_batches} must be a multiple of the "
+                         f"{world} torchrun processes")
     torch.manual_seed(cfg.seed)
-    rng = random.Random(cfg.seed)
-    store = HiddenStore(run.path)
-    target = Target(recipe.target.model, store.aux_layer_ids)
-    samples = [store.tokens(i) for i in range(len(store))]
-    counts = vocab.token_counts(samples, target.vocab_size)
+    source = open_hidden(recipe, run)
+    target = Target(recipe.target.model, source.aux_layer_ids)
+    samples = [source.tokens(i) for i in range(len(source))]
+    lengths = [len(ids) for ids, _ in samples]
+    train_idx, held_idx = split_holdout(len(source), cfg.holdout, cfg.seed)
+    counts = vocab.token_counts([samples[i] for i in train_idx], target.vocab_size)
     d2t, t2d = vocab.build(counts, cfg.draft_vocab_size)
     coverage = vocab.coverage(counts, t2d)
-    drafter = Eagle3Drafter(DrafterConfig.from_target(target, cfg.draft_vocab_size))
+    dcfg = DrafterConfig.from_target(target, cfg.draft_vocab_size)
+    dcfg.norm_before_fc, dcfg.fc_norm, dcfg.norm_output = cfg.norm_before_fc, cfg.fc_norm, cfg.norm_output
+    drafter = Eagle3Drafter(dcfg)
+    embed = target.embed_weight().float()
+    drafter.embed_tokens.weight.data.copy_(embed)
     drafter.d2t.copy_(d2t)
     drafter.t2d.copy_(t2d)
-    drafter.embed_tokens.weight.data.copy_(target.embed_weight().float())
+    if cfg.init_from:
+        # Its lm_head rows belong to its own draft vocabulary, so that vocabulary is kept.
+        init_from(drafter, Path(cfg.init_from), embed)
+        t2d = drafter.t2d.clone()
+        coverage = vocab.coverage(counts, t2d)
     head = target.head_weight()
-    draft_head = head[t2d].float()  # [Vd, H]: the draft vocab's rows of the target's lm_head
-    tops = target_top_tokens(store, head)
-    params = [p for p in drafter.parameters() if p.requires_grad]
-    n_trainable = sum(p.numel() for p in params)
-    print(f"train: {len(store)} samples, draft vocab {drafter.config.draft_vocab_size} "
-          f"(covers {coverage:.1%} of answer tokens), {n_trainable / 1e6:.2f} M trainable parameters")
+    tops = target_top_tokens(source, head)
+    model = TTT(drafter, head[t2d].float(), cfg.ttt_steps, cfg.step_weight_decay, cfg.loss,
+                cfg.gradient_checkpointing).to(device)
+    if cfg.compile:
+        model.drafter.compile()
+    wrapped = wrap(model, cfg.parallel, world, device)
+    params = [p for p in wrapped.parameters() if p.requires_grad]
+    n_trainable = sum(p.numel() for p in drafter.parameters() if p.requires_grad)
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    lengths = [len(ids) for ids, _ in samples]
-    order = sorted(range(len(store)), key=lambda i: lengths[i])
-    batches = token_batches(order, lengths, cfg.batch_tokens)
-    total_steps = cfg.epochs * len(batches)
-    autocast = torch.autocast("cpu" if not torch.cuda.is_available() else "cuda", dtype=torch.bfloat16,
-                              enabled=cfg.autocast_dtype == "bfloat16")
-    log_path = run.path / CHECKPOINTS / "train_log.jsonl"
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    log_path.write_text("")
-    step, tokens_seen, train_seconds = 0, 0, 0.0
-    epoch_stats = []
-    bar = tqdm(total=total_steps, desc="train", unit="step")
-    for epoch in range(cfg.epochs):
-        rng.shuffle(batches)
-        sums = [[0.0, 0, 0] for _ in range(cfg.ttt_steps)]  # loss*count, correct, count
-        for batch_ids in batches:
-            t0 = time.time()
-            batch = collate(store, batch_ids, tops)
-            probs = target_distribution(batch["last"], draft_head)
-            inside = t2d[batch["top"]]
-            for group in optimizer.param_groups:
-                group["lr"] = lr_at(step, total_steps, cfg)
-            with autocast:
-                loss, stats = ttt_loss(drafter, batch, probs, inside, cfg)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
-            optimizer.step()
-            train_seconds += time.time() - t0
-            tokens_seen += int(batch["valid"].sum())
-            for s, st in zip(sums, stats):
-                s[0] += st["loss"] * st["count"]
-                s[1] += st["correct"]
-                s[2] += st["count"]
-            if step % cfg.log_every == 0:
-                with open(log_path, "a") as f:
-                    f.write(json.dumps({"step": step, "epoch": epoch, "loss": loss.item(),
-                                        "acc": [st["correct"] / max(1, st["count"]) for st in stats]}) + "\n")
-            step += 1
+    steps_per_epoch = len(epoch_rows(train_idx, lengths, cfg, 0)) // cfg.micro_batches
+    total_steps = cfg.epochs * steps_per_epoch
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, total_steps, cfg))
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.autocast_dtype == "bfloat16")
+    held_rows = pack(held_idx, lengths, cfg.batch_tokens)
+
+    ckpt_dir = run.path / CHECKPOINTS
+    log_path = ckpt_dir / TRAIN_LOG
+    meta = {"train": to_dict(cfg), "aux_layer_ids": source.aux_layer_ids, "target": target.describe(),
+            "vocab_coverage": round(coverage, 4), "holdout_samples": held_idx}
+    state = {"step": 0, "tokens": 0, "seconds": 0.0, "best_tau": None}
+    # A stopped run (its stage not recorded done) continues from `latest`; a finished one is retrained.
+    previous = run.stage("train")
+    resumed = (cfg.resume and (ckpt_dir / LATEST / COMPLETE).exists()
+               and (previous is None or previous["state"] != "done"))
+    if world > 1:
+        torch.distributed.barrier()  # every rank has decided before rank 0 rewrites the manifest
+    if resumed:
+        resume_from(ckpt_dir / LATEST, cfg, wrapped, optimizer, scheduler, state)
+    if rank == 0:
+        if not resumed:
+            shutil.rmtree(ckpt_dir, ignore_errors=True)
+        ckpt_dir.mkdir(parents=True, exist_ok=True)
+        run.record("train", state="partial", config=cfg)
+        keep_log_until(log_path, state["step"])
+        print(f"train: {len(train_idx)} samples (+{len(held_idx)} held out), draft vocab "
+              f"{dcfg.draft_vocab_size} (covers {coverage:.1%} of answer tokens), {n_trainable / 1e6:.2f} M "
+              f"trainable parameters, {total_steps} steps on {world} process(es)"
+              + (f", resumed at step {state['step']}" if resumed else ""))
+    writer = tensorboard(run.path, rank)
+
+    def checkpoint(name: str, metrics: dict | None = None):
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                              get_optimizer_state_dict)
+
+        full = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        model_state = get_model_state_dict(wrapped, options=full)
+        optim_state = get_optimizer_state_dict(wrapped, optimizer, options=full)
+        if rank != 0:
+            return
+        trainable = {k: v for k, v in model_state.items() if "embed_tokens" not in k}
+        extra = {"model": trainable, "optimizer": optim_state, "scheduler": scheduler.state_dict(),
+                 "state": dict(state), "rng": rng_state()}
+        save = Eagle3Drafter(dcfg)
+        save.load_state_dict({k.removeprefix("drafter."): v for k, v in model_state.items()})
+        save_checkpoint(save, ckpt_dir / name, {**meta, "step": state["step"], "metrics": metrics}, extra)
+
+    bar = tqdm(total=total_steps, initial=state["step"], desc="train", unit="step", disable=rank != 0)
+    last_eval = None
+    for epoch, micro in step_batches(source, tops, train_idx, lengths, cfg, state["step"], steps_per_epoch,
+                                     rank, world, device):
+        t0 = time.time()
+        step_stats = torch.zeros(cfg.ttt_steps, len(STAT_COLUMNS), device=device)
+        tokens = 0
+        for m, batch in enumerate(micro):
+            tokens += int((batch["documents"] != PAD_DOCUMENT).sum())
+            batch = to_device(batch, device)
+            sync = m == len(micro) - 1
+            ctx = wrapped.no_sync() if (not sync and hasattr(wrapped, "no_sync")) else _null()
+            with ctx:
+                with autocast:
+                    loss, stats = wrapped(batch)
+                (loss / len(micro)).backward()
+            step_stats += stats
+        torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        step_tokens = all_sum(torch.tensor(float(tokens), device=device), world)
+        all_sum(step_stats, world)
+        state["step"] += 1
+        state["tokens"] += int(step_tokens.item())
+        state["seconds"] += time.time() - t0
+        if rank == 0:
+            s = summarize(step_stats.cpu())
+            weighted = sum(cfg.step_weight_decay ** i * x for i, x in enumerate(s["loss"]))
+            record = {"kind": "train", "step": state["step"], "epoch": epoch, "lr": scheduler.get_last_lr()[0],
+                      "weighted_loss": round(weighted, 6), **s}
+            with open(log_path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+            if writer and state["step"] % cfg.log_every == 0:
+                writer.add_scalar("train/loss", weighted, state["step"])
+                for i in range(cfg.ttt_steps):
+                    writer.add_scalar(f"train/loss_{i}", s["loss"][i], state["step"])
+                    writer.add_scalar(f"train/acc_{i}", s["acc"][i], state["step"])
+                    writer.add_scalar(f"train/cond_accept_{i}", s["cond_accept"][i], state["step"])
+                writer.add_scalar("train/lr", record["lr"], state["step"])
             bar.update(1)
-            bar.set_postfix(loss=f"{loss.item():.3f}", acc0=f"{stats[0]['correct'] / max(1, stats[0]['count']):.2f}")
-        acc = [round(s[1] / max(1, s[2]), 4) for s in sums]
-        epoch_stats.append({"epoch": epoch, "loss": [round(s[0] / max(1, s[2]), 4) for s in sums], "acc": acc})
-        tqdm.write(f"epoch {epoch}: step accuracy {' / '.join(f'{a:.3f}' for a in acc)}")
+            bar.set_postfix(loss=f"{weighted:.3f}", acc0=f"{s['acc'][0]:.2f}",
+                            tok_s=f"{state['tokens'] / max(state['seconds'], 1e-9):,.0f}")
+        done = state["step"] == total_steps
+        if held_rows and (state["step"] % cfg.eval_every == 0 or done):
+            # `model` is the unwrapped module under DDP (no gradient hooks needed) and the sharded one under FSDP.
+            last_eval = evaluate(model, source, held_rows, tops, cfg, device, autocast)
+            if rank == 0:
+                with open(log_path, "a") as f:
+                    f.write(json.dumps({"kind": "eval", "step": state["step"], **last_eval}) + "\n")
+                if writer:
+                    writer.add_scalar("heldout/tau", last_eval["tau"], state["step"])
+                    for i, a in enumerate(last_eval["cond_accept"]):
+                        writer.add_scalar(f"heldout/cond_accept_{i}", a, state["step"])
+                tqdm.write(f"step {state['step']}: held-out tau {last_eval['tau']:.3f}, conditional "
+                           f"acceptance {' / '.join(f'{a:.3f}' for a in last_eval['cond_accept'])}")
+            if state["best_tau"] is None or last_eval["tau"] > state["best_tau"]:
+                state["best_tau"] = last_eval["tau"]
+                checkpoint(BEST, last_eval)
+        if state["step"] % cfg.checkpoint_every == 0 or done:
+            checkpoint(LATEST, last_eval)
     bar.close()
-    meta = {"train": to_dict(cfg), "aux_layer_ids": store.aux_layer_ids, "target": target.describe(),
-            "vocab_coverage": round(coverage, 4), "epochs": epoch_stats, "steps": step}
-    save_checkpoint(drafter, run.path / CHECKPOINTS / FINAL, meta)
-    metrics = {"tokens_per_s": round(tokens_seen / train_seconds, 1) if train_seconds else None,
-               "final_step_accuracy": epoch_stats[-1]["acc"] if epoch_stats else None,
-               "vocab_coverage": round(coverage, 4)}
-    counts_out = {"steps": step, "epochs": cfg.epochs, "samples": len(store), "trainable_params": n_trainable}
+    checkpoint(FINAL, last_eval)
+    if writer:
+        writer.close()
+    if rank != 0:
+        return {}
+    if log_path.exists() and log_path.stat().st_size:
+        plot_curves(log_path, ckpt_dir / "curves.png")
+    # The export stage reads `best` when held-out data chose one, else the final weights.
+    chosen = BEST if (ckpt_dir / BEST / COMPLETE).exists() else FINAL
+    metrics = {"tokens_per_s": round(state["tokens"] / state["seconds"], 1) if state["seconds"] else None,
+               "heldout": last_eval, "best_tau": state["best_tau"], "vocab_coverage": round(coverage, 4)}
+    counts_out = {"steps": state["step"], "epochs": cfg.epochs, "samples": len(train_idx),
+                  "heldout_samples": len(held_idx), "trainable_params": n_trainable, "processes": world}
+    print(f"next: specdraft export --run {run.path}")
     return run.record("train", state="done", config=cfg, counts=counts_out, metrics=metrics,
-                      seconds=time.time() - t_start, extra={"checkpoint": str(Path(CHECKPOINTS) / FINAL)})
+                      seconds=time.time() - t_start, extra={"checkpoint": str(Path(CHECKPOINTS) / chosen)})
+
+
+class _null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def tensorboard(run_path: Path, rank: int):
+    if rank != 0:
+        return None
+    from torch.utils.tensorboard import SummaryWriter
+
+    return SummaryWriter(str(run_path / CHECKPOINTS / "tensorboard"))
+
+
+def rng_state() -> dict:
+    return {"torch": torch.get_rng_state(), "python": random.getstate(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+
+
+# Fields that fix the data order, the schedule or the shapes: a resumed run must keep them.
+RESUME_FIXED = ("seed", "batch_tokens", "micro_batches", "epochs", "holdout", "draft_vocab_size", "ttt_steps",
+                "lr", "warmup_steps", "schedule", "norm_before_fc", "fc_norm", "norm_output")
+
+
+def resume_from(path: Path, cfg: TrainConfig, wrapped, optimizer, scheduler, state: dict) -> None:
+    """Load model, optimizer, scheduler, data position and RNG from a complete checkpoint."""
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
+                                                          set_optimizer_state_dict)
+
+    saved = json.loads((path / "config.json").read_text())["train"]
+    changed = [f"{k}: {saved.get(k)!r} -> {getattr(cfg, k)!r}" for k in RESUME_FIXED if saved.get(k) != getattr(cfg, k)]
+    if changed:
+        raise ValueError(f"{path}: cannot resume with a changed train config ({'; '.join(changed)}); restore "
+                         "those fields, or start over with --set train.resume=false (checkpoints are replaced)")
+
+    extra = torch.load(path / "trainer.pt", weights_only=False)
+    full = StateDictOptions(full_state_dict=True, strict=False)
+    set_model_state_dict(wrapped, extra["model"], options=full)
+    set_optimizer_state_dict(wrapped, optimizer, extra["optimizer"], options=full)
+    scheduler.load_state_dict(extra["scheduler"])
+    state.update(extra["state"])
+    torch.set_rng_state(extra["rng"]["torch"])
+    random.setstate(extra["rng"]["python"])
+    if extra["rng"]["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(extra["rng"]["cuda"])
+
+
+def keep_log_until(log_path: Path, step: int) -> None:
+    """Drop log records past `step` (written by a run killed after its last checkpoint), so a resumed
+    run's log has each step once."""
+    if not log_path.exists():
+        log_path.write_text("")
+        return
+    kept = [line for line in log_path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
+    tmp = log_path.with_suffix(".tmp")
+    tmp.write_text("".join(line + "\n" for line in kept))
+    tmp.rename(log_path)

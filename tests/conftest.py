@@ -55,3 +55,18 @@ def vllm_target(target, tmp_path_factory):
         pytest.skip(f"no vLLM venv at {VLLM_PYTHON} (bash scripts/install_vllm.sh)")
     with VllmServer(target.path, log_path=tmp_path_factory.mktemp("vllm-target") / "vllm.log") as server:
         yield server
+
+
+@pytest.fixture(scope="session")
+def extracted_run(target, tmp_path_factory) -> Path:
+    """A run folder through gen, render and extract of the tiny recipe (real target, real ShareGPT),
+    shared by the tests that train from it; copy it before writing into it."""
+    from specdraft.cli import main
+
+    root = tmp_path_factory.mktemp("extracted")
+    recipe = root / "tiny.toml"
+    recipe.write_text(TINY_RECIPE)
+    run = root / "run"
+    for stage in ("gen", "render", "extract"):
+        assert main([stage, "--recipe", str(recipe), "--run", str(run)]) == 0
+    return run

@@ -11,6 +11,12 @@ step (later steps). Attention works over two kinds of keys:
 
 That single rule covers training-time test (step i at position t sees step-0 keys <= t and the keys
 of steps 1..i at t) and drafting at inference (the drafter's cache plus the chain drafted so far).
+
+Training packs several documents into one row: the base keys are then limited to the query's own
+document (`documents`, a [B, T] id per position), so packing is exact. The base part runs as one
+attention call (FlexAttention with a block-sparse document mask on CUDA, a dense masked product on
+the CPU) that also returns its log-sum-exp; the diagonal keys are merged into it exactly through that
+log-sum-exp, so no [T, steps*T] score matrix is ever formed.
 """
 
 from __future__ import annotations
@@ -39,6 +45,12 @@ class DrafterConfig:
     max_position_embeddings: int = 8192
     # vLLM's default in the flat format: the residual is the hidden state before hidden_norm.
     norm_before_residual: bool = False
+    # Follow-ups, off by default (engines read these flags by these names): one RMSNorm over the
+    # concatenated aux states before fc (`input_norm`), one RMSNorm per aux layer before fc
+    # (`fc_norm.{i}`, EAGLE-3.1), and the normed output fed to the next step (EAGLE-3.1).
+    norm_before_fc: bool = False
+    fc_norm: bool = False
+    norm_output: bool = False
 
     @classmethod
     def from_target(cls, target, draft_vocab_size: int) -> "DrafterConfig":
@@ -93,6 +105,69 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 KV = tuple[torch.Tensor, torch.Tensor]
 
 
+def document_mask(documents: torch.Tensor):
+    """The base-key mask of packed training rows: causal, and inside the query's own document.
+
+    documents [B, T] (an id per position; padding gets its own id). On CUDA a FlexAttention BlockMask
+    (blocks of other documents are skipped, not computed); elsewhere a dense bool mask [B, 1, 1, T, T].
+    """
+    B, T = documents.shape
+    if documents.is_cuda:
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        def same_document_causal(b, h, q, k):
+            return (k <= q) & (documents[b, k] == documents[b, q])
+
+        return create_block_mask(same_document_causal, B, None, T, T, device=documents.device)
+    causal = torch.ones(T, T, dtype=torch.bool, device=documents.device).tril()  # [T, T]
+    same = documents[:, :, None] == documents[:, None, :]  # [B, T, T]
+    return (causal & same)[:, None, None]  # [B, 1, 1, T, T] (broadcast over kv heads and groups)
+
+
+_compiled_flex = None
+
+
+def flex_attention(q, k, v, block_mask):
+    """FlexAttention, compiled once (uncompiled it falls back to a dense reference)."""
+    global _compiled_flex
+    if _compiled_flex is None:
+        from torch.nn.attention.flex_attention import flex_attention as flex
+
+        _compiled_flex = torch.compile(flex, dynamic=False)
+    return _compiled_flex(q, k, v, block_mask=block_mask, enable_gqa=True, return_lse=True)
+
+
+def attend(q, base: KV, diag: list[KV], mask) -> torch.Tensor:
+    """Exact softmax attention of q [B, nh, T, d] over the base keys [B, nkv, Tb, d] under `mask`
+    (a dense bool mask broadcastable to [B, nkv, group, T, Tb], or a BlockMask) plus the diagonal
+    keys, each [B, nkv, T, d] and seen only by the query at the same position. -> [B, nh, T, d]."""
+    B, nh, T, d = q.shape
+    nkv = base[0].shape[1]
+    group = nh // nkv
+    scale = 1.0 / math.sqrt(d)
+    if isinstance(mask, torch.Tensor):
+        qg = q.view(B, nkv, group, T, d)  # [B, nkv, g, T, d]
+        scores = (qg @ base[0][:, :, None].transpose(-1, -2)).float() * scale  # [B, nkv, g, T, Tb]
+        scores = scores.masked_fill(~mask, float("-inf"))
+        lse = scores.logsumexp(-1)  # [B, nkv, g, T]
+        out = (scores - lse[..., None]).exp().to(q.dtype) @ base[1][:, :, None]  # [B, nkv, g, T, d]
+        out, lse = out.view(B, nh, T, d), lse.view(B, nh, T)
+    else:
+        out, lse = flex_attention(q, base[0], base[1], mask)  # [B, nh, T, d], [B, nh, T]
+    if not diag:
+        return out
+    dk = torch.stack([k for k, _ in diag], dim=-2).repeat_interleave(group, dim=1)  # [B, nh, T, n, d]
+    dv = torch.stack([v for _, v in diag], dim=-2).repeat_interleave(group, dim=1)  # [B, nh, T, n, d]
+    dscores = (q[..., None, :].float() * dk.float()).sum(-1) * scale  # [B, nh, T, n]
+    # Merge: softmax over [base scores, diagonal scores] = weights exp(lse) and exp(dscores).
+    top = torch.maximum(lse.float(), dscores.max(-1).values)  # [B, nh, T]
+    w_base = (lse.float() - top).exp()  # [B, nh, T]
+    w_diag = (dscores - top[..., None]).exp()  # [B, nh, T, n]
+    total = w_base + w_diag.sum(-1)  # [B, nh, T]
+    merged = w_base[..., None] * out.float() + (w_diag[..., None] * dv.float()).sum(-2)  # [B, nh, T, d]
+    return (merged / total[..., None]).to(q.dtype)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: DrafterConfig):
         super().__init__()
@@ -103,10 +178,12 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(width, self.n_kv * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, cfg.hidden_size, bias=False)
 
-    def forward(self, x, cos, sin, base: KV | None = None, diag: list[KV] | None = None, q_offset: int = 0):
+    def forward(self, x, cos, sin, base: KV | None = None, diag: list[KV] | None = None, q_offset: int = 0,
+                mask=None):
         """x [B, T, 2H]. With `diag` None this step's keys extend `base` causally (query j sees base
         keys 0..q_offset+j, q_offset = len(base) before extension); otherwise they join `diag` and the
-        query sees base keys 0..q_offset+j plus every diagonal key at its own position."""
+        query sees base keys 0..q_offset+j plus every diagonal key at its own position. A `mask` from
+        `document_mask` replaces the causal rule for the base keys (packed training rows)."""
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # [B, nh, T, d]
         k = self.k_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)  # [B, nkv, T, d]
@@ -121,22 +198,11 @@ class Attention(nn.Module):
             diag = []
         else:
             diag = diag + [(k, v)]
-        group = self.n_heads // self.n_kv
-        bk = base[0].repeat_interleave(group, dim=1)  # [B, nh, Tb, d]
-        bv = base[1].repeat_interleave(group, dim=1)
-        scale = 1.0 / math.sqrt(self.head_dim)
-        scores = (q @ bk.transpose(-1, -2)).float() * scale  # [B, nh, T, Tb]
-        visible = torch.arange(bk.shape[2], device=x.device)[None, :] <= (
-            q_offset + torch.arange(T, device=x.device)[:, None])  # [T, Tb]
-        scores = scores.masked_fill(~visible, float("-inf"))
-        diag_k = [dk.repeat_interleave(group, dim=1) for dk, _ in diag]
-        diag_v = [dv.repeat_interleave(group, dim=1) for _, dv in diag]
-        diag_scores = [(q * dk).sum(-1, keepdim=True).float() * scale for dk in diag_k]  # each [B, nh, T, 1]
-        probs = torch.softmax(torch.cat([scores, *diag_scores], dim=-1), dim=-1).to(q.dtype)
-        Tb = bk.shape[2]
-        out = probs[..., :Tb] @ bv  # [B, nh, T, d]
-        for j, dv in enumerate(diag_v):
-            out = out + probs[..., Tb + j: Tb + j + 1] * dv
+        if mask is None:
+            Tb = base[0].shape[2]
+            mask = torch.arange(Tb, device=x.device)[None, :] <= (
+                q_offset + torch.arange(T, device=x.device)[:, None])  # [T, Tb]
+        out = attend(q, base, diag, mask)  # [B, nh, T, d]
         out = out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)  # [B, T, nh*d]
         return self.o_proj(out), (k, v)
 
@@ -162,11 +228,11 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, embeds, hidden, cos, sin, base=None, diag=None, q_offset=0):
+    def forward(self, embeds, hidden, cos, sin, base=None, diag=None, q_offset=0, mask=None):
         normed = self.hidden_norm(hidden)
         residual = normed if self.norm_before_residual else hidden
         x = torch.cat([self.input_layernorm(embeds), normed], dim=-1)  # [B, T, 2H]
-        attn, kv = self.self_attn(x, cos, sin, base, diag, q_offset)
+        attn, kv = self.self_attn(x, cos, sin, base, diag, q_offset, mask)
         hidden = residual + attn
         hidden = hidden + self.mlp(self.post_attention_layernorm(hidden))
         return hidden, kv
@@ -177,6 +243,10 @@ class Eagle3Drafter(nn.Module):
         super().__init__()
         self.config = cfg
         n_aux = len(cfg.aux_layer_ids)
+        if cfg.norm_before_fc:
+            self.input_norm = RMSNorm(n_aux * cfg.target_hidden_size, cfg.rms_norm_eps)
+        if cfg.fc_norm:
+            self.fc_norm = nn.ModuleList([RMSNorm(cfg.target_hidden_size, cfg.rms_norm_eps) for _ in range(n_aux)])
         self.fc = nn.Linear(n_aux * cfg.target_hidden_size, cfg.hidden_size, bias=False)
         # Copied from the target and frozen: the drafter reads tokens the way the target does.
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
@@ -190,15 +260,21 @@ class Eagle3Drafter(nn.Module):
 
     def project(self, aux: torch.Tensor) -> torch.Tensor:
         """Target aux states [B, T, n_aux*Ht] -> the first step's hidden input [B, T, H]."""
+        if self.config.fc_norm:
+            parts = aux.chunk(len(self.fc_norm), dim=-1)  # n_aux x [B, T, Ht]
+            aux = torch.cat([norm(p) for norm, p in zip(self.fc_norm, parts)], dim=-1)  # [B, T, n_aux*Ht]
+        if self.config.norm_before_fc:
+            aux = self.input_norm(aux)
         return self.fc(aux)
 
-    def forward(self, hidden, input_ids, positions, base=None, diag=None, q_offset=0):
-        """One drafting step: logits over the draft vocab [B, T, Vd], the pre-norm output state fed to
-        the next step [B, T, H], and this step's keys/values."""
+    def forward(self, hidden, input_ids, positions, base=None, diag=None, q_offset=0, mask=None):
+        """One drafting step: logits over the draft vocab [B, T, Vd], the output state fed to the next
+        step [B, T, H] (pre-norm, or normed with `norm_output`), and this step's keys/values."""
         cos, sin = rotary(positions, self.config.head_dim, self.config.rope_theta)
         embeds = self.embed_tokens(input_ids).to(hidden.dtype)  # [B, T, H]
-        hidden, kv = self.layers[0](embeds, hidden, cos, sin, base, diag, q_offset)
-        return self.lm_head(self.norm(hidden)), hidden, kv
+        hidden, kv = self.layers[0](embeds, hidden, cos, sin, base, diag, q_offset, mask)
+        normed = self.norm(hidden)
+        return self.lm_head(normed), normed if self.config.norm_output else hidden, kv
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]

@@ -1,0 +1,193 @@
+"""The trainer on real extracted hidden states: resume after a kill, torchrun DDP / FSDP2 on gloo, the
+checkpoint layout, starting from a published drafter, and the Kimi-K2.5 drafter's size."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from specdraft.cli import main
+from specdraft.drafter.model import DrafterConfig, Eagle3Drafter
+from specdraft.train import COMPLETE, TRAIN_LOG, TTT
+
+REPO = Path(__file__).resolve().parents[1]
+# Small rows so the tiny recipe's 8 samples make several optimizer steps per epoch.
+FAST = ["--set", "train.batch_tokens=160", "--set", "train.holdout=0.25", "--set", "train.epochs=2",
+        "--set", "train.eval_every=3", "--set", "train.checkpoint_every=2", "--set", "train.warmup_steps=2"]
+
+
+def fresh_copy(extracted_run: Path, tmp_path: Path, name: str) -> Path:
+    run = tmp_path / name
+    shutil.copytree(extracted_run, run, ignore=shutil.ignore_patterns("checkpoints"))
+    return run
+
+
+def train_log(run: Path, kind: str = "train") -> list[dict]:
+    lines = (run / "checkpoints" / TRAIN_LOG).read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["kind"] == kind]
+
+
+def cli(run: Path, extracted_run: Path, *extra: str) -> list[str]:
+    return ["train", "--recipe", str(extracted_run.parent / "tiny.toml"), "--run", str(run), *FAST, *extra]
+
+
+def env() -> dict:
+    return {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1"}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(extracted_run, tmp_path_factory) -> Path:
+    run = fresh_copy(extracted_run, tmp_path_factory.mktemp("train"), "whole")
+    assert main(cli(run, extracted_run)) == 0
+    return run
+
+
+@pytest.mark.slow
+def test_checkpoints_logs_and_manifest(uninterrupted):
+    ckpt = uninterrupted / "checkpoints"
+    for name in ("latest", "best", "final"):
+        assert (ckpt / name / COMPLETE).exists(), name
+        assert (ckpt / name / "model.safetensors").exists(), name
+    assert (ckpt / "latest" / "trainer.pt").exists()
+    assert not list(ckpt.glob(".*tmp")), "no temporary folder is left behind"
+    assert (ckpt / "curves.png").stat().st_size > 0
+    assert list((ckpt / "tensorboard").glob("events.out.tfevents.*"))
+    steps = [r["step"] for r in train_log(uninterrupted)]
+    assert steps == list(range(1, len(steps) + 1)) and len(steps) >= 5
+    evals = train_log(uninterrupted, "eval")
+    assert evals and evals[-1]["step"] == steps[-1]
+    for e in evals:
+        assert len(e["cond_accept"]) == 3 and 1.0 <= e["tau"] <= 4.0
+    best = json.loads((ckpt / "best" / "config.json").read_text())
+    assert best["metrics"]["tau"] == max(e["tau"] for e in evals)
+    entry = json.loads((uninterrupted / "manifest.json").read_text())["stages"]["train"]
+    assert entry["state"] == "done" and entry["checkpoint"] == "checkpoints/best"
+    assert entry["counts"]["heldout_samples"] == 2 and entry["counts"]["samples"] == 6
+    # The first step's loss is the untrained drafter's; training lowers it.
+    losses = [r["weighted_loss"] for r in train_log(uninterrupted)]
+    assert losses[-1] < losses[0]
+
+
+@pytest.mark.slow
+def test_killed_run_resumes_on_the_uninterrupted_curve(extracted_run, uninterrupted, tmp_path):
+    """A run killed (SIGKILL) between steps restarts from `latest` and continues the loss curve of the
+    run that was never stopped: same data position, optimizer, schedule."""
+    run = fresh_copy(extracted_run, tmp_path, "killed")
+    proc = subprocess.Popen([sys.executable, "-m", "specdraft.cli", *cli(run, extracted_run)], env=env(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    log = run / "checkpoints" / TRAIN_LOG
+    deadline = time.time() + 600
+    while time.time() < deadline and proc.poll() is None:
+        if log.exists() and any(r["step"] >= 3 for r in train_log(run)):
+            proc.send_signal(signal.SIGKILL)
+            break
+        time.sleep(0.05)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL, proc.stderr.read()[-2000:]
+    expected = train_log(uninterrupted)
+    killed_at = max(r["step"] for r in train_log(run))
+    saved = json.loads((run / "checkpoints" / "latest" / "config.json").read_text())["step"]
+    assert 2 <= saved < len(expected) and saved <= killed_at
+
+    assert main(cli(run, extracted_run)) == 0
+    resumed = train_log(run)
+    assert [r["step"] for r in resumed] == [r["step"] for r in expected], "each step logged once"
+    for a, b in zip(resumed, expected):
+        assert a["weighted_loss"] == pytest.approx(b["weighted_loss"], rel=1e-4, abs=1e-5), a["step"]
+        assert a["lr"] == pytest.approx(b["lr"], rel=1e-6)
+
+
+TWO_ROWS = ["--set", "train.micro_batches=2", "--set", "train.epochs=1"]
+
+
+@pytest.fixture(scope="module")
+def single_two_rows(extracted_run, tmp_path_factory) -> Path:
+    """One process taking 2 packed rows per optimizer step."""
+    run = fresh_copy(extracted_run, tmp_path_factory.mktemp("train"), "single")
+    assert main(cli(run, extracted_run, *TWO_ROWS)) == 0
+    return run
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_torchrun_two_processes_equal_one(extracted_run, single_two_rows, tmp_path, parallel):
+    """torchrun with 2 gloo processes (each taking one of the step's 2 packed rows) takes the same steps
+    as one process taking both rows."""
+    # The run folder is the default runs/<recipe name> under cwd: torchrun's own parser would take a
+    # `--run` flag for an abbreviation of its `--run-path`, even after the module name.
+    (tmp_path / parallel / "runs").mkdir(parents=True)
+    multi = fresh_copy(extracted_run, tmp_path / parallel / "runs", "tiny")
+    args = cli(multi, extracted_run, *TWO_ROWS, "--set", f"train.parallel={parallel}")
+    args = args[:3] + args[5:]  # without --run
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "specdraft.cli", *args]
+    done = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=900, cwd=tmp_path / parallel)
+    assert done.returncode == 0, done.stderr[-4000:]
+    a, b = train_log(single_two_rows), train_log(multi)
+    assert len(a) == len(b) >= 2
+    for x, y in zip(a, b):
+        assert x["weighted_loss"] == pytest.approx(y["weighted_loss"], rel=1e-4), x["step"]
+        assert x["acc"] == pytest.approx(y["acc"], abs=1e-6)
+    manifest = json.loads((multi / "manifest.json").read_text())["stages"]["train"]
+    assert manifest["counts"]["processes"] == 2
+
+
+def test_init_from_names_what_does_not_fit(tmp_path):
+    """Starting from a published drafter checks every shape against the target's drafter; a drafter
+    for another target is refused with each tensor that does not fit."""
+    from specdraft.export.formats import write_sglang
+    from specdraft.train import init_from
+
+    def drafter(hidden, vocab):
+        from specdraft.drafter import vocab as vocabulary
+
+        torch.manual_seed(0)
+        d = Eagle3Drafter(DrafterConfig(hidden_size=hidden, num_attention_heads=4, num_key_value_heads=2,
+                                        head_dim=8, intermediate_size=64, vocab_size=vocab, draft_vocab_size=40,
+                                        target_hidden_size=hidden, aux_layer_ids=[1, 2, 3]))
+        d2t, t2d = vocabulary.build(torch.arange(vocab), 40)
+        d.d2t.copy_(d2t)
+        d.t2d.copy_(t2d)
+        return d
+
+    published = drafter(32, 50)
+    folder = write_sglang(published, tmp_path / "published", include_embed=False, provenance={})
+    ours = drafter(32, 50)
+    torch.nn.init.zeros_(ours.fc.weight)
+    init_from(ours, folder, published.embed_tokens.weight.detach())
+    as_written = lambda w: w.detach().to(torch.bfloat16).float()  # noqa: E731 (export writes bf16)
+    torch.testing.assert_close(ours.fc.weight, as_written(published.fc.weight))
+    torch.testing.assert_close(ours.lm_head.weight, as_written(published.lm_head.weight))
+
+    other = drafter(48, 50)
+    with pytest.raises(ValueError) as err:
+        init_from(other, folder, published.embed_tokens.weight.detach())
+    message = str(err.value)
+    assert "fc.weight: drafter for this target needs (48, 144)" in message and "has (32, 96)" in message
+    assert "lm_head.weight" in message
+
+
+def test_kimi_k25_drafter_size_on_meta():
+    """The Kimi-K2.5 drafter (FACTS.md): 1190.9 M trainable, a 1174.4 M frozen embedding, and 2594.7 M in
+    all with the frozen verifier head restricted to the draft vocabulary (what the trainer holds)."""
+    cfg = DrafterConfig(hidden_size=7168, num_attention_heads=64, num_key_value_heads=64, head_dim=128,
+                        intermediate_size=18432, vocab_size=163840, draft_vocab_size=32000,
+                        target_hidden_size=7168, aux_layer_ids=[2, 30, 58])
+    with torch.device("meta"):
+        model = TTT(Eagle3Drafter(cfg), torch.empty(cfg.draft_vocab_size, cfg.target_hidden_size), 7, 0.8)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    embedding = model.drafter.embed_tokens.weight.numel()
+    head = model.draft_head.numel()
+    assert not model.drafter.embed_tokens.weight.requires_grad
+    assert round(trainable / 1e6, 1) == 1190.9
+    assert round(embedding / 1e6, 1) == 1174.4
+    assert round((trainable + embedding + head) / 1e6, 1) == 2594.7
