@@ -307,6 +307,23 @@ def draft_probs(drafter, logits: torch.Tensor, temperature: float, vocab: int) -
         torch.arange(q.shape[0], device=q.device)), q)
 
 
+def rejection_sample(p: torch.Tensor, q: torch.Tensor, drafts: list[int], generator: torch.Generator
+                     ) -> tuple[int, int]:
+    """Target probs p [K+1, V], draft probs q [K, V] the drafts were sampled from -> (accepted count a,
+    the token after them): draft i is kept with probability min(1, p_i(x)/q_i(x)); the first rejected
+    one is replaced by a sample of norm(max(0, p_i − q_i)); when all K are kept, the bonus is a sample
+    of p_K. Each output token is then distributed as p (Leviathan et al. 2023, Appendix A.1)."""
+    K = len(drafts)
+    u = torch.rand(K, generator=generator, device=generator.device).tolist()
+    a = 0
+    while a < K and u[a] * float(q[a, drafts[a]]) < float(p[a, drafts[a]]):
+        a += 1
+    if a == K:
+        return a, int(torch.multinomial(p[K], 1, generator=generator))
+    residual = (p[a] - q[a]).clamp_min(0)
+    return a, int(torch.multinomial(residual / residual.sum(), 1, generator=generator))
+
+
 @torch.inference_mode()
 def speculative_sampled(runner: TargetRunner, drafter, prompt: list[int], max_new: int, eos: int, K: int,
                         temperature: float, stats: Stats, generator: torch.Generator) -> list[int]:
@@ -344,15 +361,7 @@ def speculative_sampled(runner: TargetRunner, drafter, prompt: list[int], max_ne
         p = torch.softmax(logits / temperature, -1)  # [K+1, V]
         sync(dev)
         stats.verify_seconds += time.perf_counter() - t0
-        a = 0
-        u = torch.rand(K, generator=generator, device=generator.device).tolist()
-        while a < K and u[a] * float(qs[a][drafts[a]]) < float(p[a, drafts[a]]):
-            a += 1
-        if a < K:
-            residual = (p[a] - qs[a]).clamp_min(0)
-            nxt = sample(residual / residual.sum())
-        else:
-            nxt = sample(p[K])
+        a, nxt = rejection_sample(p, torch.stack(qs), drafts, generator)
         stats.add(a)
         accepted = drafts[:a] + [nxt]
         runner.keep(n + 1 + a, [])
