@@ -170,6 +170,23 @@ def metrics_text(url: str) -> str:
     return resp.text if resp.status_code == 200 else ""
 
 
+# The engine updates its counters just after a request's last token is streamed: the scrape after a
+# level polls until they stop changing, for at most this many polls of SETTLE_POLL_S.
+SETTLE_POLLS = 20
+SETTLE_POLL_S = 0.5
+
+
+def settled_metrics_text(url: str) -> str:
+    text = metrics_text(url)
+    for _ in range(SETTLE_POLLS):
+        time.sleep(SETTLE_POLL_S)
+        again = metrics_text(url)
+        if spec_lines(again) == spec_lines(text):
+            return again
+        text = again
+    return text
+
+
 def spec_lines(text: str) -> str:
     """The /metrics lines the figures are computed from, kept in the report so they can be checked."""
     return "\n".join(line for line in text.splitlines()
@@ -187,7 +204,7 @@ def sweep(url: str, prompts: list[list[dict]], concurrencies: list[int], *, num_
         before = metrics_text(url)
         row = asyncio.run(_level(url, model, prompts, c, max(num_requests, c), max_seconds, max_tokens,
                                  temperature))
-        after = metrics_text(url)
+        after = settled_metrics_text(url)
         counters = (spec_decode_counters(before), spec_decode_counters(after))
         row["acceptance"] = acceptance(*counters)
         row["generation_tokens_counted"] = counters[1]["generation_tokens"] - counters[0]["generation_tokens"]
