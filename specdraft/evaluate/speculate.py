@@ -192,6 +192,7 @@ class DrafterState:
         self.root_hidden = self.root_logits = None
         self.root_position = -1
 
+    @torch.inference_mode()
     def advance(self, aux: torch.Tensor, next_tokens: list[int], first_position: int):
         """Step 0 over newly accepted positions: position t reads (target aux h_t, token x_{t+1})."""
         d = self.drafter
@@ -203,6 +204,7 @@ class DrafterState:
         self.root_hidden, self.root_logits = h[:, -1:], logits[0, -1]  # [1, 1, H], [Vd]
         self.root_position = first_position + len(next_tokens) - 1
 
+    @torch.inference_mode()
     def step(self, hidden, tokens: list[int], depth: int, diag: list):
         """One drafting step for sibling nodes at `depth`: each reads its parent's output state `hidden`
         [1, F, H] and sees the whole step-0 cache plus its ancestors' keys (`diag`) and its own."""
@@ -300,6 +302,7 @@ def speculative(runner: TargetRunner, drafter, prompt: list[int], max_new: int, 
     return out[:max_new]
 
 
+@torch.inference_mode()
 def draft_probs(drafter, logits: torch.Tensor, temperature: float, vocab: int) -> torch.Tensor:
     """The drafter's sampling distribution over the target vocabulary [V] (zero outside the draft vocab)."""
     q = torch.softmax(logits.float() / temperature, -1)
