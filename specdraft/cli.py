@@ -82,6 +82,21 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("status", help="write STATUS.md: the state of a run, from its manifest")
     p.add_argument("run", help="the run folder")
     p.add_argument("--json", action="store_true", help="print the status as JSON instead of Markdown")
+    p = sub.add_parser("bench", help="benchmark a served endpoint, or compare vLLM configurations it starts")
+    common(p)
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--endpoint", help="an OpenAI-compatible server URL (vLLM, SGLang) to sweep as it is")
+    where.add_argument("--compare", help="start vLLM per configuration: e.g. none,ngram:3,eagle3:1,eagle3:3")
+    p.add_argument("--drafter", help="the EAGLE-3 drafter folder (default: the run's export/vllm)")
+    p.add_argument("--name", default="endpoint", help="the endpoint's label in the report")
+    p.add_argument("--concurrency", help="comma-separated levels (default 1, 2, 4 … --max-concurrency)")
+    p.add_argument("--max-concurrency", type=int, default=128)
+    p.add_argument("--requests", type=int, default=32, help="requests per level (at least the concurrency)")
+    p.add_argument("--duration", type=float, default=120.0, help="seconds per level before no new request starts")
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--prompts", type=int, default=None, help="held-out prompts to cycle (default eval.num_prompts)")
+    p.add_argument("--out", help="report folder (default runs/<name>/eval)")
     return parser
 
 
@@ -155,6 +170,10 @@ def main(argv: list[str] | None = None) -> int:
             from .status import run_status
 
             return run_status(args.run, json_out=args.json)
+        if args.command == "bench":
+            from .evaluate.bench import run_bench
+
+            return run_bench(args)
         recipe, run = _resolve(args)
         if args.command == "demo":
             demo(recipe, run)

@@ -182,6 +182,19 @@ class EvalConfig:
     dtype: str = "float32"
     # Divergence from plain greedy at a logit gap below this counts as a numerical tie, not a bug.
     tie_tolerance: float = 1e-4
+    # EAGLE-2 dynamic tree: expand the best `tree_topk` nodes per depth for `tree_depth` depths and
+    # verify the best `tree_tokens` of them in one target forward (a CPU-sized tree; EAGLE-2 uses 10/6/60).
+    tree_topk: int = 4
+    tree_depth: int = 4
+    tree_tokens: int = 16
+    # > 0: also decode by sampling at this temperature with exact rejection sampling and report its tau.
+    temperature: float = 0.0
+    # "auto" = CUDA when present, else CPU.
+    device: str = "auto"
+    # A JSONL of prompts ({"prompt": str} or {"messages": [...]}) instead of the run's held-out split.
+    prompts_file: str = ""
+    # Per-category figures when prompts carry this field.
+    category_field: str = "category"
 
 
 @dataclass

@@ -1,23 +1,44 @@
-"""Measure a served engine: acceptance from its Prometheus `/metrics` counters.
+"""bench: measure a served engine (vLLM, SGLang: any OpenAI-compatible endpoint) under load.
 
-vLLM exports `vllm:spec_decode_num_drafts_total`, `..._num_draft_tokens_total`,
-`..._num_accepted_tokens_total` and `..._num_accepted_tokens_per_pos_total{position="i"}`; the figures
-of a run are the deltas of these counters between two scrapes.
+For each concurrency of a sweep (1, 2, 4 … max) it keeps that many streaming chat requests in flight
+until a request count or a duration is reached, and measures output tokens/s, time to first token
+(TTFT), time per output token after the first (TPOT) and inter-token latency (ITL, between streamed
+chunks) percentiles. Acceptance comes from the engine's Prometheus `/metrics`: vLLM exports
+`vllm:spec_decode_num_drafts_total`, `..._num_draft_tokens_total`, `..._num_accepted_tokens_total`
+and `..._num_accepted_tokens_per_pos_total{position="i"}`; the figures of a level are the deltas of
+these counters between a scrape before and one after it.
+
+`compare` starts vLLM once per configuration (no speculation, n-gram, EAGLE-3 with K = 1…7) through
+`VllmServer` and sweeps each, so one report shows them side by side: speedup over no speculation at
+each concurrency, acceptance per position, tau against K.
 """
 
 from __future__ import annotations
 
+import asyncio
+import json
 import re
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
 
 PREFIX = "vllm:spec_decode_"
+GENERATION_TOKENS = "vllm:generation_tokens_total"
 _LINE = re.compile(r'^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>[^}]*)\})?\s+(?P<value>\S+)$')
+PERCENTILES = (50, 90, 99)
+# A streamed request that sends nothing for this long is failed rather than waited on forever.
+REQUEST_TIMEOUT_S = 600.0
+# Failed requests are retried this many times before they count as failed (and are reported).
+RETRIES = 2
 
 
 def spec_decode_counters(metrics_text: str) -> dict:
-    """{"drafts", "draft_tokens", "accepted", "accepted_per_pos": [..]} summed over label sets."""
-    out = {"drafts": 0.0, "draft_tokens": 0.0, "accepted": 0.0, "accepted_per_pos": {}}
+    """{"drafts", "draft_tokens", "accepted", "accepted_per_pos": [..], "generation_tokens"} summed
+    over label sets (one per served model)."""
+    out = {"drafts": 0.0, "draft_tokens": 0.0, "accepted": 0.0, "accepted_per_pos": {}, "generation_tokens": 0.0}
     names = {f"{PREFIX}num_drafts_total": "drafts", f"{PREFIX}num_draft_tokens_total": "draft_tokens",
-             f"{PREFIX}num_accepted_tokens_total": "accepted"}
+             f"{PREFIX}num_accepted_tokens_total": "accepted", GENERATION_TOKENS: "generation_tokens"}
     for line in metrics_text.splitlines():
         m = _LINE.match(line.strip())
         if not m:
@@ -40,6 +61,345 @@ def acceptance(before: dict, after: dict) -> dict:
                for i, a in enumerate(after["accepted_per_pos"])]
     return {
         "drafts": drafts,
+        "draft_tokens": after["draft_tokens"] - before["draft_tokens"],
+        "accepted_tokens": accepted,
         "mean_acceptance_length": 1 + accepted / drafts if drafts else None,
         "per_position_acceptance": [p / drafts for p in per_pos] if drafts else [],
     }
+
+
+def percentiles(values: list[float]) -> dict:
+    if not values:
+        return {f"p{p}": None for p in PERCENTILES} | {"mean": None}
+    qs = statistics.quantiles(values, n=100, method="inclusive") if len(values) > 1 else [values[0]] * 99
+    return {f"p{p}": round(qs[p - 1] * 1000, 2) for p in PERCENTILES} | {
+        "mean": round(statistics.fmean(values) * 1000, 2)}
+
+
+@dataclass
+class RequestResult:
+    ok: bool
+    tokens: int = 0
+    ttft: float | None = None
+    tpot: float | None = None
+    itl: list[float] = field(default_factory=list)
+    error: str = ""
+
+
+async def one_request(client, url: str, model: str, messages: list[dict], max_tokens: int,
+                      temperature: float) -> RequestResult:
+    """One streaming chat completion: TTFT to the first content chunk, the gaps between chunks, and
+    the engine's own count of completion tokens (a chunk may carry several tokens when drafts are
+    accepted, so chunks are not tokens)."""
+    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": temperature,
+            "stream": True, "stream_options": {"include_usage": True}}
+    t0 = time.perf_counter()
+    arrivals, tokens = [], 0
+    async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as resp:
+        if resp.status_code != 200:
+            return RequestResult(ok=False, error=f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}")
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+            for choice in chunk.get("choices", []):
+                delta = choice.get("delta", {})
+                if delta.get("content") or delta.get("reasoning") or delta.get("reasoning_content"):
+                    arrivals.append(time.perf_counter())
+    if not arrivals:
+        return RequestResult(ok=True, tokens=tokens)
+    ttft = arrivals[0] - t0
+    tpot = (arrivals[-1] - arrivals[0]) / (tokens - 1) if tokens > 1 else None
+    return RequestResult(ok=True, tokens=tokens, ttft=ttft, tpot=tpot,
+                         itl=[b - a for a, b in zip(arrivals, arrivals[1:])])
+
+
+async def _level(url: str, model: str, prompts: list[list[dict]], concurrency: int, num_requests: int,
+                 max_seconds: float, max_tokens: int, temperature: float) -> dict:
+    import httpx
+
+    results: list[RequestResult] = []
+    retries = 0
+    next_prompt = 0
+    t0 = time.perf_counter()
+
+    async def worker(client):
+        nonlocal next_prompt, retries
+        while next_prompt < num_requests and time.perf_counter() - t0 < max_seconds:
+            messages = prompts[next_prompt % len(prompts)]
+            next_prompt += 1
+            for attempt in range(RETRIES + 1):
+                try:
+                    r = await one_request(client, url, model, messages, max_tokens, temperature)
+                except (httpx.HTTPError, json.JSONDecodeError) as e:
+                    r = RequestResult(ok=False, error=f"{type(e).__name__}: {e}")
+                if r.ok:
+                    break
+                retries += attempt < RETRIES
+            results.append(r)
+
+    limits = httpx.Limits(max_connections=concurrency)
+    async with httpx.AsyncClient(timeout=REQUEST_TIMEOUT_S, limits=limits) as client:
+        await asyncio.gather(*(worker(client) for _ in range(concurrency)))
+    seconds = time.perf_counter() - t0
+    ok = [r for r in results if r.ok]
+    tokens = sum(r.tokens for r in ok)
+    return {
+        "concurrency": concurrency, "requests": len(ok), "failed": len(results) - len(ok), "retries": retries,
+        "errors": sorted({r.error for r in results if not r.ok})[:3],
+        "seconds": round(seconds, 3), "output_tokens": tokens,
+        "output_tokens_per_s": round(tokens / seconds, 2),
+        "ttft_ms": percentiles([r.ttft for r in ok if r.ttft is not None]),
+        "tpot_ms": percentiles([r.tpot for r in ok if r.tpot is not None]),
+        "itl_ms": percentiles([x for r in ok for x in r.itl]),
+    }
+
+
+def served_model(url: str) -> str:
+    import httpx
+
+    return httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
+
+
+def metrics_text(url: str) -> str:
+    import httpx
+
+    resp = httpx.get(f"{url}/metrics", timeout=30)
+    return resp.text if resp.status_code == 200 else ""
+
+
+# The engine updates its counters just after a request's last token is streamed: the scrape after a
+# level polls until they stop changing, for at most this many polls of SETTLE_POLL_S.
+SETTLE_POLLS = 20
+SETTLE_POLL_S = 0.5
+
+
+def settled_metrics_text(url: str) -> str:
+    text = metrics_text(url)
+    for _ in range(SETTLE_POLLS):
+        time.sleep(SETTLE_POLL_S)
+        again = metrics_text(url)
+        if spec_lines(again) == spec_lines(text):
+            return again
+        text = again
+    return text
+
+
+def spec_lines(text: str) -> str:
+    """The /metrics lines the figures are computed from, kept in the report so they can be checked."""
+    return "\n".join(line for line in text.splitlines()
+                     if line.startswith((PREFIX, GENERATION_TOKENS)) and not line.startswith("#"))
+
+
+def sweep(url: str, prompts: list[list[dict]], concurrencies: list[int], *, num_requests: int,
+          max_seconds: float, max_tokens: int, temperature: float = 0.0, model: str | None = None) -> list[dict]:
+    """One row per concurrency: latency and throughput figures, and acceptance from counter deltas."""
+    from tqdm import tqdm
+
+    model = model or served_model(url)
+    rows = []
+    for c in tqdm(concurrencies, desc="bench", unit="level"):
+        before = metrics_text(url)
+        row = asyncio.run(_level(url, model, prompts, c, max(num_requests, c), max_seconds, max_tokens,
+                                 temperature))
+        after = settled_metrics_text(url)
+        counters = (spec_decode_counters(before), spec_decode_counters(after))
+        row["acceptance"] = acceptance(*counters)
+        row["generation_tokens_counted"] = counters[1]["generation_tokens"] - counters[0]["generation_tokens"]
+        row["metrics_before"], row["metrics_after"] = spec_lines(before), spec_lines(after)
+        rows.append(row)
+    return rows
+
+
+def configurations(names: list[str], drafter: str | None) -> list[tuple[str, dict | None]]:
+    """"none", "ngram[:K]", "eagle3:K" -> (name, vLLM speculative config)."""
+    out = []
+    for name in names:
+        method, _, k = name.partition(":")
+        if method == "none":
+            out.append((name, None))
+        elif method == "ngram":
+            # prompt_lookup_max: the longest n-gram matched against the context; 4 is vLLM's usual choice.
+            out.append((name, {"method": "ngram", "num_speculative_tokens": int(k or 3), "prompt_lookup_max": 4,
+                               "prompt_lookup_min": 2}))
+        elif method == "eagle3":
+            if not drafter:
+                raise ValueError(f"{name}: needs a drafter folder (--drafter, or --run with an export)")
+            out.append((name, {"method": "eagle3", "model": str(drafter), "num_speculative_tokens": int(k or 3)}))
+        else:
+            raise ValueError(f"configuration {name!r}: expected none, ngram[:K] or eagle3:K")
+    return out
+
+
+def compare(target_path: str, configs: list[tuple[str, dict | None]], prompts: list[list[dict]],
+            concurrencies: list[int], log_dir: Path, **sweep_args) -> list[dict]:
+    """Start vLLM once per configuration (one server at a time) and sweep each."""
+    from .server import VllmServer
+
+    results = []
+    for name, spec in configs:
+        with VllmServer(target_path, speculative=spec, log_path=Path(log_dir) / f"vllm-{name.replace(':', '-')}.log"
+                        ) as server:
+            rows = sweep(server.url, prompts, concurrencies, **sweep_args)
+        results.append({"name": name, "speculative": spec, "server_ready_s": round(server.ready_seconds, 1),
+                        "levels": rows})
+    return results
+
+
+def summarise(results: list[dict]) -> dict:
+    """Speedup over the "none" configuration at each concurrency, tau per K (from acceptance)."""
+    base = next((r for r in results if r["name"] == "none"), None)
+    base_tps = {lv["concurrency"]: lv["output_tokens_per_s"] for lv in base["levels"]} if base else {}
+    for r in results:
+        for lv in r["levels"]:
+            b = base_tps.get(lv["concurrency"])
+            lv["speedup"] = round(lv["output_tokens_per_s"] / b, 3) if b else None
+    tau_vs_k = {}
+    for r in results:
+        if r["speculative"] and r["speculative"]["method"] == "eagle3":
+            acc = [lv["acceptance"] for lv in r["levels"] if lv["acceptance"]["drafts"]]
+            drafts = sum(a["drafts"] for a in acc)
+            if drafts:
+                tau_vs_k[r["speculative"]["num_speculative_tokens"]] = round(
+                    1 + sum(a["accepted_tokens"] for a in acc) / drafts, 4)
+    return {"configurations": results, "tau_vs_k": dict(sorted(tau_vs_k.items()))}
+
+
+def plot(report: dict, out: Path) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from ..run import atomic_path
+
+    made = []
+
+    def save(fig, name):
+        with atomic_path(out / name) as tmp:
+            fig.savefig(tmp, format="png", dpi=100)
+        plt.close(fig)
+        made.append(name)
+
+    fig, ax = plt.subplots(figsize=(5, 3))
+    for r in report["configurations"]:
+        acc = r["levels"][0]["acceptance"]["per_position_acceptance"] if r["levels"] else []
+        if acc:
+            ax.plot(range(1, len(acc) + 1), acc, marker="o", label=r["name"])
+    ax.set_xlabel("draft position")
+    ax.set_ylabel("acceptance")
+    ax.set_title("Acceptance per position (lowest concurrency)")
+    if ax.lines:  # a configuration without speculation draws nothing here
+        ax.legend()
+    fig.tight_layout()
+    save(fig, "bench_acceptance_per_position.png")
+
+    fig, ax = plt.subplots(figsize=(5, 3))
+    for r in report["configurations"]:
+        pts = [(lv["concurrency"], lv["speedup"]) for lv in r["levels"] if lv.get("speedup")]
+        if pts:
+            ax.plot(*zip(*pts), marker="o", label=r["name"])
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("concurrent requests")
+    ax.set_ylabel("output tok/s vs no speculation")
+    ax.set_title("Speedup vs concurrency")
+    if ax.lines:  # a configuration without speculation draws nothing here
+        ax.legend()
+    fig.tight_layout()
+    save(fig, "bench_speedup_vs_concurrency.png")
+
+    if report["tau_vs_k"]:
+        fig, ax = plt.subplots(figsize=(5, 3))
+        ks = list(report["tau_vs_k"])
+        ax.plot(ks, [report["tau_vs_k"][k] for k in ks], marker="o")
+        ax.set_xlabel("speculative tokens K")
+        ax.set_ylabel("mean acceptance length (tau)")
+        ax.set_title("tau vs K (EAGLE-3)")
+        fig.tight_layout()
+        save(fig, "bench_tau_vs_k.png")
+    return made
+
+
+def _ms(p: dict) -> str:
+    return "–" if p["p50"] is None else f"{p['p50']} / {p['p90']} / {p['p99']}"
+
+
+def render_markdown(report: dict, plots: list[str]) -> str:
+    lines = ["# Served benchmark", "", f"- hardware: {report['hardware']}",
+             f"- {report['requests_per_level']} requests or {report['max_seconds']} s per level, "
+             f"{report['max_tokens']} output tokens max, temperature {report['temperature']}", "",
+             "| configuration | concurrency | output tok/s | speedup | TTFT ms p50/p90/p99 | TPOT ms p50/p90/p99 "
+             "| ITL ms p50/p90/p99 | tau | per-position acceptance | failed |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in report["configurations"]:
+        for lv in r["levels"]:
+            acc = lv["acceptance"]
+            tau = f"{acc['mean_acceptance_length']:.3f}" if acc["mean_acceptance_length"] else "–"
+            pos = " / ".join(f"{a:.2f}" for a in acc["per_position_acceptance"]) or "–"
+            lines.append(f"| {r['name']} | {lv['concurrency']} | {lv['output_tokens_per_s']} | "
+                         f"{lv.get('speedup') or '–'} | {_ms(lv['ttft_ms'])} | {_ms(lv['tpot_ms'])} | "
+                         f"{_ms(lv['itl_ms'])} | {tau} | {pos} | {lv['failed']} |")
+    if report["tau_vs_k"]:
+        lines += ["", "tau vs K (EAGLE-3): " + ", ".join(f"K={k}: {t}" for k, t in report["tau_vs_k"].items())]
+    lines += [""] + [f"![{p}]({p})" for p in plots] + [""]
+    return "\n".join(lines)
+
+
+def write_report(results: list[dict], out: Path, **settings) -> dict:
+    from .. import environment
+    from ..run import write_json, write_text
+
+    report = {**summarise(results), **settings, "hardware": environment.hardware_line()}
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    plots = plot(report, out)
+    write_json(out / "bench.json", report)
+    write_text(out / "bench.md", render_markdown(report, plots))
+    return report
+
+
+def concurrency_levels(max_concurrency: int) -> list[int]:
+    levels = [1]
+    while levels[-1] * 2 <= max_concurrency:
+        levels.append(levels[-1] * 2)
+    return levels
+
+
+def run_bench(args) -> int:
+    """`specdraft bench`: sweep one endpoint, or start vLLM per configuration and compare them."""
+    from ..cli import _resolve
+    from ..data.generate import select_prompts
+    from ..targets import Target
+
+    recipe, run = _resolve(args)
+    target = Target(recipe.target.model, recipe.target.aux_layer_ids)
+    prompts, _ = select_prompts(recipe, target, "eval", args.prompts or recipe.eval.num_prompts)
+    if not prompts:
+        raise ValueError(f"no held-out prompts in {recipe.data.source} for run {run.path}")
+    messages = [p["messages"] for p in prompts]
+    levels = ([int(c) for c in args.concurrency.split(",")] if args.concurrency
+              else concurrency_levels(args.max_concurrency))
+    sweep_args = {"num_requests": args.requests, "max_seconds": args.duration, "max_tokens": args.max_tokens,
+                  "temperature": args.temperature}
+    out = Path(args.out) if args.out else run.path / "eval"
+    if args.endpoint:
+        results = [{"name": args.name, "speculative": None, "endpoint": args.endpoint,
+                    "levels": sweep(args.endpoint.rstrip("/"), messages, levels, **sweep_args)}]
+    else:
+        drafter = args.drafter or (run.path / "export" / "vllm" if (run.path / "export" / "vllm").exists() else None)
+        configs = configurations(args.compare.split(","), drafter)
+        results = compare(str(target.path), configs, messages, levels, out / "logs", **sweep_args)
+    report = write_report(results, out, requests_per_level=args.requests, max_seconds=args.duration,
+                          max_tokens=args.max_tokens, temperature=args.temperature, prompts=len(messages))
+    run.record("bench", state="done", counts={"configurations": len(results), "levels": len(levels)},
+               metrics={"tau_vs_k": report["tau_vs_k"]})
+    for r in report["configurations"]:
+        for lv in r["levels"]:
+            tau = lv["acceptance"]["mean_acceptance_length"]
+            print(f"bench: {r['name']:10s} concurrency {lv['concurrency']:4d}: {lv['output_tokens_per_s']:9.1f} tok/s"
+                  + (f", tau {tau:.3f}" if tau else "") + (f", {lv['failed']} failed" if lv["failed"] else ""))
+    print(f"report: {out / 'bench.md'}")
+    print(f"next: specdraft status --run {run.path}")
+    return 0

@@ -1,19 +1,29 @@
-"""eval: a reference speculative decoder (chain drafting, greedy) on the target, exact by construction.
+"""eval: a reference speculative decoder (chain and EAGLE-2 dynamic tree; greedy and sampled), exact.
 
-Each round the drafter proposes K tokens from the target's aux states; one target forward over
-[last token, d_1..d_K] verifies them; the longest agreeing prefix is kept plus the target's own next
-token. The output is checked token for token against the target's plain greedy decoding with the same
-engine (same model, same cache code); a divergence at a logit gap below `tie_tolerance` is reported as
-a numerical tie (FACTS.md: greedy exactness needs identical numerics), any other one is an error.
+Each round the drafter proposes a tree of tokens from the target's aux states: the root is the last
+accepted token; every depth expands the `tree_topk` best nodes so far (by cumulative draft log-prob)
+into their `tree_topk` best children, for `tree_depth` depths, and the `tree_tokens` best nodes of all
+drafted ones are verified by ONE target forward with a tree attention mask (each node sees the cache,
+its ancestors and itself; its position is the cache length plus its depth). The longest path whose
+tokens the target itself picks is kept, plus the target's own next token; the cache keeps only that
+path. A chain of K tokens is the tree with top-k 1, depth K and K tokens, so both run the same code.
+
+Greedy output is checked token for token against the target's plain greedy decoding with the same
+engine; a divergence at a logit gap below `tie_tolerance` is reported as a numerical tie (FACTS.md:
+greedy exactness needs identical numerics), any other one is an error. Sampled decoding (temperature
+> 0) drafts a chain by sampling and accepts with exact rejection sampling (Leviathan et al. 2023), so
+its output distribution is the target's.
 
 Figures: tau (tokens per target forward), the histogram of accepted lengths, per-position acceptance
-(share of rounds whose draft position i was accepted, as vLLM counts it), decode speed with and
-without speculation, and the draft/target cost ratio.
+(share of rounds whose draft at depth i was accepted, as vLLM counts it), decode speed with and
+without speculation, the draft/target cost ratio c, and Leviathan's bound for the measured α and c.
 """
 
 from __future__ import annotations
 
+import json
 import time
+from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -26,10 +36,24 @@ from ..targets import Target, get_attr, tap_hidden_states
 from ..train import load_trained
 
 EVAL_DIR = "eval"
+# Bisection steps to invert tau(α) = (1 − α^(K+1)) / (1 − α): 60 halvings reach float precision.
+ALPHA_BISECTION_STEPS = 60
 
 
 class ExactnessError(AssertionError):
     """Speculative output differs from the target's greedy output beyond a numerical tie."""
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def sync(device: torch.device) -> None:
+    """Wait for queued GPU work, so wall-clock timings measure the work and not its launch."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 class TargetRunner:
@@ -38,6 +62,8 @@ class TargetRunner:
     def __init__(self, target: Target, model):
         self.target, self.model = target, model
         self.base = get_attr(model, target.family.decoder)
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
         self.cache = None
 
     def reset(self):
@@ -45,26 +71,72 @@ class TargetRunner:
 
         self.cache = DynamicCache()
 
+    @property
+    def length(self) -> int:
+        return self.cache.get_seq_length()
+
     @torch.inference_mode()
-    def forward(self, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """logits [n, V] and aux states [n, n_aux*H] for `ids` appended to the cache."""
-        x = torch.tensor([ids])
+    def forward(self, ids: list[int], positions: list[int] | None = None,
+                visible: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """logits [n, V] and aux states [n, n_aux*H] for `ids` appended to the cache. `visible` [n, n]
+        says which of the new tokens each new token sees (default causal); all cached ones are seen."""
+        x = torch.tensor([ids], device=self.device)
+        kwargs = {}
+        if visible is not None:
+            past = self.length
+            allowed = torch.cat([torch.ones(len(ids), past, dtype=torch.bool, device=self.device),
+                                 visible.to(self.device)], dim=1)  # [n, past+n]
+            # A 4-D additive mask is used as given by transformers (eager and sdpa alike).
+            mask = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device)
+            mask = mask.masked_fill(~allowed, torch.finfo(self.dtype).min)[None, None]  # [1, 1, n, past+n]
+            kwargs = {"attention_mask": mask, "position_ids": torch.tensor([positions], device=self.device)}
         with tap_hidden_states(self.model, self.target.family, self.target.aux_layer_ids) as cap:
-            out = self.base(input_ids=x, past_key_values=self.cache, use_cache=True)
+            out = self.base(input_ids=x, past_key_values=self.cache, use_cache=True, **kwargs)
         logits = self.model.lm_head(out.last_hidden_state)[0].float()
         aux = torch.cat([cap[k] for k in self.target.aux_layer_ids], dim=-1)[0]
         return logits, aux
 
-    def crop(self, length: int):
-        """Keep the first `length` positions (transformers crops by a negative count of tokens)."""
-        extra = self.cache.get_seq_length() - length
-        if extra > 0:
-            self.cache.crop(-extra)
+    def keep(self, length: int, extra: list[int]):
+        """Keep cache positions [0, length) followed by the positions `extra` (the accepted tree path)."""
+        idx = torch.cat([torch.arange(length), torch.tensor(extra, dtype=torch.long)]).to(self.device)
+        for layer in self.cache.layers:
+            layer.keys = layer.keys.index_select(-2, idx)
+            layer.values = layer.values.index_select(-2, idx)
+
+
+@dataclass
+class TreeShape:
+    """EAGLE-2 dynamic tree: expand `topk` nodes per depth, `depth` depths, verify the best `tokens`."""
+    topk: int
+    depth: int
+    tokens: int
+
+    @classmethod
+    def chain(cls, K: int) -> "TreeShape":
+        return cls(topk=1, depth=K, tokens=K)
+
+
+@dataclass
+class Tree:
+    tokens: list[int]  # target ids, one per node
+    parents: list[int]  # index of the parent node; -1 = the root (the last accepted token)
+    depths: list[int]  # 1 for the root's children
+
+    def visible(self) -> torch.Tensor:
+        """[1+N, 1+N] bool: row r (0 = root, 1+i = node i) sees the root, its ancestors and itself."""
+        n = len(self.tokens)
+        vis = torch.zeros(n + 1, n + 1, dtype=torch.bool)
+        vis[:, 0] = True
+        for i, p in enumerate(self.parents):
+            if p >= 0:
+                vis[i + 1] = vis[p + 1]
+            vis[i + 1, i + 1] = True
+        return vis
 
 
 @dataclass
 class Stats:
-    K: int
+    K: int  # the deepest draft position
     rounds: int = 0
     accepted_hist: list[int] = field(default_factory=list)
     accepted_at: list[int] = field(default_factory=list)
@@ -82,6 +154,20 @@ class Stats:
         for i in range(accepted):
             self.accepted_at[i] += 1
 
+    @property
+    def tau(self) -> float:
+        return sum((a + 1) * c for a, c in enumerate(self.accepted_hist)) / max(1, self.rounds)
+
+    def summary(self) -> dict:
+        return {
+            "tau": round(self.tau, 4),
+            "accepted_length_histogram": self.accepted_hist,
+            "per_position_acceptance": [round(c / max(1, self.rounds), 4) for c in self.accepted_at],
+            "rounds": self.rounds,
+            "draft_step_seconds": round(self.draft_seconds / max(1, self.draft_steps), 6),
+            "verify_seconds": round(self.verify_seconds / max(1, self.rounds), 6),
+        }
+
 
 def greedy(runner: TargetRunner, prompt: list[int], max_new: int, eos: int) -> tuple[list[int], list[float]]:
     """Plain greedy decoding; also the top-1/top-2 logit gap at each step (for the tie check)."""
@@ -97,45 +183,195 @@ def greedy(runner: TargetRunner, prompt: list[int], max_new: int, eos: int) -> t
         logits, _ = runner.forward([out[-1]])
 
 
+class DrafterState:
+    """The drafter's own cache of step-0 keys (one per target position) and its root for the next round."""
+
+    def __init__(self, drafter):
+        self.drafter = drafter
+        self.cache = None
+        self.root_hidden = self.root_logits = None
+        self.root_position = -1
+
+    @torch.inference_mode()
+    def advance(self, aux: torch.Tensor, next_tokens: list[int], first_position: int):
+        """Step 0 over newly accepted positions: position t reads (target aux h_t, token x_{t+1})."""
+        d = self.drafter
+        positions = torch.arange(first_position, first_position + len(next_tokens), device=aux.device)[None]
+        tokens = torch.tensor([next_tokens], device=aux.device)
+        logits, h, kv = d(d.project(aux.to(d.fc.weight.dtype))[None], tokens, positions, base=self.cache)
+        self.cache = kv if self.cache is None else (torch.cat([self.cache[0], kv[0]], 2),
+                                                    torch.cat([self.cache[1], kv[1]], 2))
+        self.root_hidden, self.root_logits = h[:, -1:], logits[0, -1]  # [1, 1, H], [Vd]
+        self.root_position = first_position + len(next_tokens) - 1
+
+    @torch.inference_mode()
+    def step(self, hidden, tokens: list[int], depth: int, diag: list):
+        """One drafting step for sibling nodes at `depth`: each reads its parent's output state `hidden`
+        [1, F, H] and sees the whole step-0 cache plus its ancestors' keys (`diag`) and its own."""
+        F_ = len(tokens)
+        dev = hidden.device
+        return self.drafter(hidden, torch.tensor([tokens], device=dev),
+                            torch.full((1, F_), self.root_position + depth, device=dev),
+                            base=self.cache, diag=diag, q_offset=self.cache[0].shape[2] - 1)
+
+
 @torch.inference_mode()
-def speculative(runner: TargetRunner, drafter, prompt: list[int], max_new: int, eos: int, K: int,
+def draft_tree(state: DrafterState, shape: TreeShape) -> Tree:
+    d = state.drafter
+    scores, tokens, parents, depths = [], [], [], []
+    logp = torch.log_softmax(state.root_logits.float(), -1)
+    top = logp.topk(shape.topk)
+    frontier = []
+    for s, t in zip(top.values.tolist(), d.to_target_ids(top.indices).tolist()):
+        frontier.append(len(tokens))
+        scores.append(s), tokens.append(t), parents.append(-1), depths.append(1)
+    hidden = state.root_hidden.expand(1, len(frontier), -1)  # [1, F, H]
+    diag: list = []
+    for depth in range(1, shape.depth):
+        logits, h, kv = state.step(hidden, [tokens[i] for i in frontier], depth, diag)
+        lp = torch.log_softmax(logits[0].float(), -1)  # [F, Vd]
+        cum = torch.tensor([scores[i] for i in frontier], device=lp.device)[:, None] + lp  # [F, Vd]
+        child = cum.topk(shape.topk, dim=-1)  # each frontier node's best children: [F, k]
+        child_ids = d.to_target_ids(child.indices).tolist()
+        child_scores = child.values.tolist()
+        new = []  # (score, row, node index)
+        for row, node in enumerate(frontier):
+            for s, t in zip(child_scores[row], child_ids[row]):
+                new.append((s, row, len(tokens)))
+                scores.append(s), tokens.append(t), parents.append(node), depths.append(depth + 1)
+        new.sort(key=lambda x: -x[0])
+        chosen = new[: shape.topk]
+        rows = torch.tensor([r for _, r, _ in chosen], device=lp.device)
+        frontier = [i for _, _, i in chosen]
+        hidden = h[:, rows]  # [1, F, H]: each chosen child's parent output
+        diag = [(k[:, :, rows], v[:, :, rows]) for k, v in diag + [kv]]  # ancestors' keys per chosen child
+    # The best `tokens` nodes; a child never outscores its parent (log-probs add), and on an exact tie
+    # the shallower node comes first, so every kept node's parent is kept too.
+    order = sorted(range(len(tokens)), key=lambda i: (-scores[i], depths[i], i))[: shape.tokens]
+    order.sort(key=lambda i: (depths[i], i))
+    new_index = {old: j for j, old in enumerate(order)}
+    return Tree(tokens=[tokens[i] for i in order],
+                parents=[new_index[parents[i]] if parents[i] >= 0 else -1 for i in order],
+                depths=[depths[i] for i in order])
+
+
+@torch.inference_mode()
+def speculative(runner: TargetRunner, drafter, prompt: list[int], max_new: int, eos: int, shape: TreeShape,
                 stats: Stats) -> list[int]:
+    """Greedy speculative decoding with tree (or chain) drafts; returns the generated ids."""
+    dev = runner.device
     runner.reset()
     logits, aux = runner.forward(prompt)
     out = [int(logits[-1].argmax())]
     n = len(prompt)  # target cache length; out[-1] is x_n, not yet fed to the target
-    # Drafter step 0 over the prompt: position t reads (h_t, x_{t+1}).
-    new_hidden = drafter.project(aux)
-    new_tokens = prompt[1:] + out[-1:]
-    new_positions = list(range(n))
-    dcache = None
+    state = DrafterState(drafter)
+    state.advance(aux, prompt[1:] + out[-1:], 0)
     while out[-1] != eos and len(out) < max_new:
+        sync(dev)
         t0 = time.perf_counter()
-        pos = torch.tensor([new_positions])
-        logits_d, h, kv = drafter(new_hidden[None], torch.tensor([new_tokens]), pos, base=dcache)
-        dcache = kv if dcache is None else (torch.cat([dcache[0], kv[0]], 2), torch.cat([dcache[1], kv[1]], 2))
-        drafts = [int(drafter.to_target_ids(logits_d[0, -1].argmax()))]
-        h, diag, p = h[:, -1:], [], new_positions[-1]
-        for i in range(1, K):
-            logits_d, h, kv = drafter(h, torch.tensor([[drafts[-1]]]), torch.tensor([[p + i]]), base=dcache,
-                                      diag=diag, q_offset=dcache[0].shape[2] - 1)
-            diag = diag + [kv]
-            drafts.append(int(drafter.to_target_ids(logits_d[0, -1].argmax())))
+        tree = draft_tree(state, shape)
+        sync(dev)
+        stats.draft_seconds += time.perf_counter() - t0
+        stats.draft_steps += shape.depth
+        t0 = time.perf_counter()
+        logits, aux = runner.forward([out[-1]] + tree.tokens, [n] + [n + dep for dep in tree.depths],
+                                     tree.visible())
+        choice = logits.argmax(-1).tolist()  # the target's token after each fed row (0 = root)
+        sync(dev)
+        stats.verify_seconds += time.perf_counter() - t0
+        children = defaultdict(dict)
+        for i, (t, p) in enumerate(zip(tree.tokens, tree.parents)):
+            children[p].setdefault(t, i)
+        path, node = [], -1
+        while choice[node + 1] in children[node]:
+            node = children[node][choice[node + 1]]
+            path.append(node)
+        stats.add(len(path))
+        accepted = [tree.tokens[i] for i in path] + [choice[node + 1]]
+        runner.keep(n + 1, [n + 1 + i for i in path])
+        t0 = time.perf_counter()
+        state.advance(aux[[0] + [1 + i for i in path]], accepted, n)
+        sync(dev)
+        stats.draft_seconds += time.perf_counter() - t0  # step 0 is a drafting step too
+        n += len(accepted)
+        out += accepted
+        if eos in accepted:
+            break
+    if eos in out:
+        out = out[: out.index(eos) + 1]
+    return out[:max_new]
+
+
+@torch.inference_mode()
+def draft_probs(drafter, logits: torch.Tensor, temperature: float, vocab: int) -> torch.Tensor:
+    """The drafter's sampling distribution over the target vocabulary [V] (zero outside the draft vocab)."""
+    q = torch.softmax(logits.float() / temperature, -1)
+    return torch.zeros(vocab, device=q.device).index_add_(0, drafter.to_target_ids(
+        torch.arange(q.shape[0], device=q.device)), q)
+
+
+def rejection_sample(p: torch.Tensor, q: torch.Tensor, drafts: list[int], generator: torch.Generator
+                     ) -> tuple[int, int]:
+    """Target probs p [K+1, V], draft probs q [K, V] the drafts were sampled from -> (accepted count a,
+    the token after them): draft i is kept with probability min(1, p_i(x)/q_i(x)); the first rejected
+    one is replaced by a sample of norm(max(0, p_i − q_i)); when all K are kept, the bonus is a sample
+    of p_K. Each output token is then distributed as p (Leviathan et al. 2023, Appendix A.1)."""
+    K = len(drafts)
+    u = torch.rand(K, generator=generator, device=generator.device).tolist()
+    a = 0
+    while a < K and u[a] * float(q[a, drafts[a]]) < float(p[a, drafts[a]]):
+        a += 1
+    if a == K:
+        return a, int(torch.multinomial(p[K], 1, generator=generator))
+    residual = (p[a] - q[a]).clamp_min(0)
+    return a, int(torch.multinomial(residual / residual.sum(), 1, generator=generator))
+
+
+@torch.inference_mode()
+def speculative_sampled(runner: TargetRunner, drafter, prompt: list[int], max_new: int, eos: int, K: int,
+                        temperature: float, stats: Stats, generator: torch.Generator) -> list[int]:
+    """Chain drafting by sampling, exact rejection sampling: token i of the draft is kept with probability
+    min(1, p(x)/q(x)); the first rejected one is replaced by a sample of norm(max(0, p − q)); when all K
+    are kept a bonus token is sampled from p. The output is distributed as the target's own sampling."""
+    dev = runner.device
+
+    def sample(probs):
+        return int(torch.multinomial(probs, 1, generator=generator))
+
+    runner.reset()
+    logits, aux = runner.forward(prompt)
+    V = logits.shape[-1]
+    out = [sample(torch.softmax(logits[-1] / temperature, -1))]
+    n = len(prompt)
+    state = DrafterState(drafter)
+    state.advance(aux, prompt[1:] + out[-1:], 0)
+    while out[-1] != eos and len(out) < max_new:
+        sync(dev)
+        t0 = time.perf_counter()
+        drafts, qs, diag = [], [], []
+        hidden, d_logits = state.root_hidden, state.root_logits
+        for depth in range(1, K + 1):
+            qs.append(draft_probs(drafter, d_logits, temperature, V))
+            drafts.append(sample(qs[-1]))
+            if depth < K:
+                d_logits, hidden, kv = state.step(hidden, [drafts[-1]], depth, diag)
+                d_logits, diag = d_logits[0, -1], diag + [kv]
+        sync(dev)
         stats.draft_seconds += time.perf_counter() - t0
         stats.draft_steps += K
         t0 = time.perf_counter()
         logits, aux = runner.forward([out[-1]] + drafts)
+        p = torch.softmax(logits / temperature, -1)  # [K+1, V]
+        sync(dev)
         stats.verify_seconds += time.perf_counter() - t0
-        choice = logits.argmax(-1).tolist()  # target's token after each fed position
-        a = 0
-        while a < K and drafts[a] == choice[a]:
-            a += 1
+        a, nxt = rejection_sample(p, torch.stack(qs), drafts, generator)
         stats.add(a)
-        accepted = drafts[:a] + [choice[a]]
-        runner.crop(n + 1 + a)
-        new_hidden = drafter.project(aux[: a + 1])
-        new_tokens = accepted
-        new_positions = list(range(n, n + a + 1))
+        accepted = drafts[:a] + [nxt]
+        runner.keep(n + 1 + a, [])
+        t0 = time.perf_counter()
+        state.advance(aux[: a + 1], accepted, n)
+        sync(dev)
+        stats.draft_seconds += time.perf_counter() - t0
         n += a + 1
         out += accepted
         if eos in accepted:
@@ -156,100 +392,210 @@ def check_exact(spec: list[int], ref: list[int], gaps: list[float], tol: float, 
                          f"(logit gap {gap:.3g} >= {tol}): the decoder is wrong, not the numerics")
 
 
-def plot_histogram(hist: list[int], path: Path) -> None:
+def alpha_from_tau(tau: float, K: int) -> float:
+    """The per-token acceptance α for which a K-token chain yields tau = (1 − α^(K+1)) / (1 − α)."""
+    lo, hi = 0.0, 1.0
+    for _ in range(ALPHA_BISECTION_STEPS):
+        mid = (lo + hi) / 2
+        if sum(mid ** i for i in range(K + 1)) < tau:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def leviathan_bound(alpha: float, K: int, c: float) -> float:
+    """Expected walltime improvement S = (1 − α^(K+1)) / ((1 − α)(Kc + 1)) (Leviathan et al. 2023, Thm 3.8)."""
+    return sum(alpha ** i for i in range(K + 1)) / (K * c + 1)
+
+
+def load_prompts(recipe: Recipe, target: Target) -> list[dict]:
+    """The held-out split of the run's data, or `eval.prompts_file`: JSONL with a `prompt` string or
+    `messages`, optional `id` and the category field."""
+    cfg = recipe.eval
+    if not cfg.prompts_file:
+        prompts, _ = select_prompts(recipe, target, "eval", cfg.num_prompts)
+        return prompts
+    chosen = []
+    path = Path(cfg.prompts_file)
+    with open(path) as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{lineno}: not JSON ({e.msg})") from None
+            if not isinstance(rec, dict) or not (isinstance(rec.get("prompt"), str) or
+                                                 isinstance(rec.get("messages"), list)):
+                raise ValueError(f"{path}:{lineno}: expected an object with a 'prompt' string or 'messages' list")
+            messages = rec.get("messages") or [{"role": "user", "content": rec["prompt"]}]
+            ids = target.chat_ids(messages, add_generation_prompt=True)
+            if len(ids) > recipe.data.max_prompt_tokens:
+                continue
+            item = {"id": str(rec.get("id", f"{path.name}:{lineno}")), "messages": messages, "prompt_ids": ids}
+            if cfg.category_field in rec:
+                item["category"] = str(rec[cfg.category_field])
+            chosen.append(item)
+            if len(chosen) >= cfg.num_prompts:
+                break
+    if not chosen:
+        raise ValueError(f"{path}: no prompt of at most {recipe.data.max_prompt_tokens} tokens")
+    return chosen
+
+
+def plot_histogram(hists: dict[str, list[int]], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(5, 3))
-    ax.bar(range(len(hist)), hist)
+    width = 0.8 / len(hists)
+    for j, (name, hist) in enumerate(hists.items()):
+        total = max(1, sum(hist))
+        ax.bar([i + j * width for i in range(len(hist))], [h / total for h in hist], width, label=name)
     ax.set_xlabel("draft tokens accepted per round")
-    ax.set_ylabel("rounds")
+    ax.set_ylabel("share of rounds")
     ax.set_title("Accepted lengths")
+    ax.legend()
     fig.tight_layout()
     with atomic_path(path) as tmp:
         fig.savefig(tmp, format="png", dpi=100)
     plt.close(fig)
 
 
-def run(recipe: Recipe, run: Run) -> dict:
+def evaluate(runner: TargetRunner, drafter, prompts: list[dict], cfg, eos: int) -> dict:
+    """Greedy AR, chain and tree decoding of every prompt with the same engine: exactness and figures."""
     from tqdm import tqdm
 
+    chain, tree = TreeShape.chain(cfg.draft_tokens), TreeShape(cfg.tree_topk, cfg.tree_depth, cfg.tree_tokens)
+    stats = {"chain": Stats(chain.depth), "tree": Stats(tree.depth)}
+    seconds = {"ar": 0.0, "chain": 0.0, "tree": 0.0}
+    tokens = {"ar": 0, "chain": 0, "tree": 0}
+    ties = {"chain": 0, "tree": 0}
+    per_prompt = []
+    by_category = defaultdict(lambda: {"prompts": 0, "chain": Stats(chain.depth), "tree": Stats(tree.depth)})
+    for p in tqdm(prompts, desc="eval", unit="prompt"):
+        sync(runner.device)
+        t0 = time.perf_counter()
+        ref, gaps = greedy(runner, p["prompt_ids"], cfg.max_new_tokens, eos)
+        sync(runner.device)
+        seconds["ar"] += time.perf_counter() - t0
+        tokens["ar"] += len(ref)
+        row = {"id": p["id"], "tokens": len(ref)}
+        cat = by_category[p.get("category", "all")]
+        cat["prompts"] += 1
+        for name, shape in (("chain", chain), ("tree", tree)):
+            rounds_before, hist_before = stats[name].rounds, list(stats[name].accepted_hist)
+            t0 = time.perf_counter()
+            spec = speculative(runner, drafter, p["prompt_ids"], cfg.max_new_tokens, eos, shape, stats[name])
+            sync(runner.device)
+            seconds[name] += time.perf_counter() - t0
+            tokens[name] += len(spec)
+            check = check_exact(spec, ref, gaps, cfg.tie_tolerance, p["id"])
+            ties[name] += not check["exact"]
+            row[name] = {"rounds": stats[name].rounds - rounds_before, **check}
+            for a, (after, before) in enumerate(zip(stats[name].accepted_hist, hist_before)):
+                for _ in range(after - before):
+                    cat[name].add(a)
+        per_prompt.append(row)
+    ar_tps = tokens["ar"] / seconds["ar"]
+    ar_step = seconds["ar"] / max(1, tokens["ar"])  # one target forward of one token (prefill amortised)
+    report = {"prompts": len(prompts), "autoregressive_tokens_per_s": round(ar_tps, 2)}
+    for name, shape in (("chain", chain), ("tree", tree)):
+        s = stats[name]
+        c = s.draft_seconds / max(1, s.draft_steps) / ar_step
+        tps = tokens[name] / seconds[name]
+        K = shape.depth
+        alpha = alpha_from_tau(s.tau, K)
+        report[name] = {
+            **s.summary(), "shape": vars(shape), "exact_prompts": len(prompts) - ties[name],
+            "numerical_ties": ties[name], "speculative_tokens_per_s": round(tps, 2),
+            "speedup": round(tps / ar_tps, 3), "draft_to_target_cost": round(c, 4),
+            "alpha": round(alpha, 4), "leviathan_bound": round(leviathan_bound(alpha, K, c), 3),
+        }
+    if len(by_category) > 1 or "all" not in by_category:
+        report["per_category"] = {k: {"prompts": v["prompts"], "tau_chain": round(v["chain"].tau, 4),
+                                      "tau_tree": round(v["tree"].tau, 4),
+                                      "per_position_acceptance_chain": v["chain"].summary()["per_position_acceptance"]}
+                                  for k, v in sorted(by_category.items())}
+    report["per_prompt"] = per_prompt
+    return report
+
+
+def sampled_tau(runner, drafter, prompts, cfg, eos, seed: int) -> dict:
+    stats = Stats(cfg.draft_tokens)
+    gen = torch.Generator(device=runner.device).manual_seed(seed)
+    for p in prompts:
+        speculative_sampled(runner, drafter, p["prompt_ids"], cfg.max_new_tokens, eos, cfg.draft_tokens,
+                            cfg.temperature, stats, gen)
+    return {"temperature": cfg.temperature, **stats.summary()}
+
+
+def run(recipe: Recipe, run: Run) -> dict:
     from .. import environment
 
     cfg = recipe.eval
     t_start = time.time()
+    device = pick_device(cfg.device)
     drafter, target, _ = load_trained(recipe, run)
-    drafter = drafter.to(getattr(torch, cfg.dtype))
-    runner = TargetRunner(target, target.load_model(cfg.dtype))
-    prompts, _ = select_prompts(recipe, target, "eval", cfg.num_prompts)
-    eos = target.eos_token_id
-    stats = Stats(cfg.draft_tokens)
-    per_prompt, ties = [], 0
-    ar_seconds = spec_seconds = 0.0
-    ar_tokens = spec_tokens = 0
-    for p in tqdm(prompts, desc="eval", unit="prompt"):
-        t0 = time.perf_counter()
-        ref, gaps = greedy(runner, p["prompt_ids"], cfg.max_new_tokens, eos)
-        ar_seconds += time.perf_counter() - t0
-        ar_tokens += len(ref)
-        rounds_before = stats.rounds
-        t0 = time.perf_counter()
-        spec = speculative(runner, drafter, p["prompt_ids"], cfg.max_new_tokens, eos, cfg.draft_tokens, stats)
-        spec_seconds += time.perf_counter() - t0
-        spec_tokens += len(spec)
-        check = check_exact(spec, ref, gaps, cfg.tie_tolerance, p["id"])
-        ties += not check["exact"]
-        per_prompt.append({"id": p["id"], "tokens": len(spec), "rounds": stats.rounds - rounds_before, **check})
-    K = cfg.draft_tokens
-    tau = sum((a + 1) * c for a, c in enumerate(stats.accepted_hist)) / max(1, stats.rounds)
-    target_step = stats.verify_seconds / max(1, stats.rounds)
-    report = {
-        "prompts": len(prompts),
-        "draft_tokens": K,
-        "tau": round(tau, 4),
-        "accepted_length_histogram": stats.accepted_hist,
-        "per_position_acceptance": [round(c / max(1, stats.rounds), 4) for c in stats.accepted_at],
-        "rounds": stats.rounds,
-        "exact_prompts": len(prompts) - ties,
-        "numerical_ties": ties,
-        "autoregressive_tokens_per_s": round(ar_tokens / ar_seconds, 2),
-        "speculative_tokens_per_s": round(spec_tokens / spec_seconds, 2),
-        "speedup": round((spec_tokens / spec_seconds) / (ar_tokens / ar_seconds), 3),
-        "draft_step_seconds": round(stats.draft_seconds / max(1, stats.draft_steps), 5),
-        "verify_seconds": round(target_step, 5),
-        "draft_to_target_cost": round(stats.draft_seconds / max(1, stats.draft_steps) / target_step, 4),
-        "dtype": cfg.dtype,
-        "hardware": environment.hardware_line(),
-        "per_prompt": per_prompt,
-    }
+    drafter = drafter.to(device=device, dtype=getattr(torch, cfg.dtype))
+    runner = TargetRunner(target, target.load_model(cfg.dtype, device=str(device)))
+    prompts = load_prompts(recipe, target)
+    report = evaluate(runner, drafter, prompts, cfg, target.eos_token_id)
+    # Top-level figures are the chain's: what vLLM's num_speculative_tokens = K serves.
+    report = {"prompts": report["prompts"], "draft_tokens": cfg.draft_tokens,
+              **{k: v for k, v in report["chain"].items() if k != "shape"},
+              "autoregressive_tokens_per_s": report["autoregressive_tokens_per_s"],
+              **{k: v for k, v in report.items() if k not in ("prompts", "autoregressive_tokens_per_s")}}
+    if cfg.temperature > 0:
+        report["sampled"] = sampled_tau(runner, drafter, prompts, cfg, target.eos_token_id, recipe.train.seed)
+    report.update({"dtype": cfg.dtype, "device": str(device), "hardware": environment.hardware_line()})
     out = run.path / EVAL_DIR
     write_json(out / "report.json", report)
-    plot_histogram(stats.accepted_hist, out / "accepted_lengths.png")
+    plot_histogram({"chain": report["chain"]["accepted_length_histogram"],
+                    "tree": report["tree"]["accepted_length_histogram"]}, out / "accepted_lengths.png")
     write_text(out / "report.md", render_markdown(report))
     metrics = {k: report[k] for k in ("tau", "per_position_acceptance", "speedup", "autoregressive_tokens_per_s",
-                                      "speculative_tokens_per_s", "draft_to_target_cost")}
+                                      "speculative_tokens_per_s", "draft_to_target_cost", "leviathan_bound")}
+    metrics["tau_tree"] = report["tree"]["tau"]
+    print(f"eval: tau chain {report['tau']:.3f}, tree {report['tree']['tau']:.3f}; report {out / 'report.md'}")
+    print(f"next: measure the served drafter: specdraft bench --run {run.path} --endpoint URL")
     return run.record("eval", state="done", config=cfg, metrics=metrics,
-                      counts={"prompts": len(prompts), "exact": len(prompts) - ties, "ties": ties},
+                      counts={"prompts": len(prompts), "exact": report["exact_prompts"],
+                              "ties": report["numerical_ties"]},
                       seconds=time.time() - t_start)
 
 
 def render_markdown(r: dict) -> str:
-    pos = " / ".join(f"{a:.3f}" for a in r["per_position_acceptance"])
-    return "\n".join([
-        "# Drafter evaluation (reference decoder, chain, greedy)",
+    lines = [
+        "# Drafter evaluation (reference decoder, greedy, exact)",
         "",
-        f"- prompts: {r['prompts']} held-out; draft tokens per round K = {r['draft_tokens']}; dtype {r['dtype']}",
-        f"- **tau (tokens per target forward): {r['tau']:.3f}**",
-        f"- per-position acceptance: {pos}",
-        f"- accepted-length histogram (0..K): {r['accepted_length_histogram']}",
-        f"- exactness: {r['exact_prompts']}/{r['prompts']} identical to greedy, "
-        f"{r['numerical_ties']} numerical ties",
-        f"- decode: {r['speculative_tokens_per_s']} tok/s speculative vs {r['autoregressive_tokens_per_s']} "
-        f"tok/s autoregressive = {r['speedup']}x; draft/target cost ratio c = {r['draft_to_target_cost']}",
-        f"- hardware: {r['hardware']}",
+        f"- prompts: {r['prompts']}; dtype {r['dtype']}; device {r['device']}; hardware: {r['hardware']}",
+        f"- autoregressive decode (same engine): {r['autoregressive_tokens_per_s']} tok/s",
         "",
-        "![accepted lengths](accepted_lengths.png)",
-        "",
-    ])
+        "| drafting | shape | tau | per-position acceptance | exact / ties | tok/s | speedup | c | α | bound |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name in ("chain", "tree"):
+        s = r[name]
+        shape = s["shape"]
+        pos = " / ".join(f"{a:.2f}" for a in s["per_position_acceptance"])
+        lines.append(f"| {name} | top-k {shape['topk']}, depth {shape['depth']}, {shape['tokens']} tokens | "
+                     f"**{s['tau']:.3f}** | {pos} | {s['exact_prompts']} / {s['numerical_ties']} | "
+                     f"{s['speculative_tokens_per_s']} | {s['speedup']}x | {s['draft_to_target_cost']} | "
+                     f"{s['alpha']} | {s['leviathan_bound']}x |")
+    lines += ["", "Accepted-length histograms (0..depth): "
+              f"chain {r['chain']['accepted_length_histogram']}, tree {r['tree']['accepted_length_histogram']}.",
+              "The bound is Leviathan et al.'s S = (1 − α^(γ+1)) / ((1 − α)(γc + 1)) with γ = depth, α from tau, "
+              "c = one drafting step / one autoregressive target step."]
+    if "sampled" in r:
+        s = r["sampled"]
+        lines.append(f"\nSampled chain (temperature {s['temperature']}, exact rejection sampling): tau {s['tau']:.3f}, "
+                     f"per-position acceptance {' / '.join(f'{a:.2f}' for a in s['per_position_acceptance'])}")
+    if "per_category" in r:
+        lines += ["", "| category | prompts | tau chain | tau tree |", "|---|---|---|---|"]
+        lines += [f"| {k} | {v['prompts']} | {v['tau_chain']} | {v['tau_tree']} |" for k, v in r["per_category"].items()]
+    lines += ["", "![accepted lengths](accepted_lengths.png)", ""]
+    return "\n".join(lines)

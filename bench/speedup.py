@@ -1,0 +1,83 @@
+"""Speedup of a run's drafter with the reference decoder: batch 1, greedy, held-out prompts.
+
+    python bench/speedup.py runs/demo [--prompts 64] [--new-tokens 256] [--dtype bfloat16] [--device auto]
+    python bench/speedup.py runs/tiny --prompts 2 --new-tokens 16          # a CPU smoke run
+
+Prints one JSON line: tau of chain and tree drafting, autoregressive and speculative tokens/s, the
+speedup, the draft/target cost ratio c, and Leviathan's bound for the measured α and c. Every
+speculative output is checked against the target's own greedy output (ties counted, not failed).
+The first prompt is decoded once untimed, so one-time costs (kernel selection, allocator growth) are
+not charged to either side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from specdraft import environment
+from specdraft.evaluate import speculate as S
+from specdraft.run import Run
+from specdraft.train import load_trained
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("run", help="a run folder with a trained drafter (specdraft demo makes runs/demo)")
+    ap.add_argument("--prompts", type=int, default=64)
+    ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--dtype", default="float32", help="float32 keeps greedy speculation exact (FACTS.md)")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--K", type=int, default=None, help="chain length (default: the recipe's eval.draft_tokens)")
+    ap.add_argument("--tree", default=None, metavar="TOPK,DEPTH,TOKENS", help="default: the recipe's eval.tree_*")
+    ap.add_argument("--prompts-file", default=None, help="a JSONL of prompts instead of the run's held-out split")
+    args = ap.parse_args()
+
+    run = Run(Path(args.run))
+    recipe = run.recipe()
+    cfg = recipe.eval
+    cfg.num_prompts, cfg.max_new_tokens, cfg.dtype, cfg.device = args.prompts, args.new_tokens, args.dtype, args.device
+    if args.K:
+        cfg.draft_tokens = args.K
+    if args.tree:
+        cfg.tree_topk, cfg.tree_depth, cfg.tree_tokens = (int(x) for x in args.tree.split(","))
+    if args.prompts_file:
+        cfg.prompts_file = args.prompts_file
+    device = S.pick_device(cfg.device)
+    drafter, target, _ = load_trained(recipe, run)
+    drafter = drafter.to(device=device, dtype=getattr(torch, cfg.dtype))
+    runner = S.TargetRunner(target, target.load_model(cfg.dtype, device=str(device)))
+    prompts = S.load_prompts(recipe, target)
+
+    warm = type(cfg)(**{**vars(cfg), "max_new_tokens": min(cfg.max_new_tokens, 32)})
+    S.evaluate(runner, drafter, prompts[:1], warm, target.eos_token_id)
+    t0 = time.time()
+    r = S.evaluate(runner, drafter, prompts, cfg, target.eos_token_id)
+    chain, tree = r["chain"], r["tree"]
+    print(json.dumps({
+        "bench": "speedup", "run": str(run.path), "prompts": len(prompts), "max_new_tokens": cfg.max_new_tokens,
+        "dtype": cfg.dtype, "device": str(device), "batch": 1, "greedy": True,
+        "K": cfg.draft_tokens, "tree": tree["shape"],
+        "tau_chain": chain["tau"], "tau_tree": tree["tau"],
+        "per_position_acceptance_chain": chain["per_position_acceptance"],
+        "per_position_acceptance_tree": tree["per_position_acceptance"],
+        "ar_tokens_per_s": r["autoregressive_tokens_per_s"],
+        "spec_tokens_per_s_chain": chain["speculative_tokens_per_s"],
+        "spec_tokens_per_s_tree": tree["speculative_tokens_per_s"],
+        "speedup_chain": chain["speedup"], "speedup_tree": tree["speedup"],
+        "c_chain": chain["draft_to_target_cost"], "c_tree": tree["draft_to_target_cost"],
+        "alpha_chain": chain["alpha"], "bound_chain": chain["leviathan_bound"],
+        "bound_tree": tree["leviathan_bound"],
+        "speedup_over_bound_chain": round(chain["speedup"] / chain["leviathan_bound"], 3),
+        "exact_prompts_chain": chain["exact_prompts"], "exact_prompts_tree": tree["exact_prompts"],
+        "numerical_ties_chain": chain["numerical_ties"], "numerical_ties_tree": tree["numerical_ties"],
+        "seconds": round(time.time() - t0, 1), "hardware": environment.hardware_line(),
+    }))
+
+
+if __name__ == "__main__":
+    main()
