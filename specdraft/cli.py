@@ -61,6 +61,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("folder", help="a drafter folder (speculators or flat format)")
     p.add_argument("--target", help="the target it drafts for (default: the run's recipe)")
     p.add_argument("--run", help="the run it came from (default: the run the folder is inside)")
+    p = sub.add_parser("import", help="a published EAGLE-3 drafter (speculators or flat, midlayer.* or layers.0.*) "
+                                      "-> a specdraft checkpoint, checked against the target")
+    common(p)
+    p.add_argument("folder", help="the drafter folder (config.json + safetensors)")
+    p.add_argument("--out", help="write a bare checkpoint folder here instead of into a run")
+    p.add_argument("--target", help="the target it drafts for (default: the recipe's)")
     p = sub.add_parser("demo", help="run every stage on the embedded default (SmolLM2 + ShareGPT, CPU)")
     common(p)
     return parser
@@ -122,6 +128,21 @@ def main(argv: list[str] | None = None) -> int:
             from .export.doctor import run_doctor
 
             return run_doctor(args.folder, args.target, args.run)
+        if args.command == "import":
+            from .export.formats import run_import
+
+            if args.target:
+                args.set.append(f"target.model={args.target}")
+            if args.out:
+                if args.run:
+                    raise ValueError("import: give --run or --out, not both")
+                recipe = load_recipe(args.recipe or DEFAULT_RECIPE)
+                for item in args.set:
+                    apply_override(recipe, *(part.strip() for part in item.split("=", 1)))
+                run_import(args.folder, recipe, out=args.out)
+            else:
+                run_import(args.folder, *_resolve(args))
+            return 0
         recipe, run = _resolve(args)
         if args.command == "demo":
             demo(recipe, run)

@@ -147,9 +147,8 @@ def test_flat_folder_with_other_layer_names_reads(rename, tmp_path):
     assert_same_drafter(d, read_drafter(out))
 
 
-@pytest.mark.parametrize("fmt,name", [("vllm", "layers.0.self_attn.k_proj.weight"), ("vllm", "d2t"),
-                                      ("sglang", "midlayer.self_attn.k_proj.weight"), ("sglang", "fc.weight"),
-                                      ("sglang", "d2t")])
+@pytest.mark.parametrize("fmt,name", [("vllm", "layers.0.self_attn.k_proj.weight"), ("vllm", "lm_head.weight"),
+                                      ("sglang", "midlayer.self_attn.k_proj.weight"), ("sglang", "fc.weight")])
 def test_missing_tensor_is_named(fmt, name, tmp_path):
     out = export(fmt, tiny_drafter(target_hidden_size=48), tmp_path / fmt)
     path = out / "model.safetensors"
@@ -158,6 +157,44 @@ def test_missing_tensor_is_named(fmt, name, tmp_path):
     save_file(tensors, str(path))
     with pytest.raises(ValueError, match=re.escape(f"missing tensor(s) ['{name}']")):
         read_drafter(out)
+
+
+@pytest.mark.parametrize("fmt", ["vllm", "sglang"])
+def test_missing_d2t_reads_as_the_engines_keep_it_and_is_said(fmt, tmp_path):
+    """vLLM keeps a missing d2t at zeros (draft id i -> target id i); the reader does the same, and says so."""
+    out = export(fmt, tiny_drafter(target_hidden_size=48), tmp_path / fmt)
+    path = out / "model.safetensors"
+    tensors = load_file(str(path))
+    del tensors["d2t"], tensors["t2d"]
+    save_file(tensors, str(path))
+    published = formats.read_published(out)
+    d = published.build(None)
+    assert not d.d2t.any() and torch.equal(d.t2d, torch.arange(VOCAB) < DRAFT_VOCAB)
+    assert any(n.startswith("d2t: ABSENT") for n in published.notes), published.notes
+
+
+@pytest.mark.parametrize("fmt", ["vllm", "sglang"])
+@pytest.mark.parametrize("flag", ["norm_before_fc", "fc_norm", "norm_output"])
+def test_eagle31_norms_the_drafter_lacks_are_refused(fmt, flag, tmp_path):
+    out = export(fmt, tiny_drafter(target_hidden_size=48), tmp_path / fmt)
+    _edit_config(out, lambda c: c.update({flag: True}))
+    with pytest.raises(ValueError, match=f"{flag}=true: EAGLE-3.1 norms"):
+        read_drafter(out)
+    if fmt == "sglang":  # vLLM's flat path also reads norm_before_fc from eagle_config
+        _edit_config(out, lambda c: c.update({flag: False, "eagle_config": {**c["eagle_config"], "norm_before_fc": True}}))
+        with pytest.raises(ValueError, match="norm_before_fc=true"):
+            read_drafter(out)
+
+
+def test_tensors_that_do_not_fit_the_config_are_all_named(tmp_path):
+    out = export("sglang", tiny_drafter(target_hidden_size=48), tmp_path / "sglang")
+    _edit_config(out, lambda c: c.update(intermediate_size=80, target_hidden_size=40))
+    with pytest.raises(ValueError) as e:
+        read_drafter(out)
+    message = str(e.value)
+    assert "fc.weight: [32, 144] given, config.json needs [32, 120]" in message
+    for name in ("midlayer.mlp.gate_proj.weight", "midlayer.mlp.up_proj.weight", "midlayer.mlp.down_proj.weight"):
+        assert name in message
 
 
 def test_t2d_is_rebuilt_from_d2t_and_checked_against_it(tmp_path):

@@ -34,6 +34,7 @@ from __future__ import annotations
 import json
 import shlex
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -85,6 +86,8 @@ SGLANG_KEYS = {
 EMBED_KEY = ("embed_tokens.weight", "embed_tokens.weight")
 # SGLang's fc takes 3 * target_hidden_size inputs whatever the config says.
 SGLANG_NUM_AUX = 3
+# EAGLE-3.1's optional norms (before fc, per aux state in fc, on the state fed to the next step).
+EAGLE31_FLAGS = ("norm_before_fc", "fc_norm", "norm_output")
 
 
 def layer_config(cfg: DrafterConfig) -> dict:
@@ -196,24 +199,38 @@ def _read_tensors(folder: Path) -> dict[str, torch.Tensor]:
 
 
 def _build(folder: Path, cfg: DrafterConfig, theirs: dict[str, torch.Tensor], keys: dict[str, str],
-           embed: torch.Tensor | None) -> Eagle3Drafter:
+           embed: torch.Tensor | None, notes: list[str] | None = None) -> Eagle3Drafter:
     """Our drafter (float32, eval mode) from the format's tensors read through `keys` (ours -> theirs).
 
-    Every tensor is required, named as the folder names it when missing, except t2d, which engines
-    skip and which d2t determines (rebuilt when absent, checked when present), and embed_tokens,
-    which is the target's (`embed`) when the folder has none.
+    Every tensor is required, named as the folder names it when missing, except:
+    - t2d, which engines skip and which d2t determines (rebuilt when absent, checked when present);
+    - d2t, which engines keep at zeros when absent (draft id i -> target id i): read so, and said so
+      in `notes`, because only a full-vocabulary drafter is right that way;
+    - embed_tokens, which is the target's (`embed`) when the folder has none.
+    Tensors whose shapes do not fit config.json are all named, with both shapes.
     """
+    notes = notes if notes is not None else []
     state = {ours: theirs[name] for ours, name in keys.items() if name in theirs}
-    missing = [name for ours, name in keys.items() if ours not in state and ours != "t2d"]
+    missing = [name for ours, name in keys.items() if ours not in state and ours not in ("t2d", "d2t")]
     if missing:
         raise ValueError(f"{folder}: missing tensor(s) {missing}")
     if EMBED_KEY[1] in theirs:
         state[EMBED_KEY[0]] = theirs[EMBED_KEY[1]]
+        notes.append("embed_tokens: the drafter's own (in the folder)")
     elif embed is None:
         raise ValueError(f"{folder}: no embed_tokens in the drafter; pass the target's embedding")
     else:
         state[EMBED_KEY[0]] = embed
-    d2t = state["d2t"].long()
+        notes.append("embed_tokens: not in the folder; the target's (as the engines share it)")
+    if "d2t" in state:
+        d2t = state["d2t"].long()
+        notes.append("d2t: present (offsets)")
+    else:
+        d2t = torch.zeros(cfg.draft_vocab_size, dtype=torch.long)
+        notes.append("d2t: absent; the draft vocabulary is the full target vocabulary, no mapping needed"
+                     if cfg.draft_vocab_size == cfg.vocab_size else
+                     f"d2t: ABSENT; the engines map draft id i to target id i (0..{cfg.draft_vocab_size - 1}), "
+                     "almost never what the drafter was trained for (doctor fails it)")
     if d2t.shape != (cfg.draft_vocab_size,):
         raise ValueError(f"{folder}: d2t has shape {list(d2t.shape)}, expected [{cfg.draft_vocab_size}]")
     targets = torch.arange(cfg.draft_vocab_size) + d2t
@@ -222,14 +239,23 @@ def _build(folder: Path, cfg: DrafterConfig, theirs: dict[str, torch.Tensor], ke
                          "it must hold offsets (target id = draft id + d2t[draft id]), not absolute ids")
     t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
     t2d[targets] = True
-    if "t2d" in state and not torch.equal(state["t2d"].bool(), t2d):
-        raise ValueError(f"{folder}: t2d does not mark the target ids that d2t maps the draft vocabulary to")
+    if "t2d" in state:
+        if not torch.equal(state["t2d"].bool(), t2d):
+            raise ValueError(f"{folder}: t2d does not mark the target ids that d2t maps the draft vocabulary to")
+        notes.append("t2d: present, consistent with d2t")
+    else:
+        notes.append("t2d: absent; rebuilt from d2t (the engines do not read it)")
     state["d2t"], state["t2d"] = d2t, t2d
     drafter = Eagle3Drafter(cfg)
-    try:
-        drafter.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()})
-    except RuntimeError as e:
-        raise ValueError(f"{folder}: the tensors do not fit config.json: {e}") from None
+    expected = drafter.state_dict()
+    names = {**{ours: theirs_name for ours, theirs_name in keys.items()}, EMBED_KEY[0]: EMBED_KEY[1]}
+    if EMBED_KEY[1] not in theirs:
+        names[EMBED_KEY[0]] = "embed_tokens (the target's, shared)"
+    misfits = [f"{names.get(k, k)}: {list(v.shape)} given, config.json needs {list(expected[k].shape)}"
+               for k, v in state.items() if k in expected and v.shape != expected[k].shape]
+    if misfits:
+        raise ValueError(f"{folder}: the tensors do not fit config.json:\n  " + "\n  ".join(misfits))
+    drafter.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()})
     return drafter.eval()
 
 
@@ -258,17 +284,27 @@ def write_vllm(drafter: Eagle3Drafter, out: Path, *, verifier: str, verifier_arc
     return out
 
 
-def read_vllm(folder: Path, embed: torch.Tensor | None = None) -> Eagle3Drafter:
-    """A speculators-format folder -> our drafter (float32), for eval, fine-tuning and round trips."""
-    folder = Path(folder)
-    config = _read_config(folder)
-    if config.get("speculators_model_type") != "eagle3":
-        raise ValueError(f"{folder}/config.json: not a speculators eagle3 config")
+def _refuse_unimplemented_norms(config: dict, where: str) -> None:
+    """EAGLE-3.1's extra norms, as the engines read them (vLLM: top level, or eagle_config for
+    norm_before_fc; all False when absent). Our drafter has none of them, so a folder that turns one on
+    would be read as another network: refused rather than silently dropped (FACTS.md: a dropped
+    norm_before_fc serves fine and accepts little)."""
+    eagle = config.get("eagle_config") or {}
+    on = [flag for flag in EAGLE31_FLAGS if eagle.get(flag, config.get(flag, False))]
+    if on:
+        raise ValueError(f"{where}: {', '.join(f'{f}=true' for f in on)}: EAGLE-3.1 norms that specdraft's "
+                         "drafter does not implement; reading it without them would give another network")
+
+
+def _parse_vllm(folder: Path, config: dict) -> tuple[DrafterConfig, dict[str, str], str]:
     where = f"{folder}/config.json"
+    if config.get("speculators_model_type") != "eagle3":
+        raise ValueError(f"{where}: not a speculators eagle3 config")
     for key in ("transformer_layer_config", "draft_vocab_size", "target_hidden_size",
                 "eagle_aux_hidden_state_layer_ids"):
         if not config.get(key):
             raise ValueError(f"{where}: no {key!r}")
+    _refuse_unimplemented_norms(config, where)
     cfg = _config_from_layer(
         config["transformer_layer_config"], where,
         draft_vocab_size=config["draft_vocab_size"],
@@ -277,7 +313,14 @@ def read_vllm(folder: Path, embed: torch.Tensor | None = None) -> Eagle3Drafter:
         # What vLLM assumes when the flag is absent on this path.
         norm_before_residual=config.get("norm_before_residual", True),
     )
-    return _build(folder, cfg, _read_tensors(folder), VLLM_KEYS, embed)
+    return cfg, VLLM_KEYS, "speculators (Eagle3Speculator, layers.0.*)"
+
+
+def read_vllm(folder: Path, embed: torch.Tensor | None = None) -> Eagle3Drafter:
+    """A speculators-format folder -> our drafter (float32), for eval, fine-tuning and round trips."""
+    folder = Path(folder)
+    cfg, keys, _ = _parse_vllm(folder, _read_config(folder))
+    return _build(folder, cfg, _read_tensors(folder), keys, embed)
 
 
 def flat_config(cfg: DrafterConfig, provenance: dict) -> dict:
@@ -322,8 +365,10 @@ def write_sglang(drafter: Eagle3Drafter, out: Path, *, include_embed: bool, prov
     return out
 
 
-def _flat_aux_layer_ids(config: dict, where: str) -> list[int]:
-    """Our aux layer ids from a flat config, from either engine's list; both present must agree."""
+def _flat_aux_layer_ids(config: dict, where: str, default: list[int] | None) -> list[int]:
+    """Our aux layer ids from a flat config, from either engine's list; both present must agree.
+    Neither present (SpecForge writes none): the ids the engines then use, `default` (the target's
+    (2, L//2, L-3), same layers in both engines), when the caller knows the target."""
     top = config.get("eagle_aux_hidden_state_layer_ids")
     eagle = config.get("eagle_config") or {}
     nested = eagle.get("eagle_aux_hidden_state_layer_ids")
@@ -335,7 +380,9 @@ def _flat_aux_layer_ids(config: dict, where: str) -> list[int]:
             "name different layers, so vLLM and SGLang would feed this drafter different hidden states")
     ids = list(top) if top else from_nested
     if not ids:
-        raise ValueError(f"{where}: no aux layer ids; the engines would guess (2, L//2, L-3)")
+        if default is None:
+            raise ValueError(f"{where}: no aux layer ids; the engines would guess (2, L//2, L-3)")
+        ids = list(default)
     if eagle.get("use_aux_hidden_state", True) is not True:
         raise ValueError(f"{where}: eagle_config.use_aux_hidden_state is not true; not an EAGLE-3 drafter")
     if config.get("num_aux_hidden_states", len(ids)) != len(ids):
@@ -343,11 +390,8 @@ def _flat_aux_layer_ids(config: dict, where: str) -> list[int]:
     return ids
 
 
-def read_sglang(folder: Path, embed: torch.Tensor | None = None) -> Eagle3Drafter:
-    """A flat-format folder -> our drafter (float32). Reads the decoder layer named `midlayer.*`
-    (SGLang / EAGLE / SpecForge) or `layers.0.*` (vLLM-style), with or without a `model.` prefix."""
-    folder = Path(folder)
-    config = _read_config(folder)
+def _parse_flat(folder: Path, config: dict, tensor_names: set[str],
+                default_aux_layer_ids: list[int] | None) -> tuple[DrafterConfig, dict[str, str], str]:
     where = f"{folder}/config.json"
     if FLAT_ARCHITECTURE not in (config.get("architectures") or []):
         raise ValueError(f"{where}: architectures {config.get('architectures')} lack {FLAT_ARCHITECTURE!r}")
@@ -357,34 +401,103 @@ def read_sglang(folder: Path, embed: torch.Tensor | None = None) -> Eagle3Drafte
         raise ValueError(f"{where}: tie_word_embeddings is true; the engines would use embed_tokens as lm_head")
     if config.get("draft_vocab_size") is None:
         raise ValueError(f"{where}: no 'draft_vocab_size'; SGLang would take the target's lm_head instead")
+    _refuse_unimplemented_norms(config, where)
     cfg = _config_from_layer(
         config, where,
         draft_vocab_size=config["draft_vocab_size"],
-        # SGLang's rule when absent: the drafter's own hidden size.
+        # SGLang's and vLLM's rule when absent: the drafter's own hidden size.
         target_hidden_size=config.get("target_hidden_size") or config.get("hidden_size"),
-        aux_layer_ids=_flat_aux_layer_ids(config, where),
+        aux_layer_ids=_flat_aux_layer_ids(config, where, default_aux_layer_ids),
         # What vLLM assumes when the flag is absent on this path (SGLang has no other behaviour).
         norm_before_residual=config.get("norm_before_residual", False),
     )
-    theirs = {k.removeprefix("model."): v for k, v in _read_tensors(folder).items()}
-    midlayer = any(k.startswith("midlayer.") for k in theirs)
-    layers0 = any(k.startswith("layers.0.") for k in theirs)
+    midlayer = any(k.startswith("midlayer.") for k in tensor_names)
+    layers0 = any(k.startswith("layers.0.") for k in tensor_names)
     if midlayer and layers0:
         raise ValueError(f"{folder}: both midlayer.* and layers.0.* tensors; which one is the decoder layer?")
-    return _build(folder, cfg, theirs, VLLM_KEYS if layers0 else SGLANG_KEYS, embed)
+    if layers0:
+        return cfg, VLLM_KEYS, f"flat ({FLAT_ARCHITECTURE}, layers.0.*)"
+    return cfg, SGLANG_KEYS, f"flat ({FLAT_ARCHITECTURE}, midlayer.*)"
 
 
-def read_drafter(folder: Path, embed: torch.Tensor | None = None) -> Eagle3Drafter:
-    """Any drafter folder an engine loads -> our drafter: the speculators format (has
+def _flat_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    """The folder's tensors without a `model.` prefix, which some checkpoints put on every name."""
+    return {k.removeprefix("model."): v for k, v in _read_tensors(folder).items()}
+
+
+def read_sglang(folder: Path, embed: torch.Tensor | None = None) -> Eagle3Drafter:
+    """A flat-format folder -> our drafter (float32). Reads the decoder layer named `midlayer.*`
+    (SGLang / EAGLE / SpecForge) or `layers.0.*` (vLLM-style), with or without a `model.` prefix."""
+    folder = Path(folder)
+    theirs = _flat_tensors(folder)
+    cfg, keys, _ = _parse_flat(folder, _read_config(folder), set(theirs), None)
+    return _build(folder, cfg, theirs, keys, embed)
+
+
+@dataclass
+class Published:
+    """A drafter folder as read: its config and tensors under their names, the layout, and what it
+    lacked or how it was read (`notes`)."""
+
+    folder: Path
+    config: DrafterConfig
+    tensors: dict[str, torch.Tensor]
+    keys: dict[str, str]
+    layout: str
+    notes: list[str]
+
+    def build(self, embed: torch.Tensor | None) -> Eagle3Drafter:
+        return _build(self.folder, self.config, self.tensors, self.keys, embed, self.notes)
+
+
+def read_published(folder: Path, default_aux_layer_ids: list[int] | None = None) -> Published:
+    """Any drafter folder an engine loads, parsed but not yet built: the speculators format (has
     `speculators_model_type`) or the flat one (architectures name LlamaForCausalLMEagle3)."""
     folder = Path(folder)
     config = _read_config(folder)
+    notes: list[str] = []
     if "speculators_model_type" in config:
-        return read_vllm(folder, embed)
-    if FLAT_ARCHITECTURE in (config.get("architectures") or []):
-        return read_sglang(folder, embed)
-    raise ValueError(f"{folder}/config.json: neither a speculators config (speculators_model_type) nor a "
-                     f"flat EAGLE-3 one (architectures {FLAT_ARCHITECTURE})")
+        tensors = _read_tensors(folder)
+        cfg, keys, layout = _parse_vllm(folder, config)
+        if "norm_before_residual" not in config:
+            notes.append("norm_before_residual: absent; read as True, as vLLM's speculators path does")
+    elif FLAT_ARCHITECTURE in (config.get("architectures") or []):
+        tensors = _flat_tensors(folder)
+        cfg, keys, layout = _parse_flat(folder, config, set(tensors), default_aux_layer_ids)
+        if "norm_before_residual" not in config:
+            notes.append("norm_before_residual: absent; read as False, as vLLM's flat path does (SGLang "
+                         "always behaves so)")
+        eagle = config.get("eagle_config") or {}
+        if not config.get("eagle_aux_hidden_state_layer_ids") and not eagle.get("eagle_aux_hidden_state_layer_ids"):
+            notes.append(f"aux layer ids: absent; the engines' default for this target, {cfg.aux_layer_ids}")
+    else:
+        raise ValueError(f"{folder}/config.json: neither a speculators config (speculators_model_type) nor a "
+                         f"flat EAGLE-3 one (architectures {FLAT_ARCHITECTURE})")
+    return Published(folder, cfg, tensors, keys, layout, notes)
+
+
+def read_drafter(folder: Path, embed: torch.Tensor | None = None) -> Eagle3Drafter:
+    """Any drafter folder an engine loads -> our drafter (float32): the speculators format or the
+    flat one, see `read_published`."""
+    return read_published(folder).build(embed)
+
+
+def fit_problems(cfg: DrafterConfig, target, has_embed: bool) -> list[str]:
+    """What of a drafter's shapes does not fit the target, one line each (empty: it fits)."""
+    problems = []
+    if cfg.vocab_size != target.vocab_size:
+        problems.append(f"vocab_size: drafter {cfg.vocab_size}, target {target.vocab_size} (another tokenizer)")
+    if cfg.target_hidden_size != target.hidden_size:
+        problems.append(f"target_hidden_size: drafter {cfg.target_hidden_size}, target hidden_size "
+                        f"{target.hidden_size} (fc reads {len(cfg.aux_layer_ids)} x {cfg.target_hidden_size})")
+    outside = [k for k in cfg.aux_layer_ids if not 1 <= k < target.num_layers]
+    if outside:
+        problems.append(f"aux layer ids {outside} outside 1..{target.num_layers - 1} for a target with "
+                        f"{target.num_layers} layers")
+    if not has_embed and cfg.hidden_size != target.hidden_size:
+        problems.append(f"embed_tokens: not in the folder, and the target's has width {target.hidden_size}, "
+                        f"not the drafter's hidden_size {cfg.hidden_size}")
+    return problems
 
 
 def provenance(run_name: str) -> dict:
@@ -455,3 +568,75 @@ def run(recipe, run) -> dict:
                       seconds=time.time() - t_start,
                       extra={"folders": written, "serve_command": commands[formats[0]],
                              "serve_commands": commands, "embed_included": include_embed})
+
+
+IMPORTED = "imported"
+
+
+def import_drafter(folder: Path, target, out: Path,
+                   extracted_aux_layer_ids: list[int] | None = None) -> tuple[Eagle3Drafter, Published]:
+    """A published drafter folder -> a specdraft checkpoint at `out` (train.save_checkpoint's format,
+    which eval, export and fine-tuning read), after checking it against `target` (and against the
+    layers a run's hidden states hold, when given). Any misfit is an error that lists every one."""
+    from ..train import save_checkpoint
+
+    folder = Path(folder)
+    published = read_published(folder, target.default_aux_layer_ids())
+    problems = fit_problems(published.config, target, EMBED_KEY[1] in published.tensors)
+    if extracted_aux_layer_ids is not None and list(extracted_aux_layer_ids) != published.config.aux_layer_ids:
+        problems.append(f"aux layer ids: drafter {published.config.aux_layer_ids}, the run's hidden states "
+                        f"{list(extracted_aux_layer_ids)} (fine-tuning would feed it other layers)")
+    if problems:
+        raise ValueError(f"import: {folder} does not fit the target {target.path}:\n  " + "\n  ".join(problems))
+    embed = target.embed_weight()
+    drafter = published.build(embed)
+    if EMBED_KEY[1] in published.tensors and not torch.equal(drafter.embed_tokens.weight, embed.float()):
+        published.notes.append("embed_tokens: differs from the target's; kept in the checkpoint")
+    aux_ids = drafter.config.aux_layer_ids
+    target_for_drafter = type(target)(target.name, aux_ids)
+    meta = {"aux_layer_ids": aux_ids, "target": target_for_drafter.describe(),
+            "imported_from": {"folder": str(folder.resolve()), "layout": published.layout,
+                              "notes": published.notes}}
+    save_checkpoint(drafter, Path(out), meta)
+    return drafter, published
+
+
+def run_import(folder: str, recipe, run=None, out: str | None = None) -> dict:
+    """`specdraft import`: into a run (its checkpoints/imported, recorded as the run's drafter, so
+    `eval`, `export` and `doctor` take it from there) or into a bare checkpoint folder (`out`)."""
+    from ..targets import Target
+
+    t0 = time.time()
+    target = Target(recipe.target.model)
+    if run is not None:
+        trained = run.stage("train")
+        if trained and trained.get("state") == "done" and "imported_from" not in trained:
+            raise ValueError(f"import: {run.path} already holds a trained drafter ({trained.get('checkpoint')}); "
+                             "import into a new run (--run) or a folder (--out)")
+        out_path = run.path / "checkpoints" / IMPORTED
+        index = run.path / "hidden" / "index.json"
+        extracted = json.loads(index.read_text())["aux_layer_ids"] if index.exists() else None
+    else:
+        out_path, extracted = Path(out), None
+    drafter, published = import_drafter(Path(folder), target, out_path, extracted)
+    cfg = drafter.config
+    print(f"import: {folder} ({published.layout})")
+    for note in published.notes:
+        print(f"  {note}")
+    print(f"  drafter: hidden {cfg.hidden_size}, {cfg.num_attention_heads} heads x {cfg.head_dim}, draft vocab "
+          f"{cfg.draft_vocab_size} of {cfg.vocab_size}, aux layers {cfg.aux_layer_ids}, "
+          f"norm_before_residual {cfg.norm_before_residual}")
+    print(f"  checkpoint: {out_path}")
+    info = {"folder": str(Path(folder).resolve()), "layout": published.layout, "notes": published.notes}
+    if run is None:
+        print(f"\nnext: specdraft doctor {folder} --target {recipe.target.model}")
+        return info
+    # The run's target reads the drafter's layers from now on (extract for fine-tuning, eval).
+    recipe.target.aux_layer_ids = list(cfg.aux_layer_ids)
+    run.init(recipe)
+    rel = str(out_path.relative_to(run.path))
+    entry = run.record("import", state="done", seconds=time.time() - t0, extra={**info, "checkpoint": rel})
+    # Recorded as the run's drafter: eval and export load the train stage's checkpoint.
+    run.record("train", state="done", extra={"checkpoint": rel, "imported_from": info["folder"]})
+    print(f"\nnext: specdraft eval --run {run.path}    (then: specdraft export --run {run.path} --formats both)")
+    return entry
