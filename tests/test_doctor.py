@@ -61,25 +61,25 @@ def edit_tensor(src, dst, name, value):
 
 @pytest.mark.parametrize("fmt", ["vllm", "sglang"])
 def test_sound_drafter_passes(sound, target, fmt):
-    checks = diagnose(sound / fmt, target)
+    checks = diagnose(sound / fmt, target, measured=False)
     assert failed(checks) == set(), [c.line() for c in checks]
 
 
 def test_missing_aux_ids(sound, target, tmp_path):
     bad = edit_config(sound / "vllm", tmp_path / "bad", lambda c: c.pop("eagle_aux_hidden_state_layer_ids"))
-    assert "aux layer ids written" in failed(diagnose(bad, target))
+    assert "aux layer ids written" in failed(diagnose(bad, target, measured=False))
 
 
 def test_missing_norm_flag(sound, target, tmp_path):
     bad = edit_config(sound / "vllm", tmp_path / "bad", lambda c: c.pop("norm_before_residual"))
-    assert failed(diagnose(bad, target)) == {"norm_before_residual written"}
+    assert failed(diagnose(bad, target, measured=False)) == {"norm_before_residual written"}
 
 
 def test_aux_ids_out_of_range_and_unsorted(sound, target, tmp_path):
     bad = edit_config(sound / "vllm", tmp_path / "a", lambda c: c.update(eagle_aux_hidden_state_layer_ids=[2, 15, 40]))
-    assert "aux layer ids in range" in failed(diagnose(bad, target))
+    assert "aux layer ids in range" in failed(diagnose(bad, target, measured=False))
     bad = edit_config(sound / "vllm", tmp_path / "b", lambda c: c.update(eagle_aux_hidden_state_layer_ids=[15, 2, 27]))
-    assert "aux layer ids ascending" in failed(diagnose(bad, target))
+    assert "aux layer ids ascending" in failed(diagnose(bad, target, measured=False))
 
 
 def test_identity_d2t(sound, target, tmp_path):
@@ -90,12 +90,12 @@ def test_identity_d2t(sound, target, tmp_path):
     tensors = load_file(str(bad / "model.safetensors"))
     tensors.pop("t2d")
     save_file(tensors, str(bad / "model.safetensors"))
-    assert failed(diagnose(bad, target)) == {"d2t is a real mapping"}
+    assert failed(diagnose(bad, target, measured=False)) == {"d2t is a real mapping"}
 
 
 def test_absolute_d2t(sound, target, tmp_path):
     bad = edit_tensor(sound / "vllm", tmp_path / "bad", "d2t", lambda d: d + torch.arange(d.numel()))
-    checks = diagnose(bad, target)
+    checks = diagnose(bad, target, measured=False)
     assert "drafter loads" in failed(checks)
     # Absolute ids read as offsets point at other tokens, which t2d (or the vocab range) exposes.
     assert "d2t" in next(c.detail for c in checks if c.name == "drafter loads")
@@ -103,7 +103,7 @@ def test_absolute_d2t(sound, target, tmp_path):
 
 def test_other_targets_hidden_size(sound, target, tmp_path):
     bad = edit_config(sound / "vllm", tmp_path / "bad", lambda c: c.update(target_hidden_size=512))
-    assert "drafter loads" in failed(diagnose(bad, target))
+    assert "drafter loads" in failed(diagnose(bad, target, measured=False))
 
 
 def test_run_disagreements(sound, target, tmp_path):
@@ -118,5 +118,5 @@ def test_run_disagreements(sound, target, tmp_path):
                "loss_mask": torch.tensor([0, 1, 1], dtype=torch.uint8),
                "offsets": torch.tensor([0, 3])}, str(run / "tokens" / "tokens.safetensors"))
     (run / "tokens" / "index.json").write_text(json.dumps({"chat_template_sha256": "0" * 16}))
-    assert failed(diagnose(sound / "vllm", target, run)) == {
+    assert failed(diagnose(sound / "vllm", target, run, measured=False)) == {
         "aux layer ids = extracted ones", "chat template = training data's", "draft vocab covers the training answers"}

@@ -306,3 +306,45 @@ def test_export_stage_writes_both_folders_and_serve_commands(tmp_path, monkeypat
     recipe.export.formats = ["tensorrt"]
     with pytest.raises(ValueError, match="unknown format"):
         formats.run(recipe, run)
+
+
+def test_expected_speedup_picks_the_best_chain_length():
+    # The demo drafter's eval (stop 12): acceptance 0.292 / 0.091 / 0.028 at draft cost 0.040.
+    speedups = formats.expected_speedups([0.292, 0.091, 0.028], 0.040)
+    assert speedups == pytest.approx({1: 1.292 / 1.04, 2: 1.383 / 1.08, 3: 1.411 / 1.12})
+    assert max(speedups, key=speedups.get) == 2
+    # Drafting for free, every accepted token is profit: the longest chain measured wins.
+    free = formats.expected_speedups([0.6, 0.4, 0.3], 0.0)
+    assert max(free, key=free.get) == 3
+
+
+def test_export_takes_k_from_an_eval_newer_than_the_drafter(tmp_path, monkeypatch, capsys):
+    from types import SimpleNamespace
+
+    import specdraft.train
+    from specdraft.config import Recipe
+    from specdraft.run import Run
+
+    d = tiny_drafter()
+    target = SimpleNamespace(path=tmp_path / "target", config=SimpleNamespace(architectures=["LlamaForCausalLM"]))
+    monkeypatch.setattr(specdraft.train, "load_trained",
+                        lambda recipe, run: (d, target, d.embed_tokens.weight.detach().to(torch.bfloat16)))
+    recipe = Recipe()
+    recipe.export.formats = ["both"]
+    run = Run(tmp_path / "run")
+    run.record("train", state="done", extra={"finished": "2026-12-01T10:00:00+0000"})
+    formats.write_json(run.path / "eval" / "report.json",
+                       {"per_position_acceptance": [0.292, 0.091, 0.028], "draft_to_target_cost": 0.04})
+    run.record("eval", state="done", extra={"finished": "2026-12-01T11:00:00+0000"})
+    entry = formats.run(recipe, run)
+    assert entry["speculative_tokens"]["value"] == 2 and entry["speculative_tokens"]["source"] == "eval/report.json"
+    assert '"num_speculative_tokens": 2' in entry["serve_commands"]["vllm"]
+    assert "--speculative-num-steps 2" in entry["serve_commands"]["sglang"]
+    config = json.loads((run.path / "export" / "vllm" / "config.json").read_text())
+    assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 2
+    assert "K=2: 1.28x" in capsys.readouterr().out
+    # A drafter trained after the eval was not measured by it: the recipe's K, said so.
+    run.record("train", state="done", extra={"finished": "2026-12-01T12:00:00+0000"})
+    entry = formats.run(recipe, run)
+    assert entry["speculative_tokens"]["value"] == recipe.export.speculative_tokens == 3
+    assert entry["speculative_tokens"]["source"].startswith("recipe")

@@ -538,12 +538,46 @@ def resolve_formats(requested: list[str]) -> list[str]:
     return out
 
 
+def expected_speedups(per_position: list[float], cost: float) -> dict[int, float]:
+    """Expected speedup of a chain of K drafts, for each K the eval measured: tokens per target step
+    1 + p_1 + ... + p_K (p_i: share of rounds whose draft i was accepted, which a chain of K shares
+    with a longer one) over the cost of K drafting steps at `cost` target steps each plus one
+    verification, taken as one target step (decoding is memory-bound on GPUs; on this CPU the
+    4-token verification measured 1.4x a single step, so CPU figures are optimistic)."""
+    return {k: (1 + sum(per_position[:k])) / (1 + k * cost) for k in range(1, len(per_position) + 1)}
+
+
+def choose_speculative_tokens(run, default: int) -> dict:
+    """The number of speculative tokens to serve with: the K of the best expected speedup from the
+    run's eval report when it measured this drafter (eval finished after train), else `default`."""
+    report_path = run.path / "eval" / "report.json"
+    train, evaluated = run.stage("train") or {}, run.stage("eval") or {}
+    if (evaluated.get("state") != "done" or not report_path.exists()
+            or evaluated.get("finished", "") < train.get("finished", "")):
+        return {"value": default, "source": "recipe (export.speculative_tokens); run eval, then export again, "
+                                            "to choose it from measured acceptance"}
+    report = json.loads(report_path.read_text())
+    speedups = expected_speedups(report["per_position_acceptance"], report["draft_to_target_cost"])
+    best = max(speedups, key=speedups.get)
+    return {"value": best, "source": "eval/report.json", "expected_speedup": {k: round(v, 3) for k, v in speedups.items()},
+            "per_position_acceptance": report["per_position_acceptance"], "draft_to_target_cost": report["draft_to_target_cost"],
+            "measured_up_to": len(speedups)}
+
+
 def run(recipe, run) -> dict:
     from ..train import load_trained
 
     cfg = recipe.export
     t_start = time.time()
     formats = resolve_formats(cfg.formats)
+    k = choose_speculative_tokens(run, cfg.speculative_tokens)
+    speculative_tokens = k["value"]
+    if "expected_speedup" in k:
+        table = ", ".join(f"K={n}: {v:.2f}x" for n, v in k["expected_speedup"].items())
+        print(f"export: {speculative_tokens} speculative tokens, the best expected speedup from the eval report "
+              f"({table}; draft/target cost {k['draft_to_target_cost']})")
+    else:
+        print(f"export: {speculative_tokens} speculative tokens from the {k['source']}")
     drafter, target, embed = load_trained(recipe, run)
     # The embedding is frozen at the target's during training, so the engine's shared copy is identical.
     include_embed = not torch.equal(drafter.embed_tokens.weight.detach(), embed.float())
@@ -553,21 +587,23 @@ def run(recipe, run) -> dict:
         if fmt == "vllm":
             write_vllm(drafter, out, verifier=str(target.path),
                        verifier_architectures=list(target.config.architectures or []),
-                       speculative_tokens=cfg.speculative_tokens, include_embed=include_embed,
+                       speculative_tokens=speculative_tokens, include_embed=include_embed,
                        provenance=provenance(recipe.name))
             written[fmt] = {"path": str(out.relative_to(run.path)), "format": "speculators (Eagle3Speculator)"}
-            commands[fmt] = serve_command(str(target.path), out, cfg.speculative_tokens)
+            commands[fmt] = serve_command(str(target.path), out, speculative_tokens)
             engine = "vLLM"
         else:
             write_sglang(drafter, out, include_embed=include_embed, provenance=provenance(recipe.name))
             written[fmt] = {"path": str(out.relative_to(run.path)), "format": f"flat ({FLAT_ARCHITECTURE})"}
-            commands[fmt] = sglang_serve_command(str(target.path), out, cfg.speculative_tokens)
+            commands[fmt] = sglang_serve_command(str(target.path), out, speculative_tokens)
             engine = "SGLang"
         print(f"export: {engine} drafter in {out}\n  serve it with:\n  {commands[fmt]}")
+    print(f"\nnext: specdraft doctor {run.path / 'export' / formats[0]}")
     return run.record("export", state="done", config=cfg, counts={"formats": len(written)},
                       seconds=time.time() - t_start,
                       extra={"folders": written, "serve_command": commands[formats[0]],
-                             "serve_commands": commands, "embed_included": include_embed})
+                             "serve_commands": commands, "embed_included": include_embed,
+                             "speculative_tokens": k})
 
 
 IMPORTED = "imported"
