@@ -55,3 +55,36 @@ def vllm_target(target, tmp_path_factory):
         pytest.skip(f"no vLLM venv at {VLLM_PYTHON} (bash scripts/install_vllm.sh)")
     with VllmServer(target.path, log_path=tmp_path_factory.mktemp("vllm-target") / "vllm.log") as server:
         yield server
+
+
+MEMORISED_RECIPE = """
+name = "overfit"
+[data]
+num_train = 8
+max_prompt_tokens = 96
+[gen]
+batch_size = 8
+max_new_tokens = 32
+[train]
+draft_vocab_size = 512
+ttt_steps = 3
+epochs = 60
+lr = 3e-3
+warmup_steps = 5
+batch_tokens = 4096
+"""
+
+
+@pytest.fixture(scope="session")
+def memorised_run(tmp_path_factory, target) -> Path:
+    """A run whose drafter memorised the target's answers to 8 ShareGPT prompts, exported in both
+    formats: a drafter that demonstrably drafts, shared by the doctor and vLLM serving tests."""
+    from specdraft.cli import main
+
+    root = tmp_path_factory.mktemp("memorised")
+    (root / "overfit.toml").write_text(MEMORISED_RECIPE)
+    run = root / "run"
+    for stage in ("gen", "render", "extract", "train"):
+        assert main([stage, "--recipe", str(root / "overfit.toml"), "--run", str(run)]) == 0
+    assert main(["export", "--run", str(run), "--formats", "both"]) == 0
+    return run

@@ -120,3 +120,121 @@ def test_run_disagreements(sound, target, tmp_path):
     (run / "tokens" / "index.json").write_text(json.dumps({"chat_template_sha256": "0" * 16}))
     assert failed(diagnose(sound / "vllm", target, run, measured=False)) == {
         "aux layer ids = extracted ones", "chat template = training data's", "draft vocab covers the training answers"}
+
+
+def test_head_dim_of_another_attention_shape(target, tmp_path):
+    torch.manual_seed(0)
+    cfg = DrafterConfig.from_target(target, 64)
+    cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim = 18, 6, 32  # 18 x 32 = 576, target 9 x 64
+    d = Eagle3Drafter(cfg)
+    d2t, t2d = vocab.build(torch.arange(target.vocab_size), 64)
+    d.d2t.copy_(d2t)
+    d.t2d.copy_(t2d)
+    write_vllm(d, tmp_path / "vllm", verifier="smollm2", verifier_architectures=[], speculative_tokens=3,
+               include_embed=False, provenance={})
+    assert failed(diagnose(tmp_path / "vllm", target, measured=False)) == {"head dim"}
+
+
+def test_target_with_scaled_rope(sound, target, tmp_path):
+    """The same target weights with linear RoPE scaling in its config: the drafter's plain RoPE differs."""
+    from specdraft.targets import Target
+
+    scaled = tmp_path / "scaled-target"
+    scaled.mkdir()
+    for f in target.path.iterdir():
+        (scaled / f.name).symlink_to(f)
+    config = json.loads((target.path / "config.json").read_text())
+    config["rope_parameters"] = {**config["rope_parameters"], "rope_type": "linear", "factor": 4.0}
+    (scaled / "config.json").unlink()
+    (scaled / "config.json").write_text(json.dumps(config))
+    assert failed(diagnose(sound / "vllm", Target(str(scaled)), measured=False)) == {"rope type"}
+
+
+def test_norm_flag_the_flat_engines_read_differently(sound, target, tmp_path):
+    # vLLM's flat path honours norm_before_residual=True; SGLang's layer always behaves as False.
+    bad = edit_config(sound / "sglang", tmp_path / "bad", lambda c: c.update(norm_before_residual=True))
+    checks = diagnose(bad, target, measured=False)
+    assert failed(checks) == {"norm_before_residual as served"}
+    assert "vLLM reads True, SGLang reads False" in next(c.detail for c in checks if c.name == "norm_before_residual as served")
+
+
+def test_norm_flag_left_to_the_engine_against_what_was_trained(sound, target, tmp_path):
+    """A speculators folder without the flag is served as norm_before_residual=True; the run's
+    checkpoint says the drafter was trained with False."""
+    from specdraft.run import Run
+
+    bad = edit_config(sound / "vllm", tmp_path / "bad", lambda c: c.pop("norm_before_residual"))
+    run = Run(tmp_path / "run")
+    (run.path / "checkpoints" / "final").mkdir(parents=True)
+    (run.path / "checkpoints" / "final" / "config.json").write_text(
+        json.dumps({"drafter": DrafterConfig.from_target(target, 64).to_dict()}))
+    run.record("train", state="done", extra={"checkpoint": "checkpoints/final"})
+    checks = diagnose(bad, target, run.path, measured=False)
+    assert failed(checks) == {"norm_before_residual written", "norm_before_residual as served"}
+    assert "trained False, written None, vLLM reads True" in next(
+        c.detail for c in checks if c.name == "norm_before_residual as served")
+
+
+def test_eagle31_norm_the_drafter_lacks(sound, target, tmp_path):
+    bad = edit_config(sound / "sglang", tmp_path / "bad", lambda c: c.update(fc_norm=True))
+    assert {"fc_norm as served", "drafter loads"} <= failed(diagnose(bad, target, measured=False))
+
+
+# The measured checks, on a drafter that drafts: the memorised run's (conftest), measured on held-out
+# ShareGPT conversations it never saw.
+
+@pytest.fixture(scope="module")
+def memorised_checks(memorised_run, target):
+    return {c.name: c for c in diagnose(memorised_run / "export" / "vllm", target, memorised_run)}
+
+
+MEASURED = {"top-1 agreement with the target", "draft vocab covers the target's answers",
+            "frequent draft tokens are target tokens"}
+
+
+def test_sound_drafter_passes_the_measured_checks(memorised_checks):
+    assert MEASURED <= set(memorised_checks)
+    assert {name for name, c in memorised_checks.items() if not c.ok} == set(), \
+        [c.line() for c in memorised_checks.values()]
+
+
+def test_wrong_aux_ids_fail_the_agreement(memorised_run, memorised_checks, target, tmp_path):
+    """Other layers than trained (in range, ascending: only the run's index and the measurement can tell)."""
+    bad = edit_config(memorised_run / "export" / "vllm", tmp_path / "bad",
+                      lambda c: c.update(eagle_aux_hidden_state_layer_ids=[4, 12, 22]))
+    checks = {c.name: c for c in diagnose(bad, target, memorised_run)}
+    assert {name for name, c in checks.items() if not c.ok} >= {"aux layer ids = extracted ones",
+                                                                  "top-1 agreement with the target"}
+    print(checks["top-1 agreement with the target"].line(), memorised_checks["top-1 agreement with the target"].line())
+
+
+def test_draft_vocab_in_another_order_fails_the_frequent_tokens(memorised_run, target, tmp_path):
+    """d2t for the same set of tokens, in reverse order (as if lm_head rows were sorted by frequency and
+    d2t by id): t2d, range and coverage are all fine, the predictions land on other tokens."""
+    def reverse(d2t):
+        targets = torch.arange(d2t.numel()) + d2t
+        return targets.flip(0) - torch.arange(d2t.numel())
+
+    bad = edit_tensor(memorised_run / "export" / "vllm", tmp_path / "bad", "d2t", reverse)
+    checks = {c.name: c for c in diagnose(bad, target, memorised_run)}
+    failures = {name for name, c in checks.items() if not c.ok}
+    assert "frequent draft tokens are target tokens" in failures
+    assert "top-1 agreement with the target" in failures
+    assert checks["draft vocab covers the target's answers"].ok and checks["drafter loads"].ok
+
+
+def test_lost_d2t_fails_the_coverage_without_a_run(memorised_run, target, tmp_path):
+    """Without the run (no training counts), the draft vocab is checked against the target's own tokens."""
+    from safetensors.torch import load_file, save_file
+
+    import shutil
+
+    bad = tmp_path / "bad"
+    shutil.copytree(memorised_run / "export" / "vllm", bad)
+    tensors = load_file(str(bad / "model.safetensors"))
+    tensors["d2t"] = torch.zeros_like(tensors["d2t"])
+    del tensors["t2d"]
+    save_file(tensors, str(bad / "model.safetensors"))
+    (bad / "config.json").write_text((memorised_run / "export" / "vllm" / "config.json").read_text())
+    failures = failed(diagnose(bad, target))
+    assert {"d2t is a real mapping", "draft vocab covers the target's answers"} <= failures
