@@ -78,7 +78,7 @@ def test_doctor_predicts_what_vllm_measures_for_a_lost_d2t(memorised_run, served
     del tensors["d2t"], tensors["t2d"]
     tensors["d2t"] = torch.zeros(512, dtype=torch.long)
     save_file(tensors, str(broken / "model.safetensors"))
-    verdict = {c.name: c.ok for c in diagnose(broken, target, memorised_run)}
+    verdict = {c.name: c.ok for c in diagnose(broken, target, memorised_run, measured=False)}
     assert verdict["d2t is a real mapping"] is False
     assert verdict["draft vocab covers the training answers"] is False
     records = training_prompts(memorised_run)
@@ -86,5 +86,33 @@ def test_doctor_predicts_what_vllm_measures_for_a_lost_d2t(memorised_run, served
     print(f"vLLM, lost d2t: {acc}")
     assert acc["drafts"] > 0
     sound = served[0]
+    # Accepted tokens per draft at most half of the sound drafter's.
+    assert acc["mean_acceptance_length"] - 1 < 0.5 * (sound["mean_acceptance_length"] - 1), (acc, sound)
+
+
+def test_doctor_predicts_what_vllm_measures_for_wrong_aux_ids(memorised_run, served, target, tmp_path):
+    """The same drafter told to read other target layers (in range and ascending, so nothing but the
+    run's index and a measurement can tell): doctor fails it on both counts, and vLLM, which feeds it
+    exactly the layers its config names, accepts far less."""
+    import shutil
+
+    from specdraft.export.doctor import diagnose, training_conversations
+
+    broken = tmp_path / "broken"
+    shutil.copytree(memorised_run / "export" / "vllm", broken)
+    config = json.loads((broken / "config.json").read_text())
+    config["eagle_aux_hidden_state_layer_ids"] = [4, 12, 22]  # trained on [2, 15, 27]
+    (broken / "config.json").write_text(json.dumps(config))
+    # Measured on the conversations vLLM is served below (the ones the drafter memorised).
+    checks = {c.name: c for c in diagnose(broken, target, memorised_run,
+                                          conversations=training_conversations(memorised_run))}
+    print(checks["top-1 agreement with the target"].line())
+    assert checks["aux layer ids = extracted ones"].ok is False
+    assert checks["top-1 agreement with the target"].ok is False
+    records = training_prompts(memorised_run)
+    acc, _ = serve_and_measure(target, broken, [r["messages"][:-1] for r in records], tmp_path / "vllm.log")
+    sound = served[0]
+    print(f"vLLM, wrong aux ids: {acc}; sound: {sound}")
+    assert acc["drafts"] > 0
     # Accepted tokens per draft at most half of the sound drafter's.
     assert acc["mean_acceptance_length"] - 1 < 0.5 * (sound["mean_acceptance_length"] - 1), (acc, sound)

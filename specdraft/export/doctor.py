@@ -273,9 +273,28 @@ def held_out_conversations(target, run_path: Path | None, n: int = AGREEMENT_CON
     return out
 
 
-def _measured_checks(drafter, target, run_path: Path | None) -> list[Check]:
-    m = measure(drafter, target, held_out_conversations(target, run_path))
-    where = f"{m['positions']} answer positions of {m['conversations']} held-out ShareGPT conversations"
+def training_conversations(run_path: Path, n: int = AGREEMENT_CONVERSATIONS,
+                           answer_tokens: int = AGREEMENT_TOKENS) -> list[tuple[list[int], list[int]]]:
+    """(prompt ids, answer ids) of the run's own training samples: where a drafter that learnt anything
+    must agree with the target (the held-out split tells whether it generalises)."""
+    from ..data.render import load_tokens
+
+    _, samples = load_tokens(run_path)
+    out = []
+    for ids, mask in samples[:n]:
+        ids, mask = list(map(int, ids)), list(map(int, mask))
+        start = mask.index(1)
+        out.append((ids[:start], ids[start:start + answer_tokens]))
+    return out
+
+
+def _measured_checks(drafter, target, run_path: Path | None, conversations=None) -> list[Check]:
+    held_out = conversations is None
+    if held_out:
+        conversations = held_out_conversations(target, run_path)
+    m = measure(drafter, target, conversations)
+    kind = "held-out ShareGPT" if held_out else "given"
+    where = f"{m['positions']} answer positions of {m['conversations']} {kind} conversations"
     shown = ", ".join(f"{tok!r} x{c}" for tok, c in m["frequent"][:5])
     return [
         Check("top-1 agreement with the target", m["agreement"] >= MIN_TOP1_AGREEMENT,
@@ -293,9 +312,11 @@ def _measured_checks(drafter, target, run_path: Path | None) -> list[Check]:
     ]
 
 
-def diagnose(folder: Path, target, run_path: Path | None = None, measured: bool = True) -> list[Check]:
+def diagnose(folder: Path, target, run_path: Path | None = None, measured: bool = True,
+             conversations: list[tuple[list[int], list[int]]] | None = None) -> list[Check]:
     """Every check of an exported drafter folder; `measured` adds the ones that run the target on real
-    prompts (seconds to minutes, the target's size), which config-level callers can leave out."""
+    conversations (held-out ShareGPT unless `conversations` are given; seconds to minutes, the target's
+    size), which config-level callers can leave out."""
     folder = Path(folder)
     try:
         config = json.loads((folder / "config.json").read_text())
@@ -318,7 +339,8 @@ def diagnose(folder: Path, target, run_path: Path | None = None, measured: bool 
     in_range = all(1 <= k < target.num_layers for k in drafter.config.aux_layer_ids)
     fits = drafter.config.target_hidden_size == target.hidden_size and drafter.config.vocab_size == target.vocab_size
     if measured and in_range and fits:
-        checks += _measured_checks(drafter, target, Path(run_path) if run_path is not None else None)
+        checks += _measured_checks(drafter, target, Path(run_path) if run_path is not None else None,
+                                   conversations)
     return checks
 
 
