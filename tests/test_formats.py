@@ -348,3 +348,21 @@ def test_export_takes_k_from_an_eval_newer_than_the_drafter(tmp_path, monkeypatc
     entry = formats.run(recipe, run)
     assert entry["speculative_tokens"]["value"] == recipe.export.speculative_tokens == 3
     assert entry["speculative_tokens"]["source"].startswith("recipe")
+
+
+@pytest.mark.skipif(not formats.IMPLEMENTED_NORMS, reason="this DrafterConfig has no EAGLE-3.1 norms")
+@pytest.mark.parametrize("flag", formats.IMPLEMENTED_NORMS)
+def test_eagle31_norms_round_trip_through_vllm_and_are_refused_by_sglang(flag, tmp_path):
+    d = tiny_drafter(target_hidden_size=48, **{flag: True})
+    for name, t in d.state_dict().items():
+        if name.startswith(("input_norm.", "fc_norm.")):
+            torch.nn.init.uniform_(t, 0.5, 1.5)  # non-trivial, so a dropped norm changes the logits
+    out = export("vllm", d, tmp_path / "vllm")
+    config = json.loads((out / "config.json").read_text())
+    assert config[flag] is True and all(config[f] is False for f in formats.EAGLE31_FLAGS if f != flag)
+    names = set(load_file(str(out / "model.safetensors")))
+    assert {"norm_before_fc": {"input_norm.weight"}, "fc_norm": {"fc_norm.0.weight", "fc_norm.1.weight",
+            "fc_norm.2.weight"}, "norm_output": set()}[flag] <= names
+    assert_same_drafter(d, read_drafter(out))
+    with pytest.raises(ValueError, match="EAGLE-3.1"):
+        export("sglang", d, tmp_path / "sglang")

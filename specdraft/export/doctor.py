@@ -344,7 +344,7 @@ def diagnose(folder: Path, target, run_path: Path | None = None, measured: bool 
     return checks
 
 
-def run_doctor(folder: str, target_name: str | None, run_path: str | None) -> int:
+def run_doctor(folder: str, target_name: str | None, run_path: str | None, measured: bool = True) -> int:
     """Print the checks; exit status 1 when any fails. The run (for the extracted layer ids and the
     training data) defaults to the one the folder was exported into (runs/<name>/export/<format>)."""
     from ..run import Run
@@ -358,7 +358,7 @@ def run_doctor(folder: str, target_name: str | None, run_path: str | None) -> in
             raise ValueError("doctor: pass --target (or --run, whose recipe names it)")
         target_name = Run(Path(run_path)).recipe().target.model
     target = Target(target_name)
-    checks = diagnose(folder_path, target, Path(run_path) if run_path else None)
+    checks = diagnose(folder_path, target, Path(run_path) if run_path else None, measured=measured)
     for c in checks:
         print(c.line())
     failed = [c for c in checks if not c.ok]

@@ -31,6 +31,7 @@ export followed by import gives back the same tensors (tested).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shlex
 import time
@@ -88,6 +89,8 @@ EMBED_KEY = ("embed_tokens.weight", "embed_tokens.weight")
 SGLANG_NUM_AUX = 3
 # EAGLE-3.1's optional norms (before fc, per aux state in fc, on the state fed to the next step).
 EAGLE31_FLAGS = ("norm_before_fc", "fc_norm", "norm_output")
+# Those our DrafterConfig implements (fields of that name); the others are refused on read, never dropped.
+IMPLEMENTED_NORMS = tuple(f for f in EAGLE31_FLAGS if f in {field.name for field in dataclasses.fields(DrafterConfig)})
 
 
 def layer_config(cfg: DrafterConfig) -> dict:
@@ -117,7 +120,7 @@ def layer_config(cfg: DrafterConfig) -> dict:
 
 
 def _config_from_layer(lc: dict, where: str, *, draft_vocab_size: int, target_hidden_size: int,
-                       aux_layer_ids: list[int], norm_before_residual: bool) -> DrafterConfig:
+                       aux_layer_ids: list[int], norm_before_residual: bool, norms: dict) -> DrafterConfig:
     """The inverse of `layer_config` (plus the format's own top-level fields) -> our DrafterConfig."""
 
     def need(key):
@@ -147,6 +150,7 @@ def _config_from_layer(lc: dict, where: str, *, draft_vocab_size: int, target_hi
         rope_theta=rope.get("rope_theta", lc.get("rope_theta", 10000.0)),
         max_position_embeddings=lc.get("max_position_embeddings", 8192),
         norm_before_residual=bool(norm_before_residual),
+        **norms,
     )
 
 
@@ -166,11 +170,24 @@ def _write_tensors(drafter: Eagle3Drafter, out: Path, keys: dict[str, str]) -> N
         save_file(tensors, str(tmp))
 
 
+def _norm_keys(cfg: DrafterConfig) -> dict[str, str]:
+    """The EAGLE-3.1 norms' tensors, named alike in our drafter and both formats (vLLM's `input_norm`
+    and `fc_norm.{i}`), present only when their flag is on."""
+    keys = {}
+    if getattr(cfg, "norm_before_fc", False):
+        keys["input_norm.weight"] = "input_norm.weight"
+    if getattr(cfg, "fc_norm", False):
+        keys.update({f"fc_norm.{i}.weight": f"fc_norm.{i}.weight" for i in range(len(cfg.aux_layer_ids))})
+    return keys
+
+
 def _with_embed(keys: dict[str, str], cfg: DrafterConfig, include_embed: bool) -> dict[str, str]:
-    """The key map, with embed_tokens when asked for or when it cannot be the target's (other width)."""
+    """The key map (with the norms the config turns on), plus embed_tokens when asked for or when it
+    cannot be the target's (other width)."""
+    keys = {**keys, **_norm_keys(cfg)}
     if include_embed or cfg.target_hidden_size != cfg.hidden_size:
         return {**keys, EMBED_KEY[0]: EMBED_KEY[1]}
-    return dict(keys)
+    return keys
 
 
 def _read_config(folder: Path) -> dict:
@@ -270,6 +287,7 @@ def write_vllm(drafter: Eagle3Drafter, out: Path, *, verifier: str, verifier_arc
         "target_hidden_size": cfg.target_hidden_size,
         "eagle_aux_hidden_state_layer_ids": list(cfg.aux_layer_ids),
         "norm_before_residual": cfg.norm_before_residual,
+        **{flag: bool(getattr(cfg, flag, False)) for flag in EAGLE31_FLAGS},
         "speculators_config": {
             "algorithm": "eagle3",
             "default_proposal_method": "greedy",
@@ -284,16 +302,18 @@ def write_vllm(drafter: Eagle3Drafter, out: Path, *, verifier: str, verifier_arc
     return out
 
 
-def _refuse_unimplemented_norms(config: dict, where: str) -> None:
-    """EAGLE-3.1's extra norms, as the engines read them (vLLM: top level, or eagle_config for
-    norm_before_fc; all False when absent). Our drafter has none of them, so a folder that turns one on
-    would be read as another network: refused rather than silently dropped (FACTS.md: a dropped
-    norm_before_fc serves fine and accepts little)."""
+def _read_norms(config: dict, where: str) -> dict[str, bool]:
+    """EAGLE-3.1's extra norms, as vLLM reads them (top level; norm_before_fc from eagle_config first;
+    False when absent) -> the DrafterConfig fields. A flag on that our drafter does not implement is
+    refused rather than silently dropped (FACTS.md: a dropped norm_before_fc serves and accepts little)."""
     eagle = config.get("eagle_config") or {}
-    on = [flag for flag in EAGLE31_FLAGS if eagle.get(flag, config.get(flag, False))]
+    flags = {flag: bool(eagle.get(flag, config.get(flag, False)) if flag == "norm_before_fc" else config.get(flag, False))
+             for flag in EAGLE31_FLAGS}
+    on = [flag for flag, value in flags.items() if value and flag not in IMPLEMENTED_NORMS]
     if on:
         raise ValueError(f"{where}: {', '.join(f'{f}=true' for f in on)}: EAGLE-3.1 norms that specdraft's "
                          "drafter does not implement; reading it without them would give another network")
+    return {flag: flags[flag] for flag in IMPLEMENTED_NORMS}
 
 
 def _parse_vllm(folder: Path, config: dict) -> tuple[DrafterConfig, dict[str, str], str]:
@@ -304,16 +324,16 @@ def _parse_vllm(folder: Path, config: dict) -> tuple[DrafterConfig, dict[str, st
                 "eagle_aux_hidden_state_layer_ids"):
         if not config.get(key):
             raise ValueError(f"{where}: no {key!r}")
-    _refuse_unimplemented_norms(config, where)
+    norms = _read_norms(config, where)
     cfg = _config_from_layer(
-        config["transformer_layer_config"], where,
+        config["transformer_layer_config"], where, norms=norms,
         draft_vocab_size=config["draft_vocab_size"],
         target_hidden_size=config["target_hidden_size"],
         aux_layer_ids=config["eagle_aux_hidden_state_layer_ids"],
         # What vLLM assumes when the flag is absent on this path.
         norm_before_residual=config.get("norm_before_residual", True),
     )
-    return cfg, VLLM_KEYS, "speculators (Eagle3Speculator, layers.0.*)"
+    return cfg, {**VLLM_KEYS, **_norm_keys(cfg)}, "speculators (Eagle3Speculator, layers.0.*)"
 
 
 def read_vllm(folder: Path, embed: torch.Tensor | None = None) -> Eagle3Drafter:
@@ -338,10 +358,8 @@ def flat_config(cfg: DrafterConfig, provenance: dict) -> dict:
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": [k - 1 for k in ids], "use_aux_hidden_state": True},
         # vLLM reads a missing flag as False on this path; SGLang has no flag and always behaves so.
         "norm_before_residual": cfg.norm_before_residual,
-        # The EAGLE-3.1 norms, which this drafter does not have.
-        "norm_before_fc": False,
-        "fc_norm": False,
-        "norm_output": False,
+        # The EAGLE-3.1 norms (vLLM reads them; all False when absent).
+        **{flag: bool(getattr(cfg, flag, False)) for flag in EAGLE31_FLAGS},
         "specdraft": provenance,
     }
 
@@ -357,6 +375,10 @@ def write_sglang(drafter: Eagle3Drafter, out: Path, *, include_embed: bool, prov
     if cfg.norm_before_residual:
         raise ValueError("export sglang: the drafter uses norm_before_residual=True; SGLang's EAGLE-3 layer always "
                          "adds the un-normed hidden state as the residual, so it would serve another network")
+    on = [flag for flag in EAGLE31_FLAGS if getattr(cfg, flag, False)]
+    if on:
+        raise ValueError(f"export sglang: the drafter uses {on}; SGLang's LlamaForCausalLMEagle3 has none of "
+                         "EAGLE-3.1's norms, so it would serve another network (serve it with vLLM)")
     if include_embed and cfg.target_hidden_size == cfg.hidden_size:
         raise ValueError("export sglang: the drafter's embedding differs from the target's, but SGLang replaces it "
                          "with the target's (target_hidden_size == hidden_size), so it would serve another network")
@@ -401,9 +423,9 @@ def _parse_flat(folder: Path, config: dict, tensor_names: set[str],
         raise ValueError(f"{where}: tie_word_embeddings is true; the engines would use embed_tokens as lm_head")
     if config.get("draft_vocab_size") is None:
         raise ValueError(f"{where}: no 'draft_vocab_size'; SGLang would take the target's lm_head instead")
-    _refuse_unimplemented_norms(config, where)
+    norms = _read_norms(config, where)
     cfg = _config_from_layer(
-        config, where,
+        config, where, norms=norms,
         draft_vocab_size=config["draft_vocab_size"],
         # SGLang's and vLLM's rule when absent: the drafter's own hidden size.
         target_hidden_size=config.get("target_hidden_size") or config.get("hidden_size"),
@@ -416,8 +438,8 @@ def _parse_flat(folder: Path, config: dict, tensor_names: set[str],
     if midlayer and layers0:
         raise ValueError(f"{folder}: both midlayer.* and layers.0.* tensors; which one is the decoder layer?")
     if layers0:
-        return cfg, VLLM_KEYS, f"flat ({FLAT_ARCHITECTURE}, layers.0.*)"
-    return cfg, SGLANG_KEYS, f"flat ({FLAT_ARCHITECTURE}, midlayer.*)"
+        return cfg, {**VLLM_KEYS, **_norm_keys(cfg)}, f"flat ({FLAT_ARCHITECTURE}, layers.0.*)"
+    return cfg, {**SGLANG_KEYS, **_norm_keys(cfg)}, f"flat ({FLAT_ARCHITECTURE}, midlayer.*)"
 
 
 def _flat_tensors(folder: Path) -> dict[str, torch.Tensor]:
