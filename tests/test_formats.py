@@ -173,17 +173,31 @@ def test_missing_d2t_reads_as_the_engines_keep_it_and_is_said(fmt, tmp_path):
     assert any(n.startswith("d2t: ABSENT") for n in published.notes), published.notes
 
 
+UNIMPLEMENTED_NORMS = [f for f in formats.EAGLE31_FLAGS if f not in formats.IMPLEMENTED_NORMS]
+
+
+@pytest.mark.skipif(not UNIMPLEMENTED_NORMS, reason="this DrafterConfig implements every EAGLE-3.1 norm")
 @pytest.mark.parametrize("fmt", ["vllm", "sglang"])
-@pytest.mark.parametrize("flag", ["norm_before_fc", "fc_norm", "norm_output"])
+@pytest.mark.parametrize("flag", UNIMPLEMENTED_NORMS)
 def test_eagle31_norms_the_drafter_lacks_are_refused(fmt, flag, tmp_path):
     out = export(fmt, tiny_drafter(target_hidden_size=48), tmp_path / fmt)
     _edit_config(out, lambda c: c.update({flag: True}))
     with pytest.raises(ValueError, match=f"{flag}=true: EAGLE-3.1 norms"):
         read_drafter(out)
-    if fmt == "sglang":  # vLLM's flat path also reads norm_before_fc from eagle_config
-        _edit_config(out, lambda c: c.update({flag: False, "eagle_config": {**c["eagle_config"], "norm_before_fc": True}}))
+    if fmt == "sglang" and flag == "norm_before_fc":  # vLLM's flat path reads it from eagle_config first
+        _edit_config(out, lambda c: c.update({flag: False, "eagle_config": {**c["eagle_config"], flag: True}}))
         with pytest.raises(ValueError, match="norm_before_fc=true"):
             read_drafter(out)
+
+
+@pytest.mark.parametrize("flag,tensor", [(f, t) for f, t in [("norm_before_fc", "input_norm.weight"),
+                                                              ("fc_norm", "fc_norm.0.weight")]
+                                         if f in formats.IMPLEMENTED_NORMS])
+def test_eagle31_norm_on_without_its_tensor_is_named(flag, tensor, tmp_path):
+    out = export("vllm", tiny_drafter(target_hidden_size=48), tmp_path / "vllm")
+    _edit_config(out, lambda c: c.update({flag: True}))
+    with pytest.raises(ValueError, match=re.escape(tensor)):
+        read_drafter(out)
 
 
 def test_tensors_that_do_not_fit_the_config_are_all_named(tmp_path):
