@@ -38,6 +38,7 @@ class Check:
     ok: bool
     detail: str
     fix: str = ""
+    value: float | None = None  # what a measured check measured
 
     def line(self) -> str:
         head = f"{'PASS' if self.ok else 'FAIL'}  {self.name}: {self.detail}"
@@ -300,15 +301,16 @@ def _measured_checks(drafter, target, run_path: Path | None, conversations=None)
         Check("top-1 agreement with the target", m["agreement"] >= MIN_TOP1_AGREEMENT,
               f"{m['agreement']:.1%} of {where} (floor {MIN_TOP1_AGREEMENT:.0%})",
               "the drafter does not predict this target's next tokens as served: see the aux layer, d2t and "
-              "norm checks; if they pass, the drafter needs more (or on-policy) training data"),
+              "norm checks; if they pass, the drafter needs more (or on-policy) training data", m["agreement"]),
         Check("draft vocab covers the target's answers", m["coverage"] >= MIN_COVERAGE,
               f"{m['coverage']:.1%} of the target's next tokens there",
-              "d2t maps the draft vocab to tokens this target rarely writes (lost, misread or another target's)"),
+              "d2t maps the draft vocab to tokens this target rarely writes (lost, misread or another target's)",
+              m["coverage"]),
         Check("frequent draft tokens are target tokens", m["frequent_share"] >= MIN_FREQUENT_SHARE,
               f"{m['frequent_share']:.0%} of the drafter's {FREQUENT_DRAFTS} most frequent predictions are tokens "
               f"the target predicts there too ({shown})",
               "d2t does not match the lm_head's rows (e.g. a draft vocab in another order): rebuild d2t with "
-              "the drafter's own vocabulary"),
+              "the drafter's own vocabulary", m["frequent_share"]),
     ]
 
 

@@ -265,7 +265,7 @@ def _build(folder: Path, cfg: DrafterConfig, theirs: dict[str, torch.Tensor], ke
     state["d2t"], state["t2d"] = d2t, t2d
     drafter = Eagle3Drafter(cfg)
     expected = drafter.state_dict()
-    names = {**{ours: theirs_name for ours, theirs_name in keys.items()}, EMBED_KEY[0]: EMBED_KEY[1]}
+    names = {**keys, EMBED_KEY[0]: EMBED_KEY[1]}  # ours -> the folder's, for the messages
     if EMBED_KEY[1] not in theirs:
         names[EMBED_KEY[0]] = "embed_tokens (the target's, shared)"
     misfits = [f"{names.get(k, k)}: {list(v.shape)} given, config.json needs {list(expected[k].shape)}"
