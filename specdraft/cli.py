@@ -61,6 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("folder", help="a drafter folder (speculators or flat format)")
     p.add_argument("--target", help="the target it drafts for (default: the run's recipe)")
     p.add_argument("--run", help="the run it came from (default: the run the folder is inside)")
+    p.add_argument("--no-measure", action="store_true",
+                   help="skip the checks that run the target on held-out conversations (targets too big for here)")
     p = sub.add_parser("import", help="a published EAGLE-3 drafter (speculators or flat, midlayer.* or layers.0.*) "
                                       "-> a specdraft checkpoint, checked against the target")
     common(p)
@@ -127,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "doctor":
             from .export.doctor import run_doctor
 
-            return run_doctor(args.folder, args.target, args.run)
+            return run_doctor(args.folder, args.target, args.run, measured=not args.no_measure)
         if args.command == "import":
             from .export.formats import run_import
 
