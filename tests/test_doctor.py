@@ -9,7 +9,11 @@ import torch
 
 from specdraft.drafter import vocab
 from specdraft.drafter.model import DrafterConfig, Eagle3Drafter
-from specdraft.export.doctor import diagnose, held_out_conversations, training_conversations
+from specdraft.export.doctor import (
+    diagnose,
+    held_out_conversations,
+    training_conversations,
+)
 from specdraft.export.formats import provenance, write_sglang, write_vllm
 
 pytestmark = pytest.mark.slow  # reads the real target's embedding

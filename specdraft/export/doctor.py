@@ -113,7 +113,7 @@ def _norm_flag_checks(config: dict, trained: dict | None) -> list[Check]:
     has none of EAGLE-3.1's norms."""
     speculators = "speculators_model_type" in config
     eagle = config.get("eagle_config") or {}
-    flags = {"norm_before_residual": True if speculators else False, **{f: False for f in EAGLE31_FLAGS}}
+    flags = {"norm_before_residual": speculators, **{f: False for f in EAGLE31_FLAGS}}
     checks = []
     for flag, absent in flags.items():
         # vLLM's flat path reads norm_before_fc from eagle_config first.
