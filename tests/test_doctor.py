@@ -255,7 +255,9 @@ def test_draft_vocab_in_another_order_fails_the_frequent_tokens(memorised_run, t
 
 
 def test_lost_d2t_fails_the_coverage_without_a_run(memorised_run, target, learnt, tmp_path):
-    """Without the run (no training counts), the draft vocab is checked against the target's own tokens."""
+    """Without the run (no training counts), the draft vocab is checked against the target's own tokens:
+    measured 50.8 % for the identity mapping (ids 0..511 hold SmolLM2's bytes and first merges) against
+    98.8 % for the trained vocabulary."""
     import shutil
 
     from safetensors.torch import load_file, save_file
@@ -270,3 +272,4 @@ def test_lost_d2t_fails_the_coverage_without_a_run(memorised_run, target, learnt
     print([c.line() for c in checks.values() if c.name in MEASURED])
     assert {"d2t is a real mapping", "draft vocab covers the target's answers"} <= {
         name for name, c in checks.items() if not c.ok}
+    assert checks["draft vocab covers the target's answers"].value < 0.6
