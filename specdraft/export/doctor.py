@@ -306,7 +306,8 @@ def _measured_checks(drafter, target, run_path: Path | None, conversations=None)
               "norm checks; if they pass, the drafter needs more (or on-policy) training data", m["agreement"]),
         Check("draft vocab covers the target's answers", m["coverage"] >= MIN_COVERAGE,
               f"{m['coverage']:.1%} of the target's next tokens there",
-              "d2t maps the draft vocab to tokens this target rarely writes (lost, misread or another target's)",
+              "d2t maps the draft vocab to tokens this target rarely writes (lost, misread or another target's), "
+              "or the draft vocab was built from too little data",
               m["coverage"]),
         Check("frequent draft tokens are target tokens", m["frequent_share"] >= MIN_FREQUENT_SHARE,
               f"{m['frequent_share']:.0%} of the drafter's {FREQUENT_DRAFTS} most frequent predictions are tokens "
