@@ -68,6 +68,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("folder", help="a drafter folder (speculators or flat format)")
     p.add_argument("--target", help="the target it drafts for (default: the run's recipe)")
     p.add_argument("--run", help="the run it came from (default: the run the folder is inside)")
+    p.add_argument("--no-measure", action="store_true",
+                   help="skip the checks that run the target on held-out conversations (targets too big for here)")
+    p = sub.add_parser("import", help="a published EAGLE-3 drafter (speculators or flat, midlayer.* or layers.0.*) "
+                                      "-> a specdraft checkpoint, checked against the target")
+    common(p)
+    p.add_argument("folder", help="the drafter folder (config.json + safetensors)")
+    p.add_argument("--out", help="write a bare checkpoint folder here instead of into a run")
+    p.add_argument("--target", help="the target it drafts for (default: the recipe's)")
     p = sub.add_parser("demo", help="run every stage on the embedded default (SmolLM2 + ShareGPT, CPU)")
     common(p)
     p = sub.add_parser("plan", help="the disk, memory and time bill of a recipe or run, from the target's config")
@@ -159,7 +167,22 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "doctor":
             from .export.doctor import run_doctor
 
-            return run_doctor(args.folder, args.target, args.run)
+            return run_doctor(args.folder, args.target, args.run, measured=not args.no_measure)
+        if args.command == "import":
+            from .export.formats import run_import
+
+            if args.target:
+                args.set.append(f"target.model={args.target}")
+            if args.out:
+                if args.run:
+                    raise ValueError("import: give --run or --out, not both")
+                recipe = load_recipe(args.recipe or DEFAULT_RECIPE)
+                for item in args.set:
+                    apply_override(recipe, *(part.strip() for part in item.split("=", 1)))
+                run_import(args.folder, recipe, out=args.out)
+            else:
+                run_import(args.folder, *_resolve(args))
+            return 0
         if args.command == "plan":
             from .plan import run_plan
 

@@ -70,3 +70,65 @@ def extracted_run(target, tmp_path_factory) -> Path:
     for stage in ("gen", "render", "extract"):
         assert main([stage, "--recipe", str(recipe), "--run", str(run)]) == 0
     return run
+
+
+MEMORISED_RECIPE = """
+name = "overfit"
+[data]
+num_train = 8
+max_prompt_tokens = 96
+[gen]
+batch_size = 8
+max_new_tokens = 32
+[train]
+draft_vocab_size = 512
+ttt_steps = 3
+epochs = 60
+lr = 3e-3
+warmup_steps = 5
+batch_tokens = 4096
+"""
+
+
+def _trainer_source_hash() -> str:
+    """A hash of the code that produces a trained drafter (everything but export, eval and the CLI's
+    other commands) and of the recipe: the cache key of the memorised run."""
+    import hashlib
+
+    root = Path(__file__).resolve().parents[1] / "specdraft"
+    h = hashlib.sha256(MEMORISED_RECIPE.encode())
+    for path in sorted(root.rglob("*.py")):
+        if path.relative_to(root).parts[0] not in ("export", "evaluate"):
+            h.update(path.read_bytes())
+    return h.hexdigest()[:16]
+
+
+@pytest.fixture(scope="session")
+def memorised_run(tmp_path_factory, pytestconfig, target) -> Path:
+    """A run whose drafter memorised the target's answers to 8 ShareGPT prompts, exported in both
+    formats: a drafter that demonstrably drafts, shared by the doctor and vLLM serving tests.
+
+    Training it takes minutes on a 2-core CPU (far more when the machine is shared), so the trained
+    run is kept in pytest's cache under a hash of the trainer's code and recipe: any change to them
+    trains anew. Tests get a copy, exported fresh by the current export code."""
+    import os
+    import shutil
+
+    from specdraft.cli import main
+
+    cached = pytestconfig.cache.mkdir("specdraft") / f"memorised-{_trainer_source_hash()}"
+    if not (cached / "checkpoints" / "final").exists():
+        build = tmp_path_factory.mktemp("memorised-build")
+        (build / "overfit.toml").write_text(MEMORISED_RECIPE)
+        for stage in ("gen", "render", "extract", "train"):
+            assert main([stage, "--recipe", str(build / "overfit.toml"), "--run", str(build / "run")]) == 0
+        staging = cached.with_name(cached.name + f".tmp-{os.getpid()}")
+        shutil.copytree(build / "run", staging)
+        try:
+            os.replace(staging, cached)  # whole or absent, also with two sessions building at once
+        except OSError:
+            shutil.rmtree(staging)  # another session put its (identical) run there first
+    run = tmp_path_factory.mktemp("memorised") / "run"
+    shutil.copytree(cached, run)
+    assert main(["export", "--run", str(run), "--formats", "both"]) == 0
+    return run

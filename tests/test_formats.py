@@ -147,9 +147,8 @@ def test_flat_folder_with_other_layer_names_reads(rename, tmp_path):
     assert_same_drafter(d, read_drafter(out))
 
 
-@pytest.mark.parametrize("fmt,name", [("vllm", "layers.0.self_attn.k_proj.weight"), ("vllm", "d2t"),
-                                      ("sglang", "midlayer.self_attn.k_proj.weight"), ("sglang", "fc.weight"),
-                                      ("sglang", "d2t")])
+@pytest.mark.parametrize("fmt,name", [("vllm", "layers.0.self_attn.k_proj.weight"), ("vllm", "lm_head.weight"),
+                                      ("sglang", "midlayer.self_attn.k_proj.weight"), ("sglang", "fc.weight")])
 def test_missing_tensor_is_named(fmt, name, tmp_path):
     out = export(fmt, tiny_drafter(target_hidden_size=48), tmp_path / fmt)
     path = out / "model.safetensors"
@@ -158,6 +157,58 @@ def test_missing_tensor_is_named(fmt, name, tmp_path):
     save_file(tensors, str(path))
     with pytest.raises(ValueError, match=re.escape(f"missing tensor(s) ['{name}']")):
         read_drafter(out)
+
+
+@pytest.mark.parametrize("fmt", ["vllm", "sglang"])
+def test_missing_d2t_reads_as_the_engines_keep_it_and_is_said(fmt, tmp_path):
+    """vLLM keeps a missing d2t at zeros (draft id i -> target id i); the reader does the same, and says so."""
+    out = export(fmt, tiny_drafter(target_hidden_size=48), tmp_path / fmt)
+    path = out / "model.safetensors"
+    tensors = load_file(str(path))
+    del tensors["d2t"], tensors["t2d"]
+    save_file(tensors, str(path))
+    published = formats.read_published(out)
+    d = published.build(None)
+    assert not d.d2t.any() and torch.equal(d.t2d, torch.arange(VOCAB) < DRAFT_VOCAB)
+    assert any(n.startswith("d2t: ABSENT") for n in published.notes), published.notes
+
+
+UNIMPLEMENTED_NORMS = [f for f in formats.EAGLE31_FLAGS if f not in formats.IMPLEMENTED_NORMS]
+
+
+@pytest.mark.skipif(not UNIMPLEMENTED_NORMS, reason="this DrafterConfig implements every EAGLE-3.1 norm")
+@pytest.mark.parametrize("fmt", ["vllm", "sglang"])
+@pytest.mark.parametrize("flag", UNIMPLEMENTED_NORMS)
+def test_eagle31_norms_the_drafter_lacks_are_refused(fmt, flag, tmp_path):
+    out = export(fmt, tiny_drafter(target_hidden_size=48), tmp_path / fmt)
+    _edit_config(out, lambda c: c.update({flag: True}))
+    with pytest.raises(ValueError, match=f"{flag}=true: EAGLE-3.1 norms"):
+        read_drafter(out)
+    if fmt == "sglang" and flag == "norm_before_fc":  # vLLM's flat path reads it from eagle_config first
+        _edit_config(out, lambda c: c.update({flag: False, "eagle_config": {**c["eagle_config"], flag: True}}))
+        with pytest.raises(ValueError, match="norm_before_fc=true"):
+            read_drafter(out)
+
+
+@pytest.mark.parametrize("flag,tensor", [(f, t) for f, t in [("norm_before_fc", "input_norm.weight"),
+                                                              ("fc_norm", "fc_norm.0.weight")]
+                                         if f in formats.IMPLEMENTED_NORMS])
+def test_eagle31_norm_on_without_its_tensor_is_named(flag, tensor, tmp_path):
+    out = export("vllm", tiny_drafter(target_hidden_size=48), tmp_path / "vllm")
+    _edit_config(out, lambda c: c.update({flag: True}))
+    with pytest.raises(ValueError, match=re.escape(tensor)):
+        read_drafter(out)
+
+
+def test_tensors_that_do_not_fit_the_config_are_all_named(tmp_path):
+    out = export("sglang", tiny_drafter(target_hidden_size=48), tmp_path / "sglang")
+    _edit_config(out, lambda c: c.update(intermediate_size=80, target_hidden_size=40))
+    with pytest.raises(ValueError) as e:
+        read_drafter(out)
+    message = str(e.value)
+    assert "fc.weight: [32, 144] given, config.json needs [32, 120]" in message
+    for name in ("midlayer.mlp.gate_proj.weight", "midlayer.mlp.up_proj.weight", "midlayer.mlp.down_proj.weight"):
+        assert name in message
 
 
 def test_t2d_is_rebuilt_from_d2t_and_checked_against_it(tmp_path):
@@ -269,3 +320,63 @@ def test_export_stage_writes_both_folders_and_serve_commands(tmp_path, monkeypat
     recipe.export.formats = ["tensorrt"]
     with pytest.raises(ValueError, match="unknown format"):
         formats.run(recipe, run)
+
+
+def test_expected_speedup_picks_the_best_chain_length():
+    # The demo drafter's eval (stop 12): acceptance 0.292 / 0.091 / 0.028 at draft cost 0.040.
+    speedups = formats.expected_speedups([0.292, 0.091, 0.028], 0.040)
+    assert speedups == pytest.approx({1: 1.292 / 1.04, 2: 1.383 / 1.08, 3: 1.411 / 1.12})
+    assert max(speedups, key=speedups.get) == 2
+    # Drafting for free, every accepted token is profit: the longest chain measured wins.
+    free = formats.expected_speedups([0.6, 0.4, 0.3], 0.0)
+    assert max(free, key=free.get) == 3
+
+
+def test_export_takes_k_from_an_eval_newer_than_the_drafter(tmp_path, monkeypatch, capsys):
+    from types import SimpleNamespace
+
+    import specdraft.train
+    from specdraft.config import Recipe
+    from specdraft.run import Run
+
+    d = tiny_drafter()
+    target = SimpleNamespace(path=tmp_path / "target", config=SimpleNamespace(architectures=["LlamaForCausalLM"]))
+    monkeypatch.setattr(specdraft.train, "load_trained",
+                        lambda recipe, run: (d, target, d.embed_tokens.weight.detach().to(torch.bfloat16)))
+    recipe = Recipe()
+    recipe.export.formats = ["both"]
+    run = Run(tmp_path / "run")
+    run.record("train", state="done", extra={"finished": "2026-12-01T10:00:00+0000"})
+    formats.write_json(run.path / "eval" / "report.json",
+                       {"per_position_acceptance": [0.292, 0.091, 0.028], "draft_to_target_cost": 0.04})
+    run.record("eval", state="done", extra={"finished": "2026-12-01T11:00:00+0000"})
+    entry = formats.run(recipe, run)
+    assert entry["speculative_tokens"]["value"] == 2 and entry["speculative_tokens"]["source"] == "eval/report.json"
+    assert '"num_speculative_tokens": 2' in entry["serve_commands"]["vllm"]
+    assert "--speculative-num-steps 2" in entry["serve_commands"]["sglang"]
+    config = json.loads((run.path / "export" / "vllm" / "config.json").read_text())
+    assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 2
+    assert "K=2: 1.28x" in capsys.readouterr().out
+    # A drafter trained after the eval was not measured by it: the recipe's K, said so.
+    run.record("train", state="done", extra={"finished": "2026-12-01T12:00:00+0000"})
+    entry = formats.run(recipe, run)
+    assert entry["speculative_tokens"]["value"] == recipe.export.speculative_tokens == 3
+    assert entry["speculative_tokens"]["source"].startswith("recipe")
+
+
+@pytest.mark.skipif(not formats.IMPLEMENTED_NORMS, reason="this DrafterConfig has no EAGLE-3.1 norms")
+@pytest.mark.parametrize("flag", formats.IMPLEMENTED_NORMS)
+def test_eagle31_norms_round_trip_through_vllm_and_are_refused_by_sglang(flag, tmp_path):
+    d = tiny_drafter(target_hidden_size=48, **{flag: True})
+    for name, t in d.state_dict().items():
+        if name.startswith(("input_norm.", "fc_norm.")):
+            torch.nn.init.uniform_(t, 0.5, 1.5)  # non-trivial, so a dropped norm changes the logits
+    out = export("vllm", d, tmp_path / "vllm")
+    config = json.loads((out / "config.json").read_text())
+    assert config[flag] is True and all(config[f] is False for f in formats.EAGLE31_FLAGS if f != flag)
+    names = set(load_file(str(out / "model.safetensors")))
+    assert {"norm_before_fc": {"input_norm.weight"}, "fc_norm": {"fc_norm.0.weight", "fc_norm.1.weight",
+            "fc_norm.2.weight"}, "norm_output": set()}[flag] <= names
+    assert_same_drafter(d, read_drafter(out))
+    with pytest.raises(ValueError, match="EAGLE-3.1"):
+        export("sglang", d, tmp_path / "sglang")

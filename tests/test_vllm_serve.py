@@ -15,40 +15,11 @@ import httpx
 import pytest
 import torch
 
-from specdraft.cli import main
 from specdraft.evaluate.bench import acceptance, spec_decode_counters
 from specdraft.evaluate.server import VLLM_PYTHON, VllmServer, vllm_available
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(
     not vllm_available(), reason=f"no vLLM venv at {VLLM_PYTHON} (bash scripts/install_vllm.sh)")]
-
-OVERFIT_RECIPE = """
-name = "overfit"
-[data]
-num_train = 8
-max_prompt_tokens = 96
-[gen]
-batch_size = 8
-max_new_tokens = 32
-[train]
-draft_vocab_size = 512
-ttt_steps = 3
-epochs = 60
-lr = 3e-3
-warmup_steps = 5
-batch_tokens = 4096
-"""
-
-
-@pytest.fixture(scope="module")
-def memorised(tmp_path_factory, target):
-    root = tmp_path_factory.mktemp("overfit")
-    (root / "overfit.toml").write_text(OVERFIT_RECIPE)
-    run = root / "run"
-    for stage in ("gen", "render", "extract", "train", "export"):
-        assert main([stage, "--recipe", str(root / "overfit.toml"), "--run", str(run)]) == 0
-    return run
-
 
 def serve_and_measure(target, drafter: Path, messages: list[list[dict]], log_path: Path) -> tuple[dict, list[str]]:
     """Serve `drafter` with vLLM, answer each conversation greedily, return (acceptance, answers)."""
@@ -69,14 +40,14 @@ def training_prompts(run: Path) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def served(memorised, target, tmp_path_factory):
-    records = training_prompts(memorised)
-    return serve_and_measure(target, memorised / "export" / "vllm", [r["messages"][:-1] for r in records],
+def served(memorised_run, target, tmp_path_factory):
+    records = training_prompts(memorised_run)
+    return serve_and_measure(target, memorised_run / "export" / "vllm", [r["messages"][:-1] for r in records],
                              tmp_path_factory.mktemp("vllm") / "vllm.log")
 
 
-def test_vllm_serves_the_exported_drafter_and_accepts_its_drafts(memorised, served):
-    records = training_prompts(memorised)
+def test_vllm_serves_the_exported_drafter_and_accepts_its_drafts(memorised_run, served):
+    records = training_prompts(memorised_run)
     acc, answers = served
     same = sum(a == r["messages"][-1]["content"] for a, r in zip(answers, records))
     print(f"vLLM: {acc}, {same}/8 answers identical to the training answers")
@@ -90,7 +61,7 @@ def test_vllm_serves_the_exported_drafter_and_accepts_its_drafts(memorised, serv
     assert acc["per_position_acceptance"][0] > 0.25, acc
 
 
-def test_doctor_predicts_what_vllm_measures_for_a_lost_d2t(memorised, served, target, tmp_path):
+def test_doctor_predicts_what_vllm_measures_for_a_lost_d2t(memorised_run, served, target, tmp_path):
     """The same drafter with its d2t lost (zeros, what vLLM keeps when the tensor is missing): doctor
     fails it, and vLLM, serving it anyway, accepts far less. Not zero: with the identity mapping the
     draft vocab is target ids 0..511, and SmolLM2's lowest ids include frequent bytes and punctuation
@@ -102,18 +73,51 @@ def test_doctor_predicts_what_vllm_measures_for_a_lost_d2t(memorised, served, ta
     from specdraft.export.doctor import diagnose
 
     broken = tmp_path / "broken"
-    shutil.copytree(memorised / "export" / "vllm", broken)
+    shutil.copytree(memorised_run / "export" / "vllm", broken)
     tensors = load_file(str(broken / "model.safetensors"))
     del tensors["d2t"], tensors["t2d"]
     tensors["d2t"] = torch.zeros(512, dtype=torch.long)
     save_file(tensors, str(broken / "model.safetensors"))
-    verdict = {c.name: c.ok for c in diagnose(broken, target, memorised)}
+    verdict = {c.name: c.ok for c in diagnose(broken, target, memorised_run, measured=False)}
     assert verdict["d2t is a real mapping"] is False
     assert verdict["draft vocab covers the training answers"] is False
-    records = training_prompts(memorised)
+    records = training_prompts(memorised_run)
     acc, _ = serve_and_measure(target, broken, [r["messages"][:-1] for r in records], tmp_path / "vllm.log")
     print(f"vLLM, lost d2t: {acc}")
     assert acc["drafts"] > 0
     sound = served[0]
+    # Accepted tokens per draft at most half of the sound drafter's.
+    assert acc["mean_acceptance_length"] - 1 < 0.5 * (sound["mean_acceptance_length"] - 1), (acc, sound)
+
+
+def test_doctor_predicts_what_vllm_measures_for_wrong_aux_ids(memorised_run, served, target, tmp_path):
+    """The same drafter told to read other target layers (in range and ascending, so nothing but the
+    run's index and a measurement can tell): doctor fails it on both counts, and vLLM, which feeds it
+    exactly the layers its config names, accepts far less."""
+    import shutil
+
+    from specdraft.export.doctor import diagnose, training_conversations
+
+    broken = tmp_path / "broken"
+    shutil.copytree(memorised_run / "export" / "vllm", broken)
+    config = json.loads((broken / "config.json").read_text())
+    config["eagle_aux_hidden_state_layer_ids"] = [1, 5, 10]  # trained on [2, 15, 27]
+    (broken / "config.json").write_text(json.dumps(config))
+    # Measured on the conversations vLLM is served below (the ones the drafter memorised).
+    learnt = training_conversations(memorised_run)
+    checks = {c.name: c for c in diagnose(broken, target, memorised_run, conversations=learnt)}
+    good = {c.name: c for c in diagnose(memorised_run / "export" / "vllm", target, memorised_run,
+                                        conversations=learnt)}
+    agreement, sound_agreement = (c["top-1 agreement with the target"].value for c in (checks, good))
+    print(f"doctor top-1 agreement: wrong aux ids {agreement:.3f}, sound {sound_agreement:.3f}")
+    assert checks["aux layer ids = extracted ones"].ok is False
+    # Measured 0.28 against 0.97: still above the absolute floor (a memorised drafter reads much from
+    # the token embeddings alone), but the drop is what vLLM's acceptance shows below.
+    assert agreement < 0.5 * sound_agreement
+    records = training_prompts(memorised_run)
+    acc, _ = serve_and_measure(target, broken, [r["messages"][:-1] for r in records], tmp_path / "vllm.log")
+    sound = served[0]
+    print(f"vLLM, wrong aux ids: {acc}; sound: {sound}")
+    assert acc["drafts"] > 0
     # Accepted tokens per draft at most half of the sound drafter's.
     assert acc["mean_acceptance_length"] - 1 < 0.5 * (sound["mean_acceptance_length"] - 1), (acc, sound)

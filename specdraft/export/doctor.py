@@ -13,7 +13,25 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from .formats import FLAT_ARCHITECTURE, read_drafter
+from .formats import EAGLE31_FLAGS, FLAT_ARCHITECTURE, read_drafter
+
+# The measured checks: the drafter drafts for the target on a few held-out ShareGPT conversations and
+# its first-step top-1 (mapped through d2t) is compared with the target's next token at every answer
+# position. 8 x 48 = 384 positions, one target forward per conversation: seconds for SmolLM2 on a CPU.
+AGREEMENT_CONVERSATIONS = 8
+AGREEMENT_TOKENS = 48
+# Below this first-step agreement a drafter is failed before serving: a random or mis-exported one
+# measures ~0, the demo drafter 0.29 (its held-out position-0 acceptance). At 0.1 a chain of 3 drafts
+# accepts ~0.11 tokens per draft, which does not pay for drafting and verifying on any engine.
+MIN_TOP1_AGREEMENT = 0.10
+# The drafter's most frequent predictions must be tokens the target itself produces: a d2t from another
+# vocabulary order maps them elsewhere while the draft vocab (t2d) still covers the answers.
+FREQUENT_DRAFTS = 10
+MIN_FREQUENT_SHARE = 0.5
+# Share of the target's next tokens the draft vocabulary must hold: a vocabulary built from this
+# target's answers holds ~98 % (demo: 98.0 %; the memorised drafter: 98.8 %), a lost d2t (identity:
+# SmolLM2's ids 0..511) 51 %, and acceptance at every position is capped by this share.
+MIN_COVERAGE = 0.8
 
 
 @dataclass
@@ -22,6 +40,7 @@ class Check:
     ok: bool
     detail: str
     fix: str = ""
+    value: float | None = None  # what a measured check measured
 
     def line(self) -> str:
         head = f"{'PASS' if self.ok else 'FAIL'}  {self.name}: {self.detail}"
@@ -69,11 +88,49 @@ def _target_checks(drafter, target) -> list[Check]:
               "the drafter's token ids are not the target's; retrain on this target's tokenizer"),
     ]
     text = target.text_config
-    rope = (getattr(text, "rope_parameters", None) or {}).get("rope_theta", getattr(text, "rope_theta", None))
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    checks.append(Check("head dim", cfg.head_dim == head_dim,
+                        f"drafter {cfg.num_attention_heads} heads x {cfg.head_dim}, target "
+                        f"{text.num_attention_heads} x {head_dim}",
+                        "EAGLE-3 drafters take the target's attention shape; another head dim means it was "
+                        "built for another target"))
+    rope_params = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {}
+    rope = rope_params.get("rope_theta", getattr(text, "rope_theta", None))
     if rope is not None:
         checks.append(Check("rope theta", float(rope) == float(cfg.rope_theta),
                             f"drafter {cfg.rope_theta}, target {rope}",
                             "the drafter's positions would rotate differently from training"))
+    # The drafter implements default RoPE only (formats refuse other types on read).
+    rope_type = rope_params.get("rope_type", rope_params.get("type", "default"))
+    checks.append(Check("rope type", rope_type == "default", f"drafter default, target {rope_type}",
+                        f"the target scales positions ({rope_type}); a drafter with plain RoPE sees other "
+                        "angles than the target at long context"))
+    return checks
+
+
+def _norm_flag_checks(config: dict, trained: dict | None) -> list[Check]:
+    """Each norm flag as trained (the run's checkpoint, when known) against what each engine reads
+    from this folder: vLLM's speculators path takes a missing norm_before_residual as True and its
+    flat path as False; SGLang reads no flag and always adds the un-normed hidden state (False) and
+    has none of EAGLE-3.1's norms."""
+    speculators = "speculators_model_type" in config
+    eagle = config.get("eagle_config") or {}
+    flags = {"norm_before_residual": speculators, **{f: False for f in EAGLE31_FLAGS}}
+    checks = []
+    for flag, absent in flags.items():
+        # vLLM's flat path reads norm_before_fc from eagle_config first.
+        written = eagle.get(flag, config.get(flag)) if flag == "norm_before_fc" else config.get(flag)
+        vllm = absent if written is None else bool(written)
+        readings = {"vLLM": vllm}
+        if not speculators:
+            readings["SGLang"] = False
+        want = trained.get(flag, False) if trained is not None else None
+        values = set(readings.values()) | ({want} if want is not None else set())
+        told = ", ".join(f"{engine} reads {v}" for engine, v in readings.items())
+        detail = f"{'trained ' + str(want) + ', ' if want is not None else ''}written {written}, {told}"
+        checks.append(Check(f"{flag} as served", len(values) == 1, detail,
+                            "write the flag as trained; SGLang cannot serve norm_before_residual=True or "
+                            "EAGLE-3.1 norms: serve such a drafter with vLLM"))
     return checks
 
 
@@ -96,6 +153,17 @@ def _vocab_checks(drafter, counts=None) -> list[Check]:
                             f"{covered:.1%} of the run's answer tokens",
                             "d2t does not map to the frequent tokens of the data (lost or misread mapping)"))
     return checks
+
+
+def trained_config(run_path: Path) -> dict | None:
+    """The drafter config of the run's trained checkpoint, when there is one."""
+    from ..run import Run
+
+    entry = Run(run_path).stage("train")
+    if not entry or entry.get("state") != "done":
+        return None
+    path = run_path / entry.get("checkpoint", "checkpoints/final") / "config.json"
+    return json.loads(path.read_text())["drafter"] if path.exists() else None
 
 
 def _run_checks(drafter, run_path: Path, target) -> tuple[list[Check], object]:
@@ -121,13 +189,146 @@ def _run_checks(drafter, run_path: Path, target) -> tuple[list[Check], object]:
     return checks, counts
 
 
-def diagnose(folder: Path, target, run_path: Path | None = None) -> list[Check]:
+def measure(drafter, target, conversations: list[tuple[list[int], list[int]]]) -> dict:
+    """The drafter against the target on real conversations (prompt ids, answer ids): one target
+    forward over each, then at every answer position the drafter's first step (fed the target's aux
+    states for the layers its config names, as an engine would) predicts the next token, compared
+    with the target's own top-1 there. Teacher-forced on the dataset's answer rather than generated:
+    one forward per conversation instead of one per token, and no bf16 near-ties in the way.
+
+    Returns the agreement, the number of positions, the share of the target's predicted tokens inside
+    the draft vocab, and the share of the drafter's most frequent predictions that the target predicts."""
+    import collections
+
+    import torch
+
+    from ..evaluate.speculate import TargetRunner
+    from ..targets import Target
+
+    if target.aux_layer_ids != list(drafter.config.aux_layer_ids):
+        target = Target(str(target.path), list(drafter.config.aux_layer_ids))
+    runner = TargetRunner(target, _model(target))
+    drafter = drafter.float().eval()
+    agree = positions = 0
+    wanted: collections.Counter = collections.Counter()
+    predicted: collections.Counter = collections.Counter()
+    with torch.inference_mode():
+        for prompt, answer in conversations:
+            runner.reset()
+            logits, aux = runner.forward(prompt + answer)
+            ids = torch.tensor(prompt + answer)
+            n, P = len(ids), len(prompt)
+            top = logits.argmax(-1)[P:]  # [n-P]: the target's next token after each answer token
+            # Position t reads (aux_t, x_{t+1}) and predicts x_{t+2}: the target's top-1 at t + 1.
+            draft_logits, _, _ = drafter(drafter.project(aux[None, :-1].float()), ids[None, 1:],
+                                         torch.arange(n - 1)[None])  # [1, n-1, Vd]
+            pred = drafter.to_target_ids(draft_logits[0, P - 1:].argmax(-1))  # [n-P]
+            agree += int((pred == top).sum())
+            positions += n - P
+            wanted.update(top.tolist())
+            predicted.update(pred.tolist())
+    target_ids = torch.tensor(list(wanted.elements()), dtype=torch.long)
+    frequent = predicted.most_common(FREQUENT_DRAFTS)
+    return {
+        "agreement": agree / max(1, positions),
+        "positions": positions,
+        "conversations": len(conversations),
+        "coverage": float(drafter.t2d[target_ids].float().mean()) if len(target_ids) else 0.0,
+        "frequent_share": sum(c for tok, c in frequent if tok in wanted) / max(1, sum(c for _, c in frequent)),
+        "frequent": [(target.tokenizer.decode([tok]), c) for tok, c in frequent],
+    }
+
+
+_MODELS: dict = {}
+
+
+def _model(target):
+    """The target model for the measured checks, loaded once per process."""
+    key = str(target.path)
+    if key not in _MODELS:
+        _MODELS[key] = target.load_model("bfloat16")
+    return _MODELS[key]
+
+
+def held_out_conversations(target, run_path: Path | None, n: int = AGREEMENT_CONVERSATIONS,
+                           answer_tokens: int = AGREEMENT_TOKENS) -> list[tuple[list[int], list[int]]]:
+    """(prompt ids, first answer's ids) of real conversations the drafter was not trained on: the
+    run's held-out ShareGPT split when the run is known (its data settings), else the default
+    recipe's; rendered with the target's chat template, the answer cut to `answer_tokens`."""
+    from ..config import Recipe
+    from ..data.sources import prompts
+    from ..run import Run
+
+    recipe = Run(run_path).recipe() if run_path is not None and Run(run_path).exists() else Recipe()
+    d = recipe.data
+    out = []
+    for conv in prompts(d.source, "eval", d.eval_fraction, d.split_seed):
+        turns = [m for m in conv["messages"] if m["role"] != "system"]
+        if len(turns) < 2 or turns[1]["role"] != "assistant" or not turns[1]["content"].strip():
+            continue
+        prompt = target.chat_ids(turns[:1], add_generation_prompt=True)
+        full = target.chat_ids(turns[:2], add_generation_prompt=False)
+        if len(prompt) > d.max_prompt_tokens or full[:len(prompt)] != prompt:
+            continue
+        out.append((prompt, full[len(prompt):len(prompt) + answer_tokens]))
+        if len(out) >= n:
+            break
+    return out
+
+
+def training_conversations(run_path: Path, n: int = AGREEMENT_CONVERSATIONS,
+                           answer_tokens: int = AGREEMENT_TOKENS) -> list[tuple[list[int], list[int]]]:
+    """(prompt ids, answer ids) of the run's own training samples: where a drafter that learnt anything
+    must agree with the target (the held-out split tells whether it generalises)."""
+    from ..data.render import load_tokens
+
+    _, samples = load_tokens(run_path)
+    out = []
+    for ids, mask in samples[:n]:
+        ids, mask = list(map(int, ids)), list(map(int, mask))
+        start = mask.index(1)
+        out.append((ids[:start], ids[start:start + answer_tokens]))
+    return out
+
+
+def _measured_checks(drafter, target, run_path: Path | None, conversations=None) -> list[Check]:
+    held_out = conversations is None
+    if held_out:
+        conversations = held_out_conversations(target, run_path)
+    m = measure(drafter, target, conversations)
+    kind = "held-out ShareGPT" if held_out else "given"
+    where = f"{m['positions']} answer positions of {m['conversations']} {kind} conversations"
+    shown = ", ".join(f"{tok!r} x{c}" for tok, c in m["frequent"][:5])
+    return [
+        Check("top-1 agreement with the target", m["agreement"] >= MIN_TOP1_AGREEMENT,
+              f"{m['agreement']:.1%} of {where} (floor {MIN_TOP1_AGREEMENT:.0%})",
+              "the drafter does not predict this target's next tokens as served: see the aux layer, d2t and "
+              "norm checks; if they pass, the drafter needs more (or on-policy) training data", m["agreement"]),
+        Check("draft vocab covers the target's answers", m["coverage"] >= MIN_COVERAGE,
+              f"{m['coverage']:.1%} of the target's next tokens there",
+              "d2t maps the draft vocab to tokens this target rarely writes (lost, misread or another target's), "
+              "or the draft vocab was built from too little data",
+              m["coverage"]),
+        Check("frequent draft tokens are target tokens", m["frequent_share"] >= MIN_FREQUENT_SHARE,
+              f"{m['frequent_share']:.0%} of the drafter's {FREQUENT_DRAFTS} most frequent predictions are tokens "
+              f"the target predicts there too ({shown})",
+              "d2t does not match the lm_head's rows (e.g. a draft vocab in another order): rebuild d2t with "
+              "the drafter's own vocabulary", m["frequent_share"]),
+    ]
+
+
+def diagnose(folder: Path, target, run_path: Path | None = None, measured: bool = True,
+             conversations: list[tuple[list[int], list[int]]] | None = None) -> list[Check]:
+    """Every check of an exported drafter folder; `measured` adds the ones that run the target on real
+    conversations (held-out ShareGPT unless `conversations` are given; seconds to minutes, the target's
+    size), which config-level callers can leave out."""
     folder = Path(folder)
     try:
         config = json.loads((folder / "config.json").read_text())
     except (OSError, json.JSONDecodeError) as e:
         return [Check("config.json readable", False, str(e), "point doctor at an exported drafter folder")]
     checks = _config_checks(config)
+    checks += _norm_flag_checks(config, trained_config(Path(run_path)) if run_path is not None else None)
     try:
         drafter = read_drafter(folder, target.embed_weight())
     except ValueError as e:
@@ -140,10 +341,15 @@ def diagnose(folder: Path, target, run_path: Path | None = None) -> list[Check]:
         run_checks, counts = _run_checks(drafter, Path(run_path), target)
         checks += run_checks
     checks += _vocab_checks(drafter, counts)
+    in_range = all(1 <= k < target.num_layers for k in drafter.config.aux_layer_ids)
+    fits = drafter.config.target_hidden_size == target.hidden_size and drafter.config.vocab_size == target.vocab_size
+    if measured and in_range and fits:
+        checks += _measured_checks(drafter, target, Path(run_path) if run_path is not None else None,
+                                   conversations)
     return checks
 
 
-def run_doctor(folder: str, target_name: str | None, run_path: str | None) -> int:
+def run_doctor(folder: str, target_name: str | None, run_path: str | None, measured: bool = True) -> int:
     """Print the checks; exit status 1 when any fails. The run (for the extracted layer ids and the
     training data) defaults to the one the folder was exported into (runs/<name>/export/<format>)."""
     from ..run import Run
@@ -157,7 +363,7 @@ def run_doctor(folder: str, target_name: str | None, run_path: str | None) -> in
             raise ValueError("doctor: pass --target (or --run, whose recipe names it)")
         target_name = Run(Path(run_path)).recipe().target.model
     target = Target(target_name)
-    checks = diagnose(folder_path, target, Path(run_path) if run_path else None)
+    checks = diagnose(folder_path, target, Path(run_path) if run_path else None, measured=measured)
     for c in checks:
         print(c.line())
     failed = [c for c in checks if not c.ok]

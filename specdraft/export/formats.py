@@ -31,9 +31,11 @@ export followed by import gives back the same tensors (tested).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shlex
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -85,6 +87,10 @@ SGLANG_KEYS = {
 EMBED_KEY = ("embed_tokens.weight", "embed_tokens.weight")
 # SGLang's fc takes 3 * target_hidden_size inputs whatever the config says.
 SGLANG_NUM_AUX = 3
+# EAGLE-3.1's optional norms (before fc, per aux state in fc, on the state fed to the next step).
+EAGLE31_FLAGS = ("norm_before_fc", "fc_norm", "norm_output")
+# Those our DrafterConfig implements (fields of that name); the others are refused on read, never dropped.
+IMPLEMENTED_NORMS = tuple(f for f in EAGLE31_FLAGS if f in {field.name for field in dataclasses.fields(DrafterConfig)})
 
 
 def layer_config(cfg: DrafterConfig) -> dict:
@@ -114,7 +120,7 @@ def layer_config(cfg: DrafterConfig) -> dict:
 
 
 def _config_from_layer(lc: dict, where: str, *, draft_vocab_size: int, target_hidden_size: int,
-                       aux_layer_ids: list[int], norm_before_residual: bool) -> DrafterConfig:
+                       aux_layer_ids: list[int], norm_before_residual: bool, norms: dict) -> DrafterConfig:
     """The inverse of `layer_config` (plus the format's own top-level fields) -> our DrafterConfig."""
 
     def need(key):
@@ -144,6 +150,7 @@ def _config_from_layer(lc: dict, where: str, *, draft_vocab_size: int, target_hi
         rope_theta=rope.get("rope_theta", lc.get("rope_theta", 10000.0)),
         max_position_embeddings=lc.get("max_position_embeddings", 8192),
         norm_before_residual=bool(norm_before_residual),
+        **norms,
     )
 
 
@@ -163,11 +170,24 @@ def _write_tensors(drafter: Eagle3Drafter, out: Path, keys: dict[str, str]) -> N
         save_file(tensors, str(tmp))
 
 
+def _norm_keys(cfg: DrafterConfig) -> dict[str, str]:
+    """The EAGLE-3.1 norms' tensors, named alike in our drafter and both formats (vLLM's `input_norm`
+    and `fc_norm.{i}`), present only when their flag is on."""
+    keys = {}
+    if getattr(cfg, "norm_before_fc", False):
+        keys["input_norm.weight"] = "input_norm.weight"
+    if getattr(cfg, "fc_norm", False):
+        keys.update({f"fc_norm.{i}.weight": f"fc_norm.{i}.weight" for i in range(len(cfg.aux_layer_ids))})
+    return keys
+
+
 def _with_embed(keys: dict[str, str], cfg: DrafterConfig, include_embed: bool) -> dict[str, str]:
-    """The key map, with embed_tokens when asked for or when it cannot be the target's (other width)."""
+    """The key map (with the norms the config turns on), plus embed_tokens when asked for or when it
+    cannot be the target's (other width)."""
+    keys = {**keys, **_norm_keys(cfg)}
     if include_embed or cfg.target_hidden_size != cfg.hidden_size:
         return {**keys, EMBED_KEY[0]: EMBED_KEY[1]}
-    return dict(keys)
+    return keys
 
 
 def _read_config(folder: Path) -> dict:
@@ -196,24 +216,38 @@ def _read_tensors(folder: Path) -> dict[str, torch.Tensor]:
 
 
 def _build(folder: Path, cfg: DrafterConfig, theirs: dict[str, torch.Tensor], keys: dict[str, str],
-           embed: torch.Tensor | None) -> Eagle3Drafter:
+           embed: torch.Tensor | None, notes: list[str] | None = None) -> Eagle3Drafter:
     """Our drafter (float32, eval mode) from the format's tensors read through `keys` (ours -> theirs).
 
-    Every tensor is required, named as the folder names it when missing, except t2d, which engines
-    skip and which d2t determines (rebuilt when absent, checked when present), and embed_tokens,
-    which is the target's (`embed`) when the folder has none.
+    Every tensor is required, named as the folder names it when missing, except:
+    - t2d, which engines skip and which d2t determines (rebuilt when absent, checked when present);
+    - d2t, which engines keep at zeros when absent (draft id i -> target id i): read so, and said so
+      in `notes`, because only a full-vocabulary drafter is right that way;
+    - embed_tokens, which is the target's (`embed`) when the folder has none.
+    Tensors whose shapes do not fit config.json are all named, with both shapes.
     """
+    notes = notes if notes is not None else []
     state = {ours: theirs[name] for ours, name in keys.items() if name in theirs}
-    missing = [name for ours, name in keys.items() if ours not in state and ours != "t2d"]
+    missing = [name for ours, name in keys.items() if ours not in state and ours not in ("t2d", "d2t")]
     if missing:
         raise ValueError(f"{folder}: missing tensor(s) {missing}")
     if EMBED_KEY[1] in theirs:
         state[EMBED_KEY[0]] = theirs[EMBED_KEY[1]]
+        notes.append("embed_tokens: the drafter's own (in the folder)")
     elif embed is None:
         raise ValueError(f"{folder}: no embed_tokens in the drafter; pass the target's embedding")
     else:
         state[EMBED_KEY[0]] = embed
-    d2t = state["d2t"].long()
+        notes.append("embed_tokens: not in the folder; the target's (as the engines share it)")
+    if "d2t" in state:
+        d2t = state["d2t"].long()
+        notes.append("d2t: present (offsets)")
+    else:
+        d2t = torch.zeros(cfg.draft_vocab_size, dtype=torch.long)
+        notes.append("d2t: absent; the draft vocabulary is the full target vocabulary, no mapping needed"
+                     if cfg.draft_vocab_size == cfg.vocab_size else
+                     f"d2t: ABSENT; the engines map draft id i to target id i (0..{cfg.draft_vocab_size - 1}), "
+                     "almost never what the drafter was trained for (doctor fails it)")
     if d2t.shape != (cfg.draft_vocab_size,):
         raise ValueError(f"{folder}: d2t has shape {list(d2t.shape)}, expected [{cfg.draft_vocab_size}]")
     targets = torch.arange(cfg.draft_vocab_size) + d2t
@@ -222,14 +256,23 @@ def _build(folder: Path, cfg: DrafterConfig, theirs: dict[str, torch.Tensor], ke
                          "it must hold offsets (target id = draft id + d2t[draft id]), not absolute ids")
     t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
     t2d[targets] = True
-    if "t2d" in state and not torch.equal(state["t2d"].bool(), t2d):
-        raise ValueError(f"{folder}: t2d does not mark the target ids that d2t maps the draft vocabulary to")
+    if "t2d" in state:
+        if not torch.equal(state["t2d"].bool(), t2d):
+            raise ValueError(f"{folder}: t2d does not mark the target ids that d2t maps the draft vocabulary to")
+        notes.append("t2d: present, consistent with d2t")
+    else:
+        notes.append("t2d: absent; rebuilt from d2t (the engines do not read it)")
     state["d2t"], state["t2d"] = d2t, t2d
     drafter = Eagle3Drafter(cfg)
-    try:
-        drafter.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()})
-    except RuntimeError as e:
-        raise ValueError(f"{folder}: the tensors do not fit config.json: {e}") from None
+    expected = drafter.state_dict()
+    names = {**keys, EMBED_KEY[0]: EMBED_KEY[1]}  # ours -> the folder's, for the messages
+    if EMBED_KEY[1] not in theirs:
+        names[EMBED_KEY[0]] = "embed_tokens (the target's, shared)"
+    misfits = [f"{names.get(k, k)}: {list(v.shape)} given, config.json needs {list(expected[k].shape)}"
+               for k, v in state.items() if k in expected and v.shape != expected[k].shape]
+    if misfits:
+        raise ValueError(f"{folder}: the tensors do not fit config.json:\n  " + "\n  ".join(misfits))
+    drafter.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()})
     return drafter.eval()
 
 
@@ -244,6 +287,7 @@ def write_vllm(drafter: Eagle3Drafter, out: Path, *, verifier: str, verifier_arc
         "target_hidden_size": cfg.target_hidden_size,
         "eagle_aux_hidden_state_layer_ids": list(cfg.aux_layer_ids),
         "norm_before_residual": cfg.norm_before_residual,
+        **{flag: bool(getattr(cfg, flag, False)) for flag in EAGLE31_FLAGS},
         "speculators_config": {
             "algorithm": "eagle3",
             "default_proposal_method": "greedy",
@@ -258,26 +302,45 @@ def write_vllm(drafter: Eagle3Drafter, out: Path, *, verifier: str, verifier_arc
     return out
 
 
-def read_vllm(folder: Path, embed: torch.Tensor | None = None) -> Eagle3Drafter:
-    """A speculators-format folder -> our drafter (float32), for eval, fine-tuning and round trips."""
-    folder = Path(folder)
-    config = _read_config(folder)
-    if config.get("speculators_model_type") != "eagle3":
-        raise ValueError(f"{folder}/config.json: not a speculators eagle3 config")
+def _read_norms(config: dict, where: str) -> dict[str, bool]:
+    """EAGLE-3.1's extra norms, as vLLM reads them (top level; norm_before_fc from eagle_config first;
+    False when absent) -> the DrafterConfig fields. A flag on that our drafter does not implement is
+    refused rather than silently dropped (FACTS.md: a dropped norm_before_fc serves and accepts little)."""
+    eagle = config.get("eagle_config") or {}
+    flags = {flag: bool(eagle.get(flag, config.get(flag, False)) if flag == "norm_before_fc" else config.get(flag, False))
+             for flag in EAGLE31_FLAGS}
+    on = [flag for flag, value in flags.items() if value and flag not in IMPLEMENTED_NORMS]
+    if on:
+        raise ValueError(f"{where}: {', '.join(f'{f}=true' for f in on)}: EAGLE-3.1 norms that specdraft's "
+                         "drafter does not implement; reading it without them would give another network")
+    return {flag: flags[flag] for flag in IMPLEMENTED_NORMS}
+
+
+def _parse_vllm(folder: Path, config: dict) -> tuple[DrafterConfig, dict[str, str], str]:
     where = f"{folder}/config.json"
+    if config.get("speculators_model_type") != "eagle3":
+        raise ValueError(f"{where}: not a speculators eagle3 config")
     for key in ("transformer_layer_config", "draft_vocab_size", "target_hidden_size",
                 "eagle_aux_hidden_state_layer_ids"):
         if not config.get(key):
             raise ValueError(f"{where}: no {key!r}")
+    norms = _read_norms(config, where)
     cfg = _config_from_layer(
-        config["transformer_layer_config"], where,
+        config["transformer_layer_config"], where, norms=norms,
         draft_vocab_size=config["draft_vocab_size"],
         target_hidden_size=config["target_hidden_size"],
         aux_layer_ids=config["eagle_aux_hidden_state_layer_ids"],
         # What vLLM assumes when the flag is absent on this path.
         norm_before_residual=config.get("norm_before_residual", True),
     )
-    return _build(folder, cfg, _read_tensors(folder), VLLM_KEYS, embed)
+    return cfg, {**VLLM_KEYS, **_norm_keys(cfg)}, "speculators (Eagle3Speculator, layers.0.*)"
+
+
+def read_vllm(folder: Path, embed: torch.Tensor | None = None) -> Eagle3Drafter:
+    """A speculators-format folder -> our drafter (float32), for eval, fine-tuning and round trips."""
+    folder = Path(folder)
+    cfg, keys, _ = _parse_vllm(folder, _read_config(folder))
+    return _build(folder, cfg, _read_tensors(folder), keys, embed)
 
 
 def flat_config(cfg: DrafterConfig, provenance: dict) -> dict:
@@ -295,10 +358,8 @@ def flat_config(cfg: DrafterConfig, provenance: dict) -> dict:
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": [k - 1 for k in ids], "use_aux_hidden_state": True},
         # vLLM reads a missing flag as False on this path; SGLang has no flag and always behaves so.
         "norm_before_residual": cfg.norm_before_residual,
-        # The EAGLE-3.1 norms, which this drafter does not have.
-        "norm_before_fc": False,
-        "fc_norm": False,
-        "norm_output": False,
+        # The EAGLE-3.1 norms (vLLM reads them; all False when absent).
+        **{flag: bool(getattr(cfg, flag, False)) for flag in EAGLE31_FLAGS},
         "specdraft": provenance,
     }
 
@@ -314,6 +375,10 @@ def write_sglang(drafter: Eagle3Drafter, out: Path, *, include_embed: bool, prov
     if cfg.norm_before_residual:
         raise ValueError("export sglang: the drafter uses norm_before_residual=True; SGLang's EAGLE-3 layer always "
                          "adds the un-normed hidden state as the residual, so it would serve another network")
+    on = [flag for flag in EAGLE31_FLAGS if getattr(cfg, flag, False)]
+    if on:
+        raise ValueError(f"export sglang: the drafter uses {on}; SGLang's LlamaForCausalLMEagle3 has none of "
+                         "EAGLE-3.1's norms, so it would serve another network (serve it with vLLM)")
     if include_embed and cfg.target_hidden_size == cfg.hidden_size:
         raise ValueError("export sglang: the drafter's embedding differs from the target's, but SGLang replaces it "
                          "with the target's (target_hidden_size == hidden_size), so it would serve another network")
@@ -322,8 +387,10 @@ def write_sglang(drafter: Eagle3Drafter, out: Path, *, include_embed: bool, prov
     return out
 
 
-def _flat_aux_layer_ids(config: dict, where: str) -> list[int]:
-    """Our aux layer ids from a flat config, from either engine's list; both present must agree."""
+def _flat_aux_layer_ids(config: dict, where: str, default: list[int] | None) -> list[int]:
+    """Our aux layer ids from a flat config, from either engine's list; both present must agree.
+    Neither present (SpecForge writes none): the ids the engines then use, `default` (the target's
+    (2, L//2, L-3), same layers in both engines), when the caller knows the target."""
     top = config.get("eagle_aux_hidden_state_layer_ids")
     eagle = config.get("eagle_config") or {}
     nested = eagle.get("eagle_aux_hidden_state_layer_ids")
@@ -335,7 +402,9 @@ def _flat_aux_layer_ids(config: dict, where: str) -> list[int]:
             "name different layers, so vLLM and SGLang would feed this drafter different hidden states")
     ids = list(top) if top else from_nested
     if not ids:
-        raise ValueError(f"{where}: no aux layer ids; the engines would guess (2, L//2, L-3)")
+        if default is None:
+            raise ValueError(f"{where}: no aux layer ids; the engines would guess (2, L//2, L-3)")
+        ids = list(default)
     if eagle.get("use_aux_hidden_state", True) is not True:
         raise ValueError(f"{where}: eagle_config.use_aux_hidden_state is not true; not an EAGLE-3 drafter")
     if config.get("num_aux_hidden_states", len(ids)) != len(ids):
@@ -343,11 +412,8 @@ def _flat_aux_layer_ids(config: dict, where: str) -> list[int]:
     return ids
 
 
-def read_sglang(folder: Path, embed: torch.Tensor | None = None) -> Eagle3Drafter:
-    """A flat-format folder -> our drafter (float32). Reads the decoder layer named `midlayer.*`
-    (SGLang / EAGLE / SpecForge) or `layers.0.*` (vLLM-style), with or without a `model.` prefix."""
-    folder = Path(folder)
-    config = _read_config(folder)
+def _parse_flat(folder: Path, config: dict, tensor_names: set[str],
+                default_aux_layer_ids: list[int] | None) -> tuple[DrafterConfig, dict[str, str], str]:
     where = f"{folder}/config.json"
     if FLAT_ARCHITECTURE not in (config.get("architectures") or []):
         raise ValueError(f"{where}: architectures {config.get('architectures')} lack {FLAT_ARCHITECTURE!r}")
@@ -357,34 +423,103 @@ def read_sglang(folder: Path, embed: torch.Tensor | None = None) -> Eagle3Drafte
         raise ValueError(f"{where}: tie_word_embeddings is true; the engines would use embed_tokens as lm_head")
     if config.get("draft_vocab_size") is None:
         raise ValueError(f"{where}: no 'draft_vocab_size'; SGLang would take the target's lm_head instead")
+    norms = _read_norms(config, where)
     cfg = _config_from_layer(
-        config, where,
+        config, where, norms=norms,
         draft_vocab_size=config["draft_vocab_size"],
-        # SGLang's rule when absent: the drafter's own hidden size.
+        # SGLang's and vLLM's rule when absent: the drafter's own hidden size.
         target_hidden_size=config.get("target_hidden_size") or config.get("hidden_size"),
-        aux_layer_ids=_flat_aux_layer_ids(config, where),
+        aux_layer_ids=_flat_aux_layer_ids(config, where, default_aux_layer_ids),
         # What vLLM assumes when the flag is absent on this path (SGLang has no other behaviour).
         norm_before_residual=config.get("norm_before_residual", False),
     )
-    theirs = {k.removeprefix("model."): v for k, v in _read_tensors(folder).items()}
-    midlayer = any(k.startswith("midlayer.") for k in theirs)
-    layers0 = any(k.startswith("layers.0.") for k in theirs)
+    midlayer = any(k.startswith("midlayer.") for k in tensor_names)
+    layers0 = any(k.startswith("layers.0.") for k in tensor_names)
     if midlayer and layers0:
         raise ValueError(f"{folder}: both midlayer.* and layers.0.* tensors; which one is the decoder layer?")
-    return _build(folder, cfg, theirs, VLLM_KEYS if layers0 else SGLANG_KEYS, embed)
+    if layers0:
+        return cfg, {**VLLM_KEYS, **_norm_keys(cfg)}, f"flat ({FLAT_ARCHITECTURE}, layers.0.*)"
+    return cfg, {**SGLANG_KEYS, **_norm_keys(cfg)}, f"flat ({FLAT_ARCHITECTURE}, midlayer.*)"
 
 
-def read_drafter(folder: Path, embed: torch.Tensor | None = None) -> Eagle3Drafter:
-    """Any drafter folder an engine loads -> our drafter: the speculators format (has
+def _flat_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    """The folder's tensors without a `model.` prefix, which some checkpoints put on every name."""
+    return {k.removeprefix("model."): v for k, v in _read_tensors(folder).items()}
+
+
+def read_sglang(folder: Path, embed: torch.Tensor | None = None) -> Eagle3Drafter:
+    """A flat-format folder -> our drafter (float32). Reads the decoder layer named `midlayer.*`
+    (SGLang / EAGLE / SpecForge) or `layers.0.*` (vLLM-style), with or without a `model.` prefix."""
+    folder = Path(folder)
+    theirs = _flat_tensors(folder)
+    cfg, keys, _ = _parse_flat(folder, _read_config(folder), set(theirs), None)
+    return _build(folder, cfg, theirs, keys, embed)
+
+
+@dataclass
+class Published:
+    """A drafter folder as read: its config and tensors under their names, the layout, and what it
+    lacked or how it was read (`notes`)."""
+
+    folder: Path
+    config: DrafterConfig
+    tensors: dict[str, torch.Tensor]
+    keys: dict[str, str]
+    layout: str
+    notes: list[str]
+
+    def build(self, embed: torch.Tensor | None) -> Eagle3Drafter:
+        return _build(self.folder, self.config, self.tensors, self.keys, embed, self.notes)
+
+
+def read_published(folder: Path, default_aux_layer_ids: list[int] | None = None) -> Published:
+    """Any drafter folder an engine loads, parsed but not yet built: the speculators format (has
     `speculators_model_type`) or the flat one (architectures name LlamaForCausalLMEagle3)."""
     folder = Path(folder)
     config = _read_config(folder)
+    notes: list[str] = []
     if "speculators_model_type" in config:
-        return read_vllm(folder, embed)
-    if FLAT_ARCHITECTURE in (config.get("architectures") or []):
-        return read_sglang(folder, embed)
-    raise ValueError(f"{folder}/config.json: neither a speculators config (speculators_model_type) nor a "
-                     f"flat EAGLE-3 one (architectures {FLAT_ARCHITECTURE})")
+        tensors = _read_tensors(folder)
+        cfg, keys, layout = _parse_vllm(folder, config)
+        if "norm_before_residual" not in config:
+            notes.append("norm_before_residual: absent; read as True, as vLLM's speculators path does")
+    elif FLAT_ARCHITECTURE in (config.get("architectures") or []):
+        tensors = _flat_tensors(folder)
+        cfg, keys, layout = _parse_flat(folder, config, set(tensors), default_aux_layer_ids)
+        if "norm_before_residual" not in config:
+            notes.append("norm_before_residual: absent; read as False, as vLLM's flat path does (SGLang "
+                         "always behaves so)")
+        eagle = config.get("eagle_config") or {}
+        if not config.get("eagle_aux_hidden_state_layer_ids") and not eagle.get("eagle_aux_hidden_state_layer_ids"):
+            notes.append(f"aux layer ids: absent; the engines' default for this target, {cfg.aux_layer_ids}")
+    else:
+        raise ValueError(f"{folder}/config.json: neither a speculators config (speculators_model_type) nor a "
+                         f"flat EAGLE-3 one (architectures {FLAT_ARCHITECTURE})")
+    return Published(folder, cfg, tensors, keys, layout, notes)
+
+
+def read_drafter(folder: Path, embed: torch.Tensor | None = None) -> Eagle3Drafter:
+    """Any drafter folder an engine loads -> our drafter (float32): the speculators format or the
+    flat one, see `read_published`."""
+    return read_published(folder).build(embed)
+
+
+def fit_problems(cfg: DrafterConfig, target, has_embed: bool) -> list[str]:
+    """What of a drafter's shapes does not fit the target, one line each (empty: it fits)."""
+    problems = []
+    if cfg.vocab_size != target.vocab_size:
+        problems.append(f"vocab_size: drafter {cfg.vocab_size}, target {target.vocab_size} (another tokenizer)")
+    if cfg.target_hidden_size != target.hidden_size:
+        problems.append(f"target_hidden_size: drafter {cfg.target_hidden_size}, target hidden_size "
+                        f"{target.hidden_size} (fc reads {len(cfg.aux_layer_ids)} x {cfg.target_hidden_size})")
+    outside = [k for k in cfg.aux_layer_ids if not 1 <= k < target.num_layers]
+    if outside:
+        problems.append(f"aux layer ids {outside} outside 1..{target.num_layers - 1} for a target with "
+                        f"{target.num_layers} layers")
+    if not has_embed and cfg.hidden_size != target.hidden_size:
+        problems.append(f"embed_tokens: not in the folder, and the target's has width {target.hidden_size}, "
+                        f"not the drafter's hidden_size {cfg.hidden_size}")
+    return problems
 
 
 def provenance(run_name: str) -> dict:
@@ -425,12 +560,46 @@ def resolve_formats(requested: list[str]) -> list[str]:
     return out
 
 
+def expected_speedups(per_position: list[float], cost: float) -> dict[int, float]:
+    """Expected speedup of a chain of K drafts, for each K the eval measured: tokens per target step
+    1 + p_1 + ... + p_K (p_i: share of rounds whose draft i was accepted, which a chain of K shares
+    with a longer one) over the cost of K drafting steps at `cost` target steps each plus one
+    verification, taken as one target step (decoding is memory-bound on GPUs; on this CPU the
+    4-token verification measured 1.4x a single step, so CPU figures are optimistic)."""
+    return {k: (1 + sum(per_position[:k])) / (1 + k * cost) for k in range(1, len(per_position) + 1)}
+
+
+def choose_speculative_tokens(run, default: int) -> dict:
+    """The number of speculative tokens to serve with: the K of the best expected speedup from the
+    run's eval report when it measured this drafter (eval finished after train), else `default`."""
+    report_path = run.path / "eval" / "report.json"
+    train, evaluated = run.stage("train") or {}, run.stage("eval") or {}
+    if (evaluated.get("state") != "done" or not report_path.exists()
+            or evaluated.get("finished", "") < train.get("finished", "")):
+        return {"value": default, "source": "recipe (export.speculative_tokens); run eval, then export again, "
+                                            "to choose it from measured acceptance"}
+    report = json.loads(report_path.read_text())
+    speedups = expected_speedups(report["per_position_acceptance"], report["draft_to_target_cost"])
+    best = max(speedups, key=speedups.get)
+    return {"value": best, "source": "eval/report.json", "expected_speedup": {k: round(v, 3) for k, v in speedups.items()},
+            "per_position_acceptance": report["per_position_acceptance"], "draft_to_target_cost": report["draft_to_target_cost"],
+            "measured_up_to": len(speedups)}
+
+
 def run(recipe, run) -> dict:
     from ..train import load_trained
 
     cfg = recipe.export
     t_start = time.time()
     formats = resolve_formats(cfg.formats)
+    k = choose_speculative_tokens(run, cfg.speculative_tokens)
+    speculative_tokens = k["value"]
+    if "expected_speedup" in k:
+        table = ", ".join(f"K={n}: {v:.2f}x" for n, v in k["expected_speedup"].items())
+        print(f"export: {speculative_tokens} speculative tokens, the best expected speedup from the eval report "
+              f"({table}; draft/target cost {k['draft_to_target_cost']})")
+    else:
+        print(f"export: {speculative_tokens} speculative tokens from the {k['source']}")
     drafter, target, embed = load_trained(recipe, run)
     # The embedding is frozen at the target's during training, so the engine's shared copy is identical.
     include_embed = not torch.equal(drafter.embed_tokens.weight.detach(), embed.float())
@@ -440,18 +609,92 @@ def run(recipe, run) -> dict:
         if fmt == "vllm":
             write_vllm(drafter, out, verifier=str(target.path),
                        verifier_architectures=list(target.config.architectures or []),
-                       speculative_tokens=cfg.speculative_tokens, include_embed=include_embed,
+                       speculative_tokens=speculative_tokens, include_embed=include_embed,
                        provenance=provenance(recipe.name))
             written[fmt] = {"path": str(out.relative_to(run.path)), "format": "speculators (Eagle3Speculator)"}
-            commands[fmt] = serve_command(str(target.path), out, cfg.speculative_tokens)
+            commands[fmt] = serve_command(str(target.path), out, speculative_tokens)
             engine = "vLLM"
         else:
             write_sglang(drafter, out, include_embed=include_embed, provenance=provenance(recipe.name))
             written[fmt] = {"path": str(out.relative_to(run.path)), "format": f"flat ({FLAT_ARCHITECTURE})"}
-            commands[fmt] = sglang_serve_command(str(target.path), out, cfg.speculative_tokens)
+            commands[fmt] = sglang_serve_command(str(target.path), out, speculative_tokens)
             engine = "SGLang"
         print(f"export: {engine} drafter in {out}\n  serve it with:\n  {commands[fmt]}")
+    print(f"\nnext: specdraft doctor {run.path / 'export' / formats[0]}")
     return run.record("export", state="done", config=cfg, counts={"formats": len(written)},
                       seconds=time.time() - t_start,
                       extra={"folders": written, "serve_command": commands[formats[0]],
-                             "serve_commands": commands, "embed_included": include_embed})
+                             "serve_commands": commands, "embed_included": include_embed,
+                             "speculative_tokens": k})
+
+
+IMPORTED = "imported"
+
+
+def import_drafter(folder: Path, target, out: Path,
+                   extracted_aux_layer_ids: list[int] | None = None) -> tuple[Eagle3Drafter, Published]:
+    """A published drafter folder -> a specdraft checkpoint at `out` (train.save_checkpoint's format,
+    which eval, export and fine-tuning read), after checking it against `target` (and against the
+    layers a run's hidden states hold, when given). Any misfit is an error that lists every one."""
+    from ..train import save_checkpoint
+
+    folder = Path(folder)
+    published = read_published(folder, target.default_aux_layer_ids())
+    problems = fit_problems(published.config, target, EMBED_KEY[1] in published.tensors)
+    if extracted_aux_layer_ids is not None and list(extracted_aux_layer_ids) != published.config.aux_layer_ids:
+        problems.append(f"aux layer ids: drafter {published.config.aux_layer_ids}, the run's hidden states "
+                        f"{list(extracted_aux_layer_ids)} (fine-tuning would feed it other layers)")
+    if problems:
+        raise ValueError(f"import: {folder} does not fit the target {target.path}:\n  " + "\n  ".join(problems))
+    embed = target.embed_weight()
+    drafter = published.build(embed)
+    if EMBED_KEY[1] in published.tensors and not torch.equal(drafter.embed_tokens.weight, embed.float()):
+        published.notes.append("embed_tokens: differs from the target's; kept in the checkpoint")
+    aux_ids = drafter.config.aux_layer_ids
+    target_for_drafter = type(target)(target.name, aux_ids)
+    meta = {"aux_layer_ids": aux_ids, "target": target_for_drafter.describe(),
+            "imported_from": {"folder": str(folder.resolve()), "layout": published.layout,
+                              "notes": published.notes}}
+    save_checkpoint(drafter, Path(out), meta)
+    return drafter, published
+
+
+def run_import(folder: str, recipe, run=None, out: str | None = None) -> dict:
+    """`specdraft import`: into a run (its checkpoints/imported, recorded as the run's drafter, so
+    `eval`, `export` and `doctor` take it from there) or into a bare checkpoint folder (`out`)."""
+    from ..targets import Target
+
+    t0 = time.time()
+    target = Target(recipe.target.model)
+    if run is not None:
+        trained = run.stage("train")
+        if trained and trained.get("state") == "done" and "imported_from" not in trained:
+            raise ValueError(f"import: {run.path} already holds a trained drafter ({trained.get('checkpoint')}); "
+                             "import into a new run (--run) or a folder (--out)")
+        out_path = run.path / "checkpoints" / IMPORTED
+        index = run.path / "hidden" / "index.json"
+        extracted = json.loads(index.read_text())["aux_layer_ids"] if index.exists() else None
+    else:
+        out_path, extracted = Path(out), None
+    drafter, published = import_drafter(Path(folder), target, out_path, extracted)
+    cfg = drafter.config
+    print(f"import: {folder} ({published.layout})")
+    for note in published.notes:
+        print(f"  {note}")
+    print(f"  drafter: hidden {cfg.hidden_size}, {cfg.num_attention_heads} heads x {cfg.head_dim}, draft vocab "
+          f"{cfg.draft_vocab_size} of {cfg.vocab_size}, aux layers {cfg.aux_layer_ids}, "
+          f"norm_before_residual {cfg.norm_before_residual}")
+    print(f"  checkpoint: {out_path}")
+    info = {"folder": str(Path(folder).resolve()), "layout": published.layout, "notes": published.notes}
+    if run is None:
+        print(f"\nnext: specdraft doctor {folder} --target {recipe.target.model}")
+        return info
+    # The run's target reads the drafter's layers from now on (extract for fine-tuning, eval).
+    recipe.target.aux_layer_ids = list(cfg.aux_layer_ids)
+    run.init(recipe)
+    rel = str(out_path.relative_to(run.path))
+    entry = run.record("import", state="done", seconds=time.time() - t0, extra={**info, "checkpoint": rel})
+    # Recorded as the run's drafter: eval and export load the train stage's checkpoint.
+    run.record("train", state="done", extra={"checkpoint": rel, "imported_from": info["folder"]})
+    print(f"\nnext: specdraft eval --run {run.path}    (then: specdraft export --run {run.path} --formats both)")
+    return entry

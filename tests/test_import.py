@@ -1,0 +1,185 @@
+"""`specdraft import`: published drafter folders (ours, and SpecForge's layout written by hand) into
+specdraft checkpoints with identical logits, checked against the real target."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from specdraft.cli import main
+from specdraft.drafter import vocab
+from specdraft.drafter.model import DrafterConfig, Eagle3Drafter
+from specdraft.export.formats import write_sglang, write_vllm
+from specdraft.train import load_checkpoint
+
+pytestmark = pytest.mark.slow  # reads the real target's config and embedding
+
+DRAFT_VOCAB, T = 256, 9
+
+
+@pytest.fixture(scope="module")
+def drafter(target) -> Eagle3Drafter:
+    """A random drafter of the bundled target's shapes, with a real draft vocab and non-trivial norms."""
+    torch.manual_seed(0)
+    d = Eagle3Drafter(DrafterConfig.from_target(target, DRAFT_VOCAB))
+    d.embed_tokens.weight.data.copy_(target.embed_weight().float())
+    for norm in (d.layers[0].input_layernorm, d.layers[0].hidden_norm, d.layers[0].post_attention_layernorm, d.norm):
+        torch.nn.init.uniform_(norm.weight, 0.5, 1.5)
+    counts = torch.randint(0, 100, (target.vocab_size,))
+    d2t, t2d = vocab.build(counts, DRAFT_VOCAB)
+    d.d2t.copy_(d2t)
+    d.t2d.copy_(t2d)
+    return d.eval()
+
+
+def outputs(d, seed=1):
+    """Logits and output states of a first drafting step and of a second step fed the first's output."""
+    g = torch.Generator().manual_seed(seed)
+    aux = torch.randn(1, T, len(d.config.aux_layer_ids) * d.config.target_hidden_size, generator=g)
+    ids = torch.randint(0, d.config.vocab_size, (1, T), generator=g)
+    with torch.no_grad():
+        logits, h, base = d(d.project(aux), ids, torch.arange(T)[None])
+        logits2, h2, _ = d(h[:, -1:], ids[:, -1:], torch.tensor([[T]]), base=base, diag=[], q_offset=T - 1)
+    return logits, h, logits2, h2
+
+
+def assert_identical(trained, imported):
+    """Exported tensors are bf16, so the imported drafter equals the bf16-rounded trained one, exactly."""
+    reference = copy.deepcopy(trained).to(torch.bfloat16).float()
+    reference.d2t, reference.t2d = trained.d2t, trained.t2d
+    assert imported.config == trained.config
+    for a, b in zip(outputs(reference), outputs(imported)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert torch.equal(imported.d2t, trained.d2t) and torch.equal(imported.t2d, trained.t2d)
+
+
+def export(fmt, d, out):
+    if fmt == "vllm":
+        return write_vllm(d, out, verifier="smollm2", verifier_architectures=["LlamaForCausalLM"],
+                          speculative_tokens=3, include_embed=False, provenance={"run": "test"})
+    return write_sglang(d, out, include_embed=False, provenance={"run": "test"})
+
+
+@pytest.mark.parametrize("fmt", ["vllm", "sglang"])
+def test_export_import_gives_identical_logits(fmt, drafter, target, tmp_path, capsys):
+    folder = export(fmt, drafter, tmp_path / fmt)
+    assert main(["import", str(folder), "--out", str(tmp_path / "ckpt"), "--target", "smollm2"]) == 0
+    imported, meta = load_checkpoint(tmp_path / "ckpt", target.embed_weight())
+    assert_identical(drafter, imported)
+    assert meta["aux_layer_ids"] == [2, 15, 27]
+    layout = "speculators (Eagle3Speculator, layers.0.*)" if fmt == "vllm" else "flat (LlamaForCausalLMEagle3, midlayer.*)"
+    assert meta["imported_from"]["layout"] == layout
+    out = capsys.readouterr().out
+    assert layout in out and "d2t: present" in out and "embed_tokens: not in the folder" in out
+
+
+def test_import_into_a_run_is_what_eval_and_export_load(drafter, target, tmp_path):
+    from specdraft.run import Run
+    from specdraft.train import load_trained
+
+    folder = export("sglang", drafter, tmp_path / "sglang")
+    run = Run(tmp_path / "run")
+    assert main(["import", str(folder), "--run", str(run.path)]) == 0
+    assert run.stage("import")["layout"] == "flat (LlamaForCausalLMEagle3, midlayer.*)"
+    assert run.recipe().target.aux_layer_ids == [2, 15, 27]
+    loaded, loaded_target, _ = load_trained(run.recipe(), run)
+    assert loaded_target.aux_layer_ids == [2, 15, 27]
+    assert_identical(drafter, loaded)
+    # The run's hidden states now hold other layers: importing again names the disagreement.
+    (run.path / "hidden").mkdir()
+    (run.path / "hidden" / "index.json").write_text(json.dumps({"aux_layer_ids": [3, 15, 27]}))
+    assert main(["import", str(folder), "--run", str(run.path)]) == 2
+
+
+# SpecForge's LlamaForCausalLMEagle3 module names (specforge/modeling/draft/llama3_eagle.py), written out
+# by hand rather than through our key map, so that a mistake in the map cannot hide here.
+SPECFORGE_NAMES = {
+    "fc.weight": "fc.weight",
+    "midlayer.hidden_norm.weight": "layers.0.hidden_norm.weight",
+    "midlayer.input_layernorm.weight": "layers.0.input_layernorm.weight",
+    "midlayer.self_attn.q_proj.weight": "layers.0.self_attn.q_proj.weight",
+    "midlayer.self_attn.k_proj.weight": "layers.0.self_attn.k_proj.weight",
+    "midlayer.self_attn.v_proj.weight": "layers.0.self_attn.v_proj.weight",
+    "midlayer.self_attn.o_proj.weight": "layers.0.self_attn.o_proj.weight",
+    "midlayer.post_attention_layernorm.weight": "layers.0.post_attention_layernorm.weight",
+    "midlayer.mlp.gate_proj.weight": "layers.0.mlp.gate_proj.weight",
+    "midlayer.mlp.up_proj.weight": "layers.0.mlp.up_proj.weight",
+    "midlayer.mlp.down_proj.weight": "layers.0.mlp.down_proj.weight",
+    "norm.weight": "norm.weight",
+    "lm_head.weight": "lm_head.weight",
+    "t2d": "t2d",
+    "d2t": "d2t",
+}
+
+
+def specforge_folder(d: Eagle3Drafter, out, *, with_embed: bool, with_vocab_map: bool = True):
+    """A folder as SpecForge saves an EAGLE-3 drafter: its configs/*-eagle3.json fields (no aux layer ids,
+    no target_hidden_size, no norm flags: the engines' defaults apply) and `midlayer.*` tensors."""
+    c = d.config
+    config = {
+        "architectures": ["LlamaForCausalLMEagle3"], "attention_bias": False, "attention_dropout": 0.0,
+        "bos_token_id": 1, "eos_token_id": 2, "head_dim": c.head_dim, "hidden_act": "silu",
+        "hidden_size": c.hidden_size, "initializer_range": 0.02, "intermediate_size": c.intermediate_size,
+        "max_position_embeddings": c.max_position_embeddings, "model_type": "llama",
+        "num_attention_heads": c.num_attention_heads, "num_hidden_layers": 1,
+        "num_key_value_heads": c.num_key_value_heads, "pad_token_id": 0, "rms_norm_eps": c.rms_norm_eps,
+        "rope_scaling": None, "rope_theta": c.rope_theta, "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16", "transformers_version": "4.53.2", "use_cache": True,
+        "vocab_size": c.vocab_size, "draft_vocab_size": c.draft_vocab_size,
+    }
+    ours = d.state_dict()
+    names = dict(SPECFORGE_NAMES)
+    if with_embed:
+        names["embed_tokens.weight"] = "embed_tokens.weight"
+    if not with_vocab_map:
+        del names["t2d"], names["d2t"]
+    tensors = {theirs: ours[mine].to(torch.bfloat16) if ours[mine].is_floating_point() else ours[mine]
+               for theirs, mine in names.items()}
+    out.mkdir(parents=True)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"))
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    return out
+
+
+@pytest.mark.parametrize("with_embed", [False, True])
+def test_specforge_folder_imports_with_identical_logits(with_embed, drafter, target, tmp_path, capsys):
+    folder = specforge_folder(drafter, tmp_path / "specforge", with_embed=with_embed)
+    assert main(["import", str(folder), "--out", str(tmp_path / "ckpt"), "--target", "smollm2"]) == 0
+    imported, meta = load_checkpoint(tmp_path / "ckpt", target.embed_weight())
+    assert_identical(drafter, imported)
+    notes = "\n".join(meta["imported_from"]["notes"])
+    # What the folder did not say, and what the engines (so the import) take instead.
+    assert "aux layer ids: absent; the engines' default for this target, [2, 15, 27]" in notes
+    assert "norm_before_residual: absent; read as False" in notes
+    assert ("the drafter's own" if with_embed else "not in the folder") in notes
+    assert meta["imported_from"]["layout"] == "flat (LlamaForCausalLMEagle3, midlayer.*)"
+
+
+def test_folder_without_d2t_is_imported_as_the_engines_read_it_and_said_so(drafter, target, tmp_path, capsys):
+    folder = specforge_folder(drafter, tmp_path / "specforge", with_embed=False, with_vocab_map=False)
+    assert main(["import", str(folder), "--out", str(tmp_path / "ckpt"), "--target", "smollm2"]) == 0
+    imported, _ = load_checkpoint(tmp_path / "ckpt", target.embed_weight())
+    assert not imported.d2t.any()  # vLLM keeps a missing d2t at zeros: draft id i -> target id i
+    out = capsys.readouterr().out
+    assert "d2t: ABSENT" in out and "t2d: absent; rebuilt from d2t" in out
+
+
+def test_misfits_against_the_target_are_all_named(target, tmp_path, capsys):
+    torch.manual_seed(0)
+    other = Eagle3Drafter(DrafterConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                        intermediate_size=128, vocab_size=1000, draft_vocab_size=100,
+                                        target_hidden_size=96, aux_layer_ids=[2, 15, 40]))
+    other.d2t.copy_(vocab.build(torch.arange(1000), 100)[0])
+    folder = write_vllm(other, tmp_path / "other", verifier="x", verifier_architectures=[], speculative_tokens=3,
+                        include_embed=True, provenance={})
+    assert main(["import", str(folder), "--out", str(tmp_path / "ckpt"), "--target", "smollm2"]) == 2
+    err = capsys.readouterr().err
+    assert "does not fit the target" in err
+    assert "vocab_size: drafter 1000, target 49152" in err
+    assert "target_hidden_size: drafter 96, target hidden_size 576" in err
+    assert "aux layer ids [40] outside 1..29" in err
+    assert not (tmp_path / "ckpt").exists()
