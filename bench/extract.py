@@ -31,9 +31,9 @@ import torch  # noqa: E402
 from specdraft import environment  # noqa: E402
 from specdraft.config import ExtractConfig  # noqa: E402
 from specdraft.hidden.extract import (extract, forward_states, input_device, load_target_model,  # noqa: E402
-                                      plan_shards, resolve_device)
+                                      plan_shards)
 from specdraft.hidden.store import disk_bytes_per_token, token_batches  # noqa: E402
-from specdraft.targets import Target, get_attr  # noqa: E402
+from specdraft.targets import Target, get_attr, resolve_device  # noqa: E402
 
 # Batches timed before measuring: kernel selection, allocator warm-up, first-call overheads.
 WARMUP_BATCHES = 3
@@ -191,7 +191,7 @@ def main(argv: list[str] | None = None) -> dict:
 
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(target.config, dtype=getattr(torch, cfg.dtype))
-        model = model.to(resolve_device(cfg)).eval()
+        model = model.to(resolve_device(cfg.device)).eval()
     else:
         model = load_target_model(target, cfg)
     lengths = [len(ids) for ids, _ in samples]

@@ -22,6 +22,7 @@ import torch
 from specdraft import environment
 from specdraft.evaluate import speculate as S
 from specdraft.run import Run
+from specdraft.targets import resolve_device
 from specdraft.train import load_trained
 
 
@@ -47,7 +48,7 @@ def main() -> None:
         cfg.tree_topk, cfg.tree_depth, cfg.tree_tokens = (int(x) for x in args.tree.split(","))
     if args.prompts_file:
         cfg.prompts_file = args.prompts_file
-    device = S.pick_device(cfg.device)
+    device = torch.device(resolve_device(cfg.device))
     drafter, target, _ = load_trained(recipe, run)
     drafter = drafter.to(device=device, dtype=getattr(torch, cfg.dtype))
     runner = S.TargetRunner(target, target.load_model(cfg.dtype, device=str(device)))

@@ -51,6 +51,8 @@ class GenConfig:
     top_p: float = 1.0
     seed: int = 0
     dtype: str = "bfloat16"
+    # In-process generation: "auto" is the GPU when there is one, else the CPU; or any torch device.
+    device: str = "auto"
     # OpenAI-compatible servers to ask (vLLM, SGLang, llama.cpp); none means in-process transformers.
     endpoints: list[str] = field(default_factory=list)
     # The served model name; empty means the first one the first endpoint lists at /v1/models.

@@ -109,6 +109,15 @@ def _first(config, names: tuple[str, ...]):
 THINKING_MARKERS = [("<think>", "</think>"), ("<thinking>", "</thinking>")]
 
 
+def resolve_device(name: str) -> str:
+    """A torch device name; "auto" is the GPU when there is one, else the CPU."""
+    if name != "auto":
+        return name
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def cache_dir() -> Path:
     return Path(os.environ.get("SPECDRAFT_CACHE", Path.home() / ".cache" / "specdraft"))
 
@@ -347,7 +356,7 @@ class Target:
         if device_map:
             return auto.from_pretrained(self.path, dtype=getattr(torch, dtype), device_map=device_map).eval()
         model = auto.from_pretrained(self.path, dtype=getattr(torch, dtype))
-        return model.to(device).eval()
+        return model.to(resolve_device(device)).eval()
 
     def read_tensor(self, name: str):
         """One tensor from the checkpoint without loading the model (embeddings, lm_head)."""

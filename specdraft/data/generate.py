@@ -152,7 +152,7 @@ def generate_batch(model, batch_ids: list[list[int]], eos_id: int, pad_id: int, 
     sampling = {"do_sample": False} if cfg.temperature == 0 else {
         "do_sample": True, "temperature": cfg.temperature, "top_p": cfg.top_p}
     with torch.inference_mode():
-        out = model.generate(input_ids=input_ids, attention_mask=attention, max_new_tokens=cfg.max_new_tokens,
+        out = model.generate(input_ids=input_ids.to(model.device), attention_mask=attention.to(model.device), max_new_tokens=cfg.max_new_tokens,
                              eos_token_id=eos_id, pad_token_id=pad_id, **sampling)
     results = []
     for row in out[:, width:].tolist():
@@ -199,7 +199,7 @@ def run_inprocess(recipe: Recipe, run: Run) -> dict:
     sampling = {"temperature": cfg.temperature, "top_p": cfg.top_p, "max_new_tokens": cfg.max_new_tokens,
                 "seed": cfg.seed, "dtype": cfg.dtype}
     if pending:
-        model = target.load_model(cfg.dtype)
+        model = target.load_model(cfg.dtype, cfg.device)
         torch.manual_seed(cfg.seed)
         bar = tqdm(total=len(pending), desc="gen", unit="conv")
         with open(out_path, "a", encoding="utf-8") as f:

@@ -32,7 +32,7 @@ import torch
 from ..config import Recipe
 from ..data.generate import select_prompts
 from ..run import Run, atomic_path, write_json, write_text
-from ..targets import Target, get_attr, tap_hidden_states
+from ..targets import Target, get_attr, resolve_device, tap_hidden_states
 from ..train import load_trained
 
 EVAL_DIR = "eval"
@@ -42,12 +42,6 @@ ALPHA_BISECTION_STEPS = 60
 
 class ExactnessError(AssertionError):
     """Speculative output differs from the target's greedy output beyond a numerical tie."""
-
-
-def pick_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
 
 
 def sync(device: torch.device) -> None:
@@ -538,7 +532,7 @@ def run(recipe: Recipe, run: Run) -> dict:
 
     cfg = recipe.eval
     t_start = time.time()
-    device = pick_device(cfg.device)
+    device = torch.device(resolve_device(cfg.device))
     drafter, target, _ = load_trained(recipe, run)
     drafter = drafter.to(device=device, dtype=getattr(torch, cfg.dtype))
     runner = TargetRunner(target, target.load_model(cfg.dtype, device=str(device)))

@@ -53,20 +53,12 @@ def plan_shards(lengths: list[int], bytes_per_token: int, shard_bytes: int) -> l
     return shards
 
 
-def resolve_device(cfg: ExtractConfig) -> str:
-    import torch
-
-    if cfg.device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return cfg.device
-
-
 def load_target_model(target: Target, cfg: ExtractConfig):
     """The target for extraction: on one device, or spread by `device_map` (e.g. "auto" over the node's
     GPUs, for targets that do not fit one)."""
     if cfg.device_map:
         return target.load_model(cfg.dtype, device_map=cfg.device_map)
-    return target.load_model(cfg.dtype, resolve_device(cfg))
+    return target.load_model(cfg.dtype, cfg.device)
 
 
 def input_device(model, target: Target):
