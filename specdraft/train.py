@@ -72,12 +72,14 @@ def pack(order: list[int], lengths: list[int], budget: int) -> list[list[int]]:
     return rows
 
 
-def collate(source, rows: list[list[int]], tops: list[torch.Tensor], budget: int) -> dict:
-    """Packed rows, right-padded to the budget: input_ids / loss_mask / documents / positions / top
-    [B, T], aux [B, T, n_aux*H], last [B, T, H]. Samples longer than `budget` are cut to it. One shape
-    for every batch: compiled kernels (FlexAttention, torch.compile) are built once, not per length."""
+def collate(source, rows: list[list[int]], tops: list[torch.Tensor], budget: int, fixed: bool = True) -> dict:
+    """Packed rows, right-padded: input_ids / loss_mask / documents / positions / top [B, T], aux
+    [B, T, n_aux*H], last [B, T, H]. Samples longer than `budget` are cut to it. `fixed` pads to the
+    budget, one shape for every batch, so compiled kernels (FlexAttention, torch.compile) are built
+    once; otherwise to the longest row (eager kernels take any shape, and padding is pure waste)."""
     rows_items = [[(i, source[i]) for i in row] for row in rows]
-    B, T = len(rows), budget
+    longest = max(sum(min(it["input_ids"].numel(), budget) for _, it in row) for row in rows_items)
+    B, T = len(rows), budget if fixed else longest
     first = rows_items[0][0][1]
     batch = {
         "input_ids": torch.zeros(B, T, dtype=torch.long),
@@ -387,18 +389,23 @@ def epoch_rows(train_idx: list[int], lengths: list[int], cfg: TrainConfig, epoch
     return rows[:usable] if usable else rows
 
 
+def fixed_shape(cfg: TrainConfig, device: torch.device) -> bool:
+    """Whether batches keep one shape: what compiled kernels (CUDA FlexAttention, torch.compile) need."""
+    return cfg.compile or device.type == "cuda"
+
+
 class PackedRows(torch.utils.data.Dataset):
     """Packed rows as batches of one row each, built in DataLoader workers (reading and packing the
     hidden states overlaps the training step)."""
 
-    def __init__(self, source, rows: list[list[int]], tops, budget: int):
-        self.source, self.rows, self.tops, self.budget = source, rows, tops, budget
+    def __init__(self, source, rows: list[list[int]], tops, budget: int, fixed: bool):
+        self.source, self.rows, self.tops, self.budget, self.fixed = source, rows, tops, budget, fixed
 
     def __len__(self) -> int:
         return len(self.rows)
 
     def __getitem__(self, k: int) -> dict:
-        return collate(self.source, [self.rows[k]], self.tops, self.budget)
+        return collate(self.source, [self.rows[k]], self.tops, self.budget, self.fixed)
 
 
 def step_batches(source, tops, train_idx, lengths, cfg: TrainConfig, step: int, steps_per_epoch: int,
@@ -411,7 +418,7 @@ def step_batches(source, tops, train_idx, lengths, cfg: TrainConfig, step: int, 
         rows = epoch_rows(train_idx, lengths, cfg, epoch)
         mine = [row for s in range(first, steps_per_epoch)
                 for row in rows[s * cfg.micro_batches:(s + 1) * cfg.micro_batches][rank::world]]
-        loader = torch.utils.data.DataLoader(PackedRows(source, mine, tops, cfg.batch_tokens), batch_size=None,
+        loader = torch.utils.data.DataLoader(PackedRows(source, mine, tops, cfg.batch_tokens, fixed_shape(cfg, device)), batch_size=None,
                                              num_workers=workers, pin_memory=device.type == "cuda")
         it = iter(loader)
         for _ in range(first, steps_per_epoch):
@@ -423,7 +430,7 @@ def evaluate(model: TTT, source, rows, tops, cfg, device, autocast) -> dict:
     model.eval()
     total = torch.zeros(cfg.ttt_steps, len(STAT_COLUMNS), device=device)
     for row in rows:
-        batch = to_device(collate(source, [row], tops, cfg.batch_tokens), device)
+        batch = to_device(collate(source, [row], tops, cfg.batch_tokens, fixed_shape(cfg, device)), device)
         with autocast:
             _, stats = model(batch)
         total += stats

@@ -188,8 +188,8 @@ def test_every_stage_runs_on_a_big_architecture(name, tiny_models, tiny_root, ca
     manifest = json.loads((run / "manifest.json").read_text())
     for stage in ("gen", "render", "extract", "train", "export", "eval"):
         assert manifest["stages"][stage]["state"] == "done", stage
-    # 3 aux layers + the last, hidden 64, float32.
-    assert manifest["stages"]["extract"]["metrics"]["bytes_per_token"] == 4 * 64 * 4
+    # 3 aux layers + the last, hidden 64, computed in float32 and stored in bfloat16 (extract.store_dtype).
+    assert manifest["stages"]["extract"]["metrics"]["bytes_per_token"] == 4 * 64 * 2
     index = json.loads((run / "hidden" / "index.json").read_text())
     assert index["aux_layer_ids"] == [2, 4, 5]
     assert index["target"]["architecture"] == arch
@@ -204,9 +204,10 @@ def test_every_stage_runs_on_a_big_architecture(name, tiny_models, tiny_root, ca
     for j, k in enumerate(index["aux_layer_ids"]):
         got = sample["aux"][:, j * 64:(j + 1) * 64].float()
         ref = out.hidden_states[k][0]
-        assert ((got - ref).norm() / ref.norm()) < 1e-4, (name, k)
+        # bf16 storage rounds each element by at most 2^-9 relative: far below a wrong layer's error.
+        assert ((got - ref).norm() / ref.norm()) < 4e-3, (name, k)
     last = out.last_hidden_state[0]
-    assert ((sample["last"].float() - last).norm() / last.norm()) < 1e-4
+    assert ((sample["last"].float() - last).norm() / last.norm()) < 4e-3
 
     for fmt in ("vllm", "sglang"):
         capsys.readouterr()

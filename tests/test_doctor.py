@@ -227,7 +227,7 @@ def test_doctor_measures_on_held_out_conversations_by_default(memorised_run, mem
 
 def test_wrong_aux_ids_drop_the_agreement(memorised_run, memorised_checks, target, learnt, tmp_path):
     """Other layers than trained (in range, ascending: only the run's index and the measurement can tell).
-    Measured on the learnt conversations: 0.97 with the trained layers [2, 15, 27], 0.66 with [4, 12, 22],
+    Measured on the learnt conversations: 0.87-0.97 with the trained layers [2, 15, 27], 0.66 with [4, 12, 22],
     0.28 with [1, 5, 10] (the token embeddings alone carry a memorised answer far)."""
     bad = edit_config(memorised_run / "export" / "vllm", tmp_path / "bad",
                       lambda c: c.update(eagle_aux_hidden_state_layer_ids=[1, 5, 10]))
@@ -235,7 +235,7 @@ def test_wrong_aux_ids_drop_the_agreement(memorised_run, memorised_checks, targe
     assert "aux layer ids = extracted ones" in {name for name, c in checks.items() if not c.ok}
     agreement, sound = checks["top-1 agreement with the target"], memorised_checks["top-1 agreement with the target"]
     print(agreement.line(), sound.line())
-    assert sound.value > 0.9 and agreement.value < 0.5 * sound.value
+    assert sound.value > 0.8 and agreement.value < 0.5 * sound.value
 
 
 def test_draft_vocab_in_another_order_fails_the_frequent_tokens(memorised_run, target, learnt, tmp_path):

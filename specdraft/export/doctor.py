@@ -149,7 +149,7 @@ def _vocab_checks(drafter, counts=None) -> list[Check]:
                             "write the trained d2t; vLLM keeps a missing d2t at zeros, i.e. the identity"))
     if counts is not None:
         covered = counts[targets].sum().item() / max(1, counts.sum().item())
-        checks.append(Check("draft vocab covers the training answers", covered > 0.5,
+        checks.append(Check("draft vocab covers the training answers", covered >= MIN_COVERAGE,
                             f"{covered:.1%} of the run's answer tokens",
                             "d2t does not map to the frequent tokens of the data (lost or misread mapping)"))
     return checks
