@@ -49,7 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     def common(p):
         p.add_argument("--recipe", help=f"a recipe name or .toml path (new runs default to {DEFAULT_RECIPE})")
-        p.add_argument("--run", help="the run folder (default runs/<recipe name>)")
+        # --run-dir for torchrun, whose own parser takes `--run` as an abbreviation of its --run-path.
+        p.add_argument("--run", "--run-dir", dest="run", help="the run folder (default runs/<recipe name>)")
         p.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                        help="override any recipe field; repeatable")
 

@@ -551,12 +551,13 @@ def _check(plan: dict, recipe: Recipe, spec: TargetSpec, tokens: dict, per_token
                      "why": f"writes nothing: saves {_bytes(need)}; the target ({_bytes(spec.weight_bytes())} "
                             f"of weights) runs beside the trainer and repeats its forward every epoch "
                             f"({recipe.train.epochs} epochs)"})
-        fp8 = tokens["tokens"] * (bytes_per_token(len(plan["aux_layer_ids"]) + 1, spec.hidden_size, "fp8_e4m3")
-                                  + TOKEN_RECORD_BYTES)
-        recs.append({"do": "--set extract.store_dtype=fp8_e4m3",
-                     "why": f"{_bytes(fp8)} instead of {_bytes(need)} "
-                            f"({'fits' if fp8 <= usable else 'still does not fit'}); its effect on tau is measured "
-                            f"by the extract stage's fp8 bench, not assumed"})
+        if recipe.extract.store_dtype != "fp8_e4m3":
+            fp8 = tokens["tokens"] * (bytes_per_token(len(plan["aux_layer_ids"]) + 1, spec.hidden_size, "fp8_e4m3")
+                                      + TOKEN_RECORD_BYTES)
+            recs.append({"do": "--set extract.store_dtype=fp8_e4m3",
+                         "why": f"{_bytes(fp8)} instead of {_bytes(need)} "
+                                f"({'fits' if fp8 <= usable else 'still does not fit'}); its effect on tau is "
+                                f"measured by bench/fp8_tau.py, not assumed"})
         fitting = int(usable // (tokens["tokens_per_sample"] * (per_token + TOKEN_RECORD_BYTES)))
         recs.append({"do": f"--num-train {fitting}",
                      "why": f"{fitting:,} samples of ~{tokens['tokens_per_sample']:,.0f} tokens fit "
