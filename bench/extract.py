@@ -31,7 +31,7 @@ import torch  # noqa: E402
 from specdraft import environment  # noqa: E402
 from specdraft.config import ExtractConfig  # noqa: E402
 from specdraft.hidden.extract import (extract, forward_states, input_device, load_target_model,  # noqa: E402
-                                      plan_shards)
+                                      padded_batch, plan_shards)
 from specdraft.hidden.store import disk_bytes_per_token, token_batches  # noqa: E402
 from specdraft.targets import Target, get_attr, resolve_device  # noqa: E402
 
@@ -147,13 +147,7 @@ def bare_forward(model, target: Target, samples, batches: list[list[int]]) -> fl
     t0 = time.perf_counter()
     with torch.inference_mode():
         for batch in batches:
-            rows = [samples[i][0] for i in batch]
-            width = max(len(r) for r in rows)
-            ids = torch.zeros(len(rows), width, dtype=torch.long)
-            attn = torch.zeros(len(rows), width, dtype=torch.long)
-            for r, row in enumerate(rows):
-                ids[r, : len(row)] = torch.tensor(row)
-                attn[r, : len(row)] = 1
+            ids, attn = padded_batch([samples[i][0] for i in batch])
             if device.type == "cuda":  # as extract does: copies queued behind the running forward
                 ids, attn = ids.pin_memory(), attn.pin_memory()
             base(input_ids=ids.to(device, non_blocking=True), attention_mask=attn.to(device, non_blocking=True),

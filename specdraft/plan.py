@@ -544,40 +544,40 @@ def _check(plan: dict, recipe: Recipe, spec: TargetSpec, tokens: dict, per_token
     need = max(0, plan["hidden"]["disk_bytes"] - plan["hidden"]["on_disk_bytes"])
     usable = int(free * DISK_HEADROOM)
     checks.append({"check": "disk", "ok": need <= usable, "need_bytes": need, "usable_bytes": usable,
-                   "text": f"hidden states still to write {_bytes(need)} vs {_bytes(usable)} usable of {_bytes(free)} free "
+                   "text": f"hidden states still to write {human_bytes(need)} vs {human_bytes(usable)} usable of {human_bytes(free)} free "
                            f"on {mach['disk_path']} ({DISK_HEADROOM:.0%})"})
     if need > usable:
         recs.append({"do": "--set train.hidden=online",
-                     "why": f"writes nothing: saves {_bytes(need)}; the target ({_bytes(spec.weight_bytes())} "
+                     "why": f"writes nothing: saves {human_bytes(need)}; the target ({human_bytes(spec.weight_bytes())} "
                             f"of weights) runs beside the trainer and repeats its forward every epoch "
                             f"({recipe.train.epochs} epochs)"})
         if recipe.extract.store_dtype != "fp8_e4m3":
             fp8 = tokens["tokens"] * (bytes_per_token(len(plan["aux_layer_ids"]) + 1, spec.hidden_size, "fp8_e4m3")
                                       + TOKEN_RECORD_BYTES)
             recs.append({"do": "--set extract.store_dtype=fp8_e4m3",
-                         "why": f"{_bytes(fp8)} instead of {_bytes(need)} "
+                         "why": f"{human_bytes(fp8)} instead of {human_bytes(need)} "
                                 f"({'fits' if fp8 <= usable else 'still does not fit'}); its effect on tau is "
                                 f"measured by bench/fp8_tau.py, not assumed"})
         fitting = int(usable // (tokens["tokens_per_sample"] * (per_token + TOKEN_RECORD_BYTES)))
         recs.append({"do": f"--num-train {fitting}",
                      "why": f"{fitting:,} samples of ~{tokens['tokens_per_sample']:,.0f} tokens fit "
-                            f"{_bytes(usable)} (of {tokens['samples']:,} planned)"})
+                            f"{human_bytes(usable)} (of {tokens['samples']:,} planned)"})
     n_gpus = mach["gpus"]
     mem = plan["train_memory"]["per_gpu"]
     if n_gpus:
         limit = int(mach["gpu_memory_bytes"] * MEMORY_HEADROOM)
-        where = f"{n_gpus} GPU(s) of {_bytes(mach['gpu_memory_bytes'])}"
+        where = f"{n_gpus} GPU(s) of {human_bytes(mach['gpu_memory_bytes'])}"
     else:
         limit = int((mach["ram_bytes"] or 0) * MEMORY_HEADROOM)
-        where = f"CPU RAM {_bytes(mach['ram_bytes'] or 0)}"
+        where = f"CPU RAM {human_bytes(mach['ram_bytes'] or 0)}"
     checks.append({"check": "train memory", "ok": mem["total"] <= limit, "need_bytes": mem["total"],
                    "usable_bytes": limit,
-                   "text": f"training {_bytes(mem['total'])} per device vs {_bytes(limit)} usable ({where})"})
+                   "text": f"training {human_bytes(mem['total'])} per device vs {human_bytes(limit)} usable ({where})"})
     if mem["total"] > limit and n_gpus > 1:
         sharded = memory(fsdp=True)
         recs.append({"do": f"FSDP over {n_gpus} GPUs (torchrun)",
-                     "why": f"weights, grads and AdamW states sharded: {_bytes(sharded['total'])} per GPU "
-                            f"({'fits' if sharded['total'] <= limit else 'still over'} {_bytes(limit)})",
+                     "why": f"weights, grads and AdamW states sharded: {human_bytes(sharded['total'])} per GPU "
+                            f"({'fits' if sharded['total'] <= limit else 'still over'} {human_bytes(limit)})",
                      "per_gpu_bytes": sharded["total"]})
     if mem["total"] > limit:
         act = plan["train_memory"]["activation"]
@@ -586,7 +586,7 @@ def _check(plan: dict, recipe: Recipe, spec: TargetSpec, tokens: dict, per_token
         if room > 0:
             fit = int(room // per_token_act)
             recs.append({"do": f"--batch-tokens {fit}",
-                         "why": f"activations take ~{_bytes(int(per_token_act))} per token; {fit:,} tokens per "
+                         "why": f"activations take ~{human_bytes(int(per_token_act))} per token; {fit:,} tokens per "
                                 f"batch fit beside the weights"})
     return checks, recs
 
@@ -604,14 +604,14 @@ def record(run: Run, plan: dict) -> None:
 
 # --- text ----------------------------------------------------------------------------------------
 
-def _bytes(n: float) -> str:
+def human_bytes(n: float) -> str:
     for unit, size in (("TiB", TiB), ("GiB", GiB), ("MiB", 2**20), ("KiB", 2**10)):
         if abs(n) >= size:
             return f"{n / size:,.2f} {unit}"
     return f"{n:,.0f} B"
 
 
-def _seconds(s: float) -> str:
+def human_seconds(s: float) -> str:
     if s >= 3600:
         return f"{s / 3600:,.1f} h"
     if s >= 60:
@@ -632,7 +632,7 @@ def render_text(plan: dict) -> str:
         (f"hidden states: {h['states_per_token']} states x {t['hidden_size']} in {h['store_dtype']} = "
          f"{h['bytes_per_token']:,} bytes/token (+{h['record_bytes_per_token']} for ids and mask)"),
         f"  tokens: {tok['tokens']:,} = {tok['samples']:,} samples x {tok['tokens_per_sample']:,.0f} ({tok['source']})",
-        f"  disk: {_bytes(h['disk_bytes_if_disk'])}" + (" (not written: train.hidden = online)"
+        f"  disk: {human_bytes(h['disk_bytes_if_disk'])}" + (" (not written: train.hidden = online)"
                                                          if h["mode"] == "online" else ""),
         "",
         (f"drafter: {d['trainable'] / 1e6:,.1f} M trainable, {d['frozen'] / 1e6:,.1f} M frozen, "
@@ -641,14 +641,14 @@ def render_text(plan: dict) -> str:
     for part, n in d["parts"].items():
         lines.append(f"  {part:18s} trainable {n['trainable'] / 1e6:10,.1f} M   frozen {n['frozen'] / 1e6:10,.1f} M")
     mem = plan["train_memory"]["per_gpu"]
-    lines += ["", f"training memory per {plan['train_memory']['device']}: {_bytes(mem['total'])}"]
+    lines += ["", f"training memory per {plan['train_memory']['device']}: {human_bytes(mem['total'])}"]
     for k in ("weights", "grads", "optimizer", "activations", "target"):
-        lines.append(f"  {k:12s} {_bytes(mem[k])}")
+        lines.append(f"  {k:12s} {human_bytes(mem[k])}")
     lines += ["", "time:"]
     for r in plan["time"]:
-        lines.append(f"  {r['phase']:8s} {_seconds(r['seconds']):>10s}   {r['work']:,} {r['unit']}"
+        lines.append(f"  {r['phase']:8s} {human_seconds(r['seconds']):>10s}   {r['work']:,} {r['unit']}"
                      + (f" at {r['rate_per_s']:,.1f}/s" if r["rate_per_s"] else "") + f"  [{r['source']}]")
-    lines.append(f"  total    {_seconds(plan['total_seconds']):>10s}")
+    lines.append(f"  total    {human_seconds(plan['total_seconds']):>10s}")
     lines += ["", f"machine: {plan['machine']['hardware']}"]
     for c in plan["checks"]:
         lines.append(f"  {'OK  ' if c['ok'] else 'FAIL'} {c['check']}: {c['text']}")

@@ -16,6 +16,7 @@ import json
 import sys
 from pathlib import Path
 
+from .plan import human_bytes, human_seconds
 from .run import Run, write_text
 
 STATUS_FILE = "STATUS.md"
@@ -32,21 +33,6 @@ UNITS = {
     "final_step_accuracy": "fraction, per TTT step", "mfu": "fraction of peak FLOPs",
 }
 SUFFIX_UNITS = {"_per_s": "/s", "_bytes": "bytes", "_seconds": "s", "_rate": "fraction", "_fraction": "fraction"}
-
-
-def _size(n: int) -> str:
-    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{n} B"
-
-
-def _duration(s: float) -> str:
-    if s >= 3600:
-        return f"{s / 3600:.1f} h"
-    if s >= 60:
-        return f"{s / 60:.1f} min"
-    return f"{s:.0f} s"
 
 
 def _unit(name: str) -> str:
@@ -188,7 +174,7 @@ def _environment(manifest: dict) -> dict | None:
     sizes = {"ram": env.get("ram_bytes"), "gpu_memory": (env.get("gpus") or [{}])[0].get("memory_bytes"),
              "disk_free": disk.get("free_bytes"), "disk_total": disk.get("total_bytes")}
     return {"source": f"stages.{stage}.environment", "env": env, "hosts": hosts,
-            "sizes": {k: _size(v) for k, v in sizes.items() if v is not None}}
+            "sizes": {k: human_bytes(v) for k, v in sizes.items() if v is not None}}
 
 
 # Counts a stage records that say something went wrong, whichever stage records them: what to say.
@@ -253,8 +239,8 @@ def _remaining(manifest: dict, stages: list[dict]) -> dict | None:
         left = trow["seconds"] * (1 - done)
         total += left
         rows.append({"phase": trow["phase"], "planned_seconds": trow["seconds"], "done_fraction": round(done, 4),
-                     "seconds_left": round(left, 1), "text": _duration(left), "basis": trow["source"]})
-    return {"seconds": round(total, 1), "text": _duration(total), "rows": rows, "computed": plan.get("computed"),
+                     "seconds_left": round(left, 1), "text": human_seconds(left), "basis": trow["source"]})
+    return {"seconds": round(total, 1), "text": human_seconds(total), "rows": rows, "computed": plan.get("computed"),
             "source": "plan.time x the share not yet done"}
 
 
@@ -265,7 +251,7 @@ def collect(run: Run) -> dict:
         raise FileNotFoundError(f"{run.manifest_path}: no manifest; run a stage first (specdraft gen --run {run.path})")
     recipe = manifest["recipe"]
     stages = _stages(run, manifest, recipe)
-    files = [{"path": p.name + ("/" if p.is_dir() else ""), "bytes": _folder_bytes(p), "text": _size(_folder_bytes(p))}
+    files = [{"path": p.name + ("/" if p.is_dir() else ""), "bytes": _folder_bytes(p), "text": human_bytes(_folder_bytes(p))}
              for p in sorted(run.path.iterdir()) if not p.name.startswith(".") and p.name != STATUS_FILE]
     plan = manifest.get("plan") or {}
     return {

@@ -9,7 +9,6 @@ multi-token acceptance are all exercised, which a weak drafter (accepting nothin
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch

@@ -66,6 +66,19 @@ def input_device(model, target: Target):
     return get_attr(model, target.family.embed).device
 
 
+def padded_batch(rows: list[list[int]]):
+    """Right-padded token ids and their attention mask, [B, longest row]."""
+    import torch
+
+    width = max(len(r) for r in rows)
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    attn = torch.zeros(len(rows), width, dtype=torch.long)
+    for r, row in enumerate(rows):
+        ids[r, : len(row)] = torch.tensor(row)
+        attn[r, : len(row)] = 1
+    return ids, attn
+
+
 def forward_states(model, target: Target, rows: list[list[int]]):
     """Run the decoder (no lm_head) on right-padded `rows`; return the aux states [N, n_aux*H] and the
     final-norm states [N, H] of the real tokens only, rows concatenated in order (N = total tokens),
@@ -73,12 +86,8 @@ def forward_states(model, target: Target, rows: list[list[int]]):
     import torch
 
     device = input_device(model, target)
-    width = max(len(r) for r in rows)
-    ids = torch.zeros(len(rows), width, dtype=torch.long)
-    attn = torch.zeros(len(rows), width, dtype=torch.long)
-    for r, row in enumerate(rows):
-        ids[r, : len(row)] = torch.tensor(row)
-        attn[r, : len(row)] = 1
+    ids, attn = padded_batch(rows)
+    width = ids.shape[1]
     # Flat positions of the real tokens, known on the host: selecting them needs no device sync.
     keep = torch.cat([torch.arange(r * width, r * width + len(row)) for r, row in enumerate(rows)])
     if device.type == "cuda":
