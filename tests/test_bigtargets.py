@@ -209,9 +209,17 @@ def test_every_stage_runs_on_a_big_architecture(name, tiny_models, tiny_root, ca
     last = out.last_hidden_state[0]
     assert ((sample["last"].float() - last).norm() / last.norm()) < 4e-3
 
+    # Not measured: a random-weight target's drafter learns nothing to measure; the checks of the layout
+    # (aux ids, sizes, head dim, d2t, norm flags, template) are this architecture's. The drafter
+    # implements plain RoPE only, so doctor flags targets that scale positions (yarn: DeepSeek-V3,
+    # Kimi-K2.5, gpt-oss) -- a known limitation at long context, and the only failure allowed.
+    from specdraft.export.doctor import diagnose
+
+    rope = getattr(t.text_config, "rope_parameters", None) or getattr(t.text_config, "rope_scaling", None) or {}
+    scaled = rope.get("rope_type", rope.get("type", "default")) != "default"
     for fmt in ("vllm", "sglang"):
-        capsys.readouterr()
-        assert main(["doctor", str(run / "export" / fmt)]) == 0, capsys.readouterr().out
+        failed = {c.name for c in diagnose(run / "export" / fmt, t, run, measured=False) if not c.ok}
+        assert failed == ({"rope type"} if scaled else set()), (name, fmt, failed)
     cfg = json.loads((run / "export" / "vllm" / "config.json").read_text())
     assert cfg["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
     assert cfg["transformer_layer_config"]["head_dim"] == t.drafter_head_dim

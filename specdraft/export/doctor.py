@@ -88,7 +88,8 @@ def _target_checks(drafter, target) -> list[Check]:
               "the drafter's token ids are not the target's; retrain on this target's tokenizer"),
     ]
     text = target.text_config
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    # The family's drafter head width: the target's own, except MLA targets (the value head width).
+    head_dim = target.drafter_head_dim
     checks.append(Check("head dim", cfg.head_dim == head_dim,
                         f"drafter {cfg.num_attention_heads} heads x {cfg.head_dim}, target "
                         f"{text.num_attention_heads} x {head_dim}",

@@ -63,7 +63,7 @@ def load_target_model(target: Target, cfg: ExtractConfig):
 
 def input_device(model, target: Target):
     """Where the token ids go: the embedding's device (the first GPU of a device_map)."""
-    return get_attr(model, target.family.embed).device
+    return model.get_input_embeddings().weight.device
 
 
 def padded_batch(rows: list[list[int]]):
