@@ -30,11 +30,16 @@ def main() -> None:
     ap.add_argument("--format", default="vllm", choices=["vllm", "sglang"])
     ap.add_argument("--vllm-python", default=str(VLLM_PYTHON))
     ap.add_argument("--log", default=None, help="where the server's log goes (default: a temp file)")
+    ap.add_argument("--prompts", type=int, default=None, help="held-out prompts (default eval.num_prompts)")
+    ap.add_argument("--max-tokens", type=int, default=None, help="new tokens each (default eval.max_new_tokens)")
+    ap.add_argument("--reference", default=None,
+                    help="a bench/speedup.py JSON line measured on the same prompts, instead of eval/report.json")
     args = ap.parse_args()
     run = Run(Path(args.run))
     recipe = run.recipe()
     target = Target(recipe.target.model, recipe.target.aux_layer_ids)
-    prompts, _ = select_prompts(recipe, target, "eval", recipe.eval.num_prompts)
+    prompts, _ = select_prompts(recipe, target, "eval", args.prompts or recipe.eval.num_prompts)
+    max_tokens = args.max_tokens or recipe.eval.max_new_tokens
     drafter = (run.path / "export" / args.format).resolve()
     K = recipe.eval.draft_tokens
     spec = {"method": "eagle3", "model": str(drafter), "num_speculative_tokens": K}
@@ -46,14 +51,18 @@ def main() -> None:
         for p in prompts:
             resp = httpx.post(f"{server.url}/v1/chat/completions", timeout=600, json={
                 "model": str(target.path), "messages": p["messages"], "temperature": 0,
-                "max_tokens": recipe.eval.max_new_tokens}).json()
+                "max_tokens": max_tokens}).json()
             tokens += resp["usage"]["completion_tokens"]
         seconds = time.time() - t1
         after = spec_decode_counters(server.metrics_text())
-    reference = json.loads((run.path / "eval" / "report.json").read_text())
+    if args.reference:
+        line = json.loads(Path(args.reference).read_text().splitlines()[0])
+        reference = {"tau": line["tau_chain"], "per_position_acceptance": line["per_position_acceptance_chain"]}
+    else:
+        reference = json.loads((run.path / "eval" / "report.json").read_text())
     acc = acceptance(before, after)
     print(json.dumps({
-        "bench": "vllm_acceptance", "run": str(run.path), "format": args.format, "prompts": len(prompts),
+        "bench": "vllm_acceptance", "run": str(run.path), "format": args.format, "prompts": len(prompts), "max_tokens": max_tokens,
         "num_speculative_tokens": K, "vllm_mean_acceptance_length": round(acc["mean_acceptance_length"], 4),
         "vllm_per_position_acceptance": [round(a, 4) for a in acc["per_position_acceptance"]],
         "vllm_drafts": acc["drafts"], "vllm_single_stream_tokens_per_s": round(tokens / seconds, 2),
