@@ -109,6 +109,15 @@ def _first(config, names: tuple[str, ...]):
 THINKING_MARKERS = [("<think>", "</think>"), ("<thinking>", "</thinking>")]
 
 
+def tokenizer_thinking_markers(tokenizer) -> tuple[str, str] | None:
+    """The first THINKING_MARKERS pair the tokenizer has as added tokens, or None."""
+    added = set(tokenizer.get_added_vocab())
+    for start, end in THINKING_MARKERS:
+        if start in added and end in added:
+            return start, end
+    return None
+
+
 def resolve_device(name: str) -> str:
     """A torch device name; "auto" is the GPU when there is one, else the CPU."""
     if name != "auto":
@@ -308,11 +317,7 @@ class Target:
         """
         if self.family.thinking is not None:
             return self.family.thinking
-        added = set(self.tokenizer.get_added_vocab())
-        for start, end in THINKING_MARKERS:
-            if start in added and end in added:
-                return start, end
-        return None
+        return tokenizer_thinking_markers(self.tokenizer)
 
     @property
     def eos_token_id(self) -> int:

@@ -30,7 +30,7 @@ from pathlib import Path
 
 from ..config import Recipe
 from ..run import Run, atomic_path, write_json
-from ..targets import Target
+from ..targets import Target, tokenizer_thinking_markers
 from .generate import CONVERSATIONS
 from .sources import DataError, read_jsonl
 
@@ -42,8 +42,6 @@ REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 # no template strips or rewrites and no real answer contains.
 PLACEHOLDER = "\ue000specdraft\ue001"
 PROBE_REASONING = "\ue002specdraft-reasoning\ue003"
-# Marker names looked for in the tokenizer when the target does not name its thinking markers.
-DEFAULT_THINKING_MARKERS = ("<think>", "</think>")
 # How reasoning is laid out between markers by templates that read no reasoning field: the layout
 # DeepSeek-R1 and Qwen3 models generate (`<think>\n...\n</think>\n\n` then the answer).
 WRAP_AFTER_START = "\n"
@@ -108,8 +106,7 @@ class ChatTemplate:
         self.tokenizer = tokenizer
         self.template_kwargs = dict(template_kwargs or {})
         if markers is None:
-            vocab = tokenizer.get_added_vocab()
-            markers = DEFAULT_THINKING_MARKERS if all(m in vocab for m in DEFAULT_THINKING_MARKERS) else None
+            markers = tokenizer_thinking_markers(tokenizer)
         self.markers = tuple(markers) if markers else None
         self.special = set(tokenizer.all_special_ids) | set(tokenizer.get_added_vocab().values())
         self.reasoning_field = self._probe_reasoning_field()

@@ -73,13 +73,12 @@ class TargetRunner:
     def forward(self, ids: list[int], positions: list[int] | None = None,
                 visible: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """logits [n, V] and aux states [n, n_aux*H] for `ids` appended to the cache. `visible` [n, n]
-        says which of the new tokens each new token sees (default causal); all cached ones are seen.
-        A chain's mask is the causal one: it goes the model's own way, which also knows sliding windows
-        and attention sinks (gpt-oss) that a custom 4-D mask bypasses."""
+        says which of the new tokens each new token sees; None (a chain, or plain decoding) is causal and
+        goes the model's own way, which also knows sliding windows and attention sinks (gpt-oss) that a
+        custom 4-D mask bypasses. `positions` go with `visible`."""
         x = torch.tensor([ids], device=self.device)
         kwargs = {}
-        causal = visible is None or bool(torch.equal(visible.cpu(), torch.ones_like(visible, device="cpu").tril()))
-        if not causal:
+        if visible is not None:
             past = self.length
             allowed = torch.cat([torch.ones(len(ids), past, dtype=torch.bool, device=self.device),
                                  visible.to(self.device)], dim=1)  # [n, past+n]
@@ -118,6 +117,10 @@ class Tree:
     tokens: list[int]  # target ids, one per node
     parents: list[int]  # index of the parent node; -1 = the root (the last accepted token)
     depths: list[int]  # 1 for the root's children
+
+    @property
+    def is_chain(self) -> bool:
+        return all(p == i - 1 for i, p in enumerate(self.parents))
 
     def visible(self) -> torch.Tensor:
         """[1+N, 1+N] bool: row r (0 = root, 1+i = node i) sees the root, its ancestors and itself."""
@@ -271,8 +274,11 @@ def speculative(runner: TargetRunner, drafter, prompt: list[int], max_new: int, 
         stats.draft_seconds += time.perf_counter() - t0
         stats.draft_steps += shape.depth
         t0 = time.perf_counter()
-        logits, aux = runner.forward([out[-1]] + tree.tokens, [n] + [n + dep for dep in tree.depths],
-                                     tree.visible())
+        if tree.is_chain:  # causal: the model's own mask
+            logits, aux = runner.forward([out[-1]] + tree.tokens)
+        else:
+            logits, aux = runner.forward([out[-1]] + tree.tokens, [n] + [n + dep for dep in tree.depths],
+                                         tree.visible())
         choice = logits.argmax(-1).tolist()  # the target's token after each fed row (0 = root)
         sync(dev)
         stats.verify_seconds += time.perf_counter() - t0
