@@ -1,37 +1,71 @@
 #!/bin/bash
-# One time-boxed share of a GPU recipe run (the device machine here is held for at most 10 minutes a
-# call): each stage of the smollm2-h200 recipe not yet done in the run manifest, then the extract and
-# speedup benches, while time is left (DEADLINE seconds); results gathered into $OUT. Expects the model
-# and the ShareGPT wheel under $M (../shared/gpu/README.md: three carried parts and assemble.sh).
+# One time-boxed share of the smollm2-h200 recipe and its ablations on a GPU machine that is held for at
+# most 10 minutes a call: every call does what is not done yet, while DEADLINE seconds last, and
+# gathers the results into $OUT. Expects the model and the ShareGPT wheel under $M
+# (../shared/gpu/README.md: three carried parts and assemble.sh); CONV may name a carried
+# conversations.jsonl.gz of an earlier call, so gen only answers the prompts not yet answered.
+#   1. RUN: gen (all train-split first turns), render, extract (bf16);
+#   2. RUN-fp8: the same tokens extracted with fp8 storage; RUN-source: ShareGPT's own answers;
+#   3. bench/ablate.py: the ablations and RUN's own training side by side (resumed when cut);
+#   4. RUN: export, eval (reference decoder), bench/speedup.py.
 DEADLINE=${1:-540}
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 M=${M:-/tmp/specdraft-gpu}; G=${G:-$M/SmolLM2-135M-Instruct.Q4_1.gguf}
 export PYTHONPATH=$PWD:$M/site SPECDRAFT_CACHE=$M/cache
-R=$M/runs/smollm2-h200; RES=$M/results; mkdir -p $RES
+R=$M/runs/smollm2-h200; R8=$R-fp8; RS=$R-source; RES=$M/results; mkdir -p $RES $R
 LOG=$RES/h200.log
 S="python3 -m specdraft.cli"
+SOURCE_SAMPLES=${SOURCE_SAMPLES:-3300}  # >= 3,000 training samples after the 5 % held out
+SPEEDUP_PROMPTS=${SPEEDUP_PROMPTS:-64}; SPEEDUP_TOKENS=${SPEEDUP_TOKENS:-256}
 left() { echo $((DEADLINE - SECONDS)); }
-state() { python3 -c "import json,sys;m=json.load(open('$R/manifest.json'));print(m['stages'].get('$1',{}).get('state','none'))" 2>/dev/null || echo none; }
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > $RES/gpu.txt
-for st in gen render extract train export eval; do
-  [ "$(state $st)" = done ] && continue
-  t=$(left); [ $t -lt 20 ] && { echo "no time for $st" >> $LOG; break; }
-  echo "== $st (budget ${t}s) $(date +%T)" >> $LOG
-  if [ $st = gen ] && [ ! -f $R/manifest.json ]; then a="--recipe smollm2-h200 --set target.model=$G $EXTRA"; else a=""; fi
-  timeout $t $S $st --run $R $a >> $LOG 2>&1; echo "== $st rc=$? $(date +%T)" >> $LOG
-  [ "$(state $st)" = done ] || break
-  if [ $st = extract ] && [ ! -f $RES/extract-h200.jsonl ]; then
-    for sd in bfloat16 fp8_e4m3; do t=$(left); [ $t -gt 90 ] && timeout 80 python3 bench/extract.py --model $G \
-      --samples $R/tokens/tokens.safetensors --tokens 2000000 --store-dtype $sd >> $RES/extract-h200.jsonl 2>>$LOG; done
-  fi
-done
-if [ "$(state eval)" = done ] && [ ! -f $RES/speedup-h200.jsonl ] && [ $(left) -gt 60 ]; then
-  timeout $(( $(left) - 15 )) python3 bench/speedup.py $R --prompts 16 --new-tokens 128 > $RES/speedup-h200.jsonl 2>>$LOG
+state() { python3 -c "import json;m=json.load(open('$1/manifest.json'));print(m['stages'].get('$2',{}).get('state','none'))" 2>/dev/null || echo none; }
+# stage RUN NAME [args]: run one stage unless done, within the time left; fails if it did not finish.
+stage() {
+  local run=$1 st=$2; shift 2
+  [ "$(state $run $st)" = done ] && return 0
+  local t=$(left); [ $t -lt 20 ] && { echo "no time for $st of $run" >> $LOG; return 1; }
+  echo "== $st $run (budget ${t}s) $(date +%T)" >> $LOG
+  timeout $t $S $st --run $run "$@" >> $LOG 2>&1; echo "== $st rc=$? $(date +%T)" >> $LOG
+  [ "$(state $run $st)" = done ]
+}
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >> $LOG
+if [ -n "$CONV" ] && [ ! -f $R/conversations.jsonl ]; then gunzip -c $CONV > $R/conversations.jsonl; fi
+first="--recipe smollm2-h200 --set target.model=$G"
+[ -f $R/manifest.json ] && first=""
+stage $R gen $first $EXTRA && stage $R render && stage $R extract && data=1
+if [ -n "$data" ] && [ "$(state $R8 extract)" != done ]; then
+  mkdir -p $R8; python3 - "$R" "$R8" <<'EOF'
+import json, os, sys
+src, dst = sys.argv[1:]
+m = json.load(open(f"{src}/manifest.json"))
+m["stages"] = {k: v for k, v in m["stages"].items() if k in ("gen", "render")}
+json.dump(m, open(f"{dst}/manifest.json", "w"), indent=1)
+for name in ("tokens", "conversations.jsonl"):
+    if not os.path.exists(f"{dst}/{name}"):
+        os.symlink(os.path.realpath(f"{src}/{name}"), f"{dst}/{name}")
+EOF
 fi
-cp $LOG $RES/*.jsonl $RES/gpu.txt $OUT/ 2>/dev/null
+[ -n "$data" ] && stage $R8 extract --set extract.store_dtype=fp8_e4m3
+[ -n "$data" ] && stage $RS gen --recipe smollm2-h200 --set target.model=$G --set gen.answers=source \
+  --set data.num_train=$SOURCE_SAMPLES && stage $RS render && stage $RS extract
+if [ -n "$data" ] && [ $(left) -gt 60 ]; then
+  echo "== ablate (budget $(left)s) $(date +%T)" >> $LOG
+  python3 bench/ablate.py $R --fp8-run $R8 --source-run $RS --deadline $(( $(left) - 45 )) \
+    --set train.eval_every=100000 --set train.checkpoint_every=150 $ABLATE_EXTRA \
+    --out $RES/ablations-h200.jsonl --markdown $RES/ablations.md >> $LOG 2>&1
+  echo "== ablate rc=$? $(date +%T)" >> $LOG
+fi
+[ "$(state $R train)" = done ] && stage $R export && stage $R eval
+if [ "$(state $R eval)" = done ] && [ ! -s $RES/speedup-h200.jsonl ] && [ $(left) -gt 60 ]; then
+  timeout $(( $(left) - 15 )) python3 bench/speedup.py $R --prompts $SPEEDUP_PROMPTS \
+    --new-tokens $SPEEDUP_TOKENS > $RES/speedup-h200.jsonl 2>>$LOG
+fi
+tail -c 4000000 $LOG > $OUT/h200.log
+cp $RES/*.jsonl $RES/*.md $OUT/ 2>/dev/null
 [ -f $R/conversations.jsonl ] && gzip -c $R/conversations.jsonl > $OUT/conversations.jsonl.gz
 if [ -f $R/manifest.json ]; then
-  (cd $R && tar czf $M/run.tgz manifest.json STATUS.md $(ls -d eval checkpoints/train_log.jsonl checkpoints/curves.png export/vllm 2>/dev/null))
+  (cd $R && tar czf $M/run.tgz manifest.json $(ls -d STATUS.md eval checkpoints/train_log.jsonl \
+    checkpoints/curves.png export/vllm ablations/*/checkpoints/train_log.jsonl 2>/dev/null))
   split -b 15M $M/run.tgz $OUT/run.tgz.
 fi
 ls -la $OUT; tail -40 $LOG

@@ -391,12 +391,16 @@ class Target:
     def embed_weight(self):
         return self.read_tensor(self.family.embed)
 
+    def final_norm_weight(self):
+        """The effective weight of the target's final RMS norm [H], float32 (offset families included)."""
+        return self.read_tensor(self.family.norm_weight).float() + self.family.norm_offset
+
     def final_norm(self, pre_norm):
         """The target's final RMS norm applied to pre-norm states [..., H] from the checkpoint's weight,
         for engines that hand out the pre-norm residual (vLLM's aux id L), in float32."""
         import torch
 
-        w = self.read_tensor(self.family.norm_weight).float() + self.family.norm_offset
+        w = self.final_norm_weight()
         eps = getattr(self.text_config, "rms_norm_eps", None) or self.text_config.layer_norm_eps
         x = pre_norm.float()
         return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))

@@ -50,6 +50,7 @@ PAD_DOCUMENT = -1
 # Shifted-in positions past the end of a row: a document id no position has, so nothing matches it.
 NO_DOCUMENT = -2
 LOSSES = ("soft_ce", "kl", "lk")
+HEAD_INITS = ("random", "target")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -107,20 +108,22 @@ def collate(source, rows: list[list[int]], tops: list[torch.Tensor], budget: int
 
 
 @torch.no_grad()
-def target_top_tokens(source, head: torch.Tensor, indices=None) -> dict[int, torch.Tensor]:
+def target_top_tokens(source, head: torch.Tensor, indices=None, device: torch.device | None = None
+                      ) -> dict[int, torch.Tensor]:
     """The target's top token (over its full vocab) at every position of the given samples.
 
-    Computed once before training: the full-vocab logits cost ~10x the draft-vocab ones and are only
-    needed for this argmax, which does not change from epoch to epoch.
+    Computed once before training, on the training device: the full-vocab logits cost ~10x the
+    draft-vocab ones and are only needed for this argmax, which does not change from epoch to epoch.
     """
     from tqdm import tqdm
 
-    head = head.to(torch.bfloat16)
+    device = device or torch.device("cpu")
+    head = head.to(device, torch.bfloat16)
     indices = range(len(source)) if indices is None else indices
     tops = {}
     for i in tqdm(indices, desc="target top tokens", unit="sample", leave=False):
-        last = source[i]["last"].to(torch.bfloat16)
-        tops[i] = torch.cat([(rows @ head.T).argmax(-1) for rows in last.split(LOGIT_CHUNK)])
+        last = source[i]["last"].to(device, torch.bfloat16)
+        tops[i] = torch.cat([(rows @ head.T).argmax(-1) for rows in last.split(LOGIT_CHUNK)]).cpu()
     return tops
 
 
@@ -187,12 +190,20 @@ class TTT(nn.Module):
     a single forward. Returns the weighted loss and per-step statistics [steps, len(STAT_COLUMNS)]."""
 
     def __init__(self, drafter: Eagle3Drafter, draft_head: torch.Tensor, steps: int, decay: float,
-                 loss: str = "soft_ce", checkpointing: bool = False):
+                 loss: str = "soft_ce", checkpointing: bool = False, hidden_noise: float = 0.0):
         super().__init__()
         self.drafter = drafter
         # The draft vocab's rows of the target's lm_head [Vd, H]: frozen, it gives the target distribution.
         self.register_buffer("draft_head", draft_head, persistent=False)
         self.steps, self.decay, self.loss, self.checkpointing = steps, decay, loss, checkpointing
+        self.hidden_noise = hidden_noise
+
+    def noisy(self, aux: torch.Tensor) -> torch.Tensor:
+        """aux [B, T, n_aux*H] plus uniform noise of +-hidden_noise x each state's RMS, in training only."""
+        if not (self.training and self.hidden_noise):
+            return aux
+        rms = aux.pow(2).mean(-1, keepdim=True).sqrt()  # [B, T, 1]
+        return aux + (torch.rand_like(aux) * 2 - 1) * self.hidden_noise * rms
 
     def forward(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         d = self.drafter
@@ -203,7 +214,7 @@ class TTT(nn.Module):
         total = torch.zeros((), device=ids.device)
         stats = []
         chain = torch.ones_like(batch["loss_mask"])  # drafts correct so far, per position
-        for i, logits in enumerate(unroll(d, batch["aux"].float(), ids, docs, pos, self.steps, self.checkpointing)):
+        for i, logits in enumerate(unroll(d, self.noisy(batch["aux"].float()), ids, docs, pos, self.steps, self.checkpointing)):
             # x_{t+2+i}: an assistant token of the same document
             evaluable = shift(batch["loss_mask"], 2 + i, False) & (shift(docs, 2 + i, NO_DOCUMENT) == docs)
             where = evaluable & shift(inside, 1 + i, False)  # [B, T]
@@ -475,6 +486,8 @@ def run(recipe: Recipe, run: Run) -> dict:
     cfg = recipe.train
     if cfg.loss not in LOSSES:
         raise ValueError(f"train.loss = {cfg.loss!r}: expected one of {', '.join(LOSSES)}")
+    if cfg.lm_head_init not in HEAD_INITS:
+        raise ValueError(f"train.lm_head_init = {cfg.lm_head_init!r}: expected one of {', '.join(HEAD_INITS)}")
     t_start = time.time()
     if cfg.hidden == "disk":
         run.require("extract")
@@ -488,6 +501,8 @@ def run(recipe: Recipe, run: Run) -> dict:
     samples = [source.tokens(i) for i in range(len(source))]
     lengths = [len(ids) for ids, _ in samples]
     train_idx, held_idx = split_holdout(len(source), cfg.holdout, cfg.seed)
+    if cfg.max_samples:
+        train_idx = train_idx[:cfg.max_samples]
     counts = vocab.token_counts([samples[i] for i in train_idx], target.vocab_size)
     d2t, t2d = vocab.build(counts, cfg.draft_vocab_size)
     coverage = vocab.coverage(counts, t2d)
@@ -504,9 +519,12 @@ def run(recipe: Recipe, run: Run) -> dict:
         t2d = drafter.t2d.clone()
         coverage = vocab.coverage(counts, t2d)
     head = target.head_weight()
-    tops = target_top_tokens(source, head)
+    if cfg.lm_head_init == "target" and not cfg.init_from:
+        drafter.lm_head.weight.data.copy_(head[t2d].float())
+        drafter.norm.weight.data.copy_(target.final_norm_weight())
+    tops = target_top_tokens(source, head, train_idx + held_idx, device)
     model = TTT(drafter, head[t2d].float(), cfg.ttt_steps, cfg.step_weight_decay, cfg.loss,
-                cfg.gradient_checkpointing).to(device)
+                cfg.gradient_checkpointing, cfg.hidden_noise).to(device)
     if cfg.compile:
         model.drafter.compile()
     wrapped = wrap(model, cfg.parallel, world, device)

@@ -191,3 +191,41 @@ def test_kimi_k25_drafter_size_on_meta():
     assert round(trainable / 1e6, 1) == 1190.9
     assert round(embedding / 1e6, 1) == 1174.4
     assert round((trainable + embedding + head) / 1e6, 1) == 2594.7
+
+
+@pytest.mark.slow
+def test_fewer_samples_same_holdout_and_head_from_target(extracted_run, tmp_path):
+    """max_samples trains on fewer samples and holds out the same ones; lm_head_init "target" starts
+    lm_head and the final norm from the target's (lr 0 keeps them there to be read back)."""
+    from specdraft.targets import Target
+
+    run = fresh_copy(extracted_run, tmp_path, "opts")
+    assert main(cli(run, extracted_run, "--set", "train.max_samples=3", "--set", "train.lm_head_init=target",
+                    "--set", "train.lr=0", "--set", "train.epochs=1")) == 0
+    entry = json.loads((run / "manifest.json").read_text())["stages"]["train"]
+    assert entry["counts"]["samples"] == 3 and entry["counts"]["heldout_samples"] == 2
+    from safetensors.torch import load_file
+
+    state = load_file(str(run / "checkpoints" / "final" / "model.safetensors"))
+    target = Target("smollm2", meta_ids(run))
+    t2d = state["t2d"]
+    assert torch.equal(state["lm_head.weight"].float(), target.head_weight()[t2d].float())
+    assert torch.allclose(state["norm.weight"].float(), target.final_norm_weight())
+
+
+def meta_ids(run: Path) -> list[int]:
+    return json.loads((run / "checkpoints" / "final" / "config.json").read_text())["aux_layer_ids"]
+
+
+def test_hidden_noise_only_in_training():
+    """Noise of +-share x RMS on the aux states while training; none in eval (held-out scores stay exact)."""
+    cfg = DrafterConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                        intermediate_size=64, vocab_size=50, draft_vocab_size=50, target_hidden_size=32,
+                        aux_layer_ids=[0, 1, 2])
+    model = TTT(Eagle3Drafter(cfg), torch.randn(50, 32), 3, 0.8, hidden_noise=0.2)
+    aux = torch.randn(2, 5, 96, generator=torch.Generator().manual_seed(0)) * 7
+    rms = aux.pow(2).mean(-1, keepdim=True).sqrt()
+    noisy = model.train().noisy(aux)
+    assert not torch.equal(noisy, aux) and ((noisy - aux).abs() <= 0.2 * rms + 1e-6).all()
+    assert (noisy - aux).abs().max() > 0.1 * rms.min()
+    assert torch.equal(model.eval().noisy(aux), aux)

@@ -1,0 +1,297 @@
+"""The recipe's ablations: one drafter per changed default, all scored on the same held-out samples.
+
+    python bench/ablate.py RUN [--fp8-run RUN8] [--source-run RUNS] [--samples 3000] [--parallel 8]
+                           [--deadline SECONDS] [--only a,b] [--out bench/results/ablations-h200.jsonl]
+    python bench/ablate.py --report bench/results/ablations-h200.jsonl   # the Markdown table only
+
+RUN is a run whose gen, render and extract stages are done (the target's own answers, bf16 hidden
+states). Every variant is the run's recipe with one thing changed (`VARIANTS`), trained by the normal
+`specdraft train` in its own folder under RUN/ablations/ that links RUN's hidden states; the data
+variants link RUN8 (the same tokens extracted with fp8 storage) or RUNS (the source's original
+answers instead of the target's). All but the data-size variants train on the first `--samples`
+samples of the seeded training split, so they see the same data.
+
+Several variants train at once on one GPU (`--parallel`): an eager drafter step is launch-bound, so
+processes side by side fill the GPU. A variant cut off by `--deadline` resumes from its `latest`
+checkpoint on the next call. Then every variant's chosen checkpoint is scored by the same evaluator
+on RUN's held-out samples: the simulated chain acceptance length (training-time test rolled out 7
+steps, teacher-forced context) at K = 3 and K = 7, and its conditional acceptance per position. One
+JSON line per variant goes to --out, and bench/ablations.md is written from all lines there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from specdraft import environment  # noqa: E402
+
+# Every variant is scored by rolling its drafter out this many steps; tau at 3 is what vLLM serves
+# with 3 speculative tokens.
+EVAL_STEPS = 7
+SERVED_K = 3
+# Seconds between checks of the running trainings, and the grace a trainer gets to stop on SIGTERM.
+POLL_S = 5
+STOP_GRACE_S = 20
+
+
+@dataclass
+class Variant:
+    name: str
+    factor: str  # the row group in the table
+    label: str  # what this row sets
+    overrides: dict = field(default_factory=dict)
+    data: str = "base"  # "base" (RUN), "fp8" (RUN8) or "source" (RUNS)
+    all_samples: bool = False  # the data-size variants set their own sample count
+    is_run: bool = False  # trained in RUN itself: the recipe's own drafter (all samples, defaults)
+
+
+def variants(samples: int) -> list[Variant]:
+    """In order of importance: a deadline cuts the last ones."""
+    return [
+        # The longest first: RUN's own drafter trains on every sample.
+        Variant("data-all", "data size", "all (the recipe drafter, trained in RUN)", all_samples=True,
+                is_run=True),
+        Variant("base", "base", "recipe defaults"),
+        Variant("head-random", "lm_head init", "random (not the target's)", {"train.lm_head_init": "random"}),
+        Variant("ttt-1", "TTT steps", "1", {"train.ttt_steps": 1}),
+        Variant("ttt-3", "TTT steps", "3", {"train.ttt_steps": 3}),
+        Variant("ttt-5", "TTT steps", "5", {"train.ttt_steps": 5}),
+        Variant("data-1k", "data size", "1 K", {"train.max_samples": 1000}, all_samples=True),
+        Variant("source", "answers", "ShareGPT's own (not regenerated)", data="source"),
+        Variant("vocab-4k", "draft vocab", "4 K", {"train.draft_vocab_size": 4096}),
+        Variant("vocab-16k", "draft vocab", "16 K", {"train.draft_vocab_size": 16384}),
+        Variant("vocab-32k", "draft vocab", "32 K", {"train.draft_vocab_size": 32768}),
+        Variant("vocab-full", "draft vocab", "full", {"train.draft_vocab_size": 10 ** 9}),
+        Variant("norms-3.1", "EAGLE-3.1 norms", "on",
+                {"train.fc_norm": True, "train.norm_output": True}),
+        Variant("loss-kl", "loss", "KL", {"train.loss": "kl"}),
+        Variant("loss-lk", "loss", "LK (acceptance)", {"train.loss": "lk"}),
+        Variant("fp8", "hidden storage", "fp8 e4m3", data="fp8"),
+        Variant("lr-3e-4", "learning rate", "3e-4", {"train.lr": 3e-4}),
+        Variant("lr-3e-3", "learning rate", "3e-3", {"train.lr": 3e-3}),
+        Variant("noise", "hidden noise", "±0.2 RMS", {"train.hidden_noise": 0.2}),
+    ]
+
+
+def prepare(v: Variant, data_run: Path, folder: Path) -> None:
+    """The variant's run folder: the data run's manifest (stages up to extract) and links to its data."""
+    if (folder / "manifest.json").exists():
+        return
+    folder.mkdir(parents=True, exist_ok=True)
+    manifest = json.loads((data_run / "manifest.json").read_text())
+    manifest["stages"] = {k: s for k, s in manifest["stages"].items() if k in ("gen", "render", "extract")}
+    (folder / "manifest.json").write_text(json.dumps(manifest, indent=1))
+    for name in ("hidden", "tokens", "conversations.jsonl"):
+        if (data_run / name).exists() and not (folder / name).exists():
+            (folder / name).symlink_to((data_run / name).resolve())
+
+
+def train_command(v: Variant, folder: Path, samples: int, extra: list[str]) -> list[str]:
+    """`specdraft train` of the variant; RUN's own training keeps its recipe as it is."""
+    cmd = [sys.executable, "-m", "specdraft.cli", "train", "--run", str(folder)]
+    if v.is_run:
+        return cmd
+    sets = {"train.max_samples": samples, "train.loader_workers": 1, **v.overrides}
+    for k, val in sets.items():
+        cmd += ["--set", f"{k}={json.dumps(val) if isinstance(val, bool) else val}"]
+    return cmd + [a for item in extra for a in ("--set", item)]
+
+
+def extracted(run: Path | None) -> bool:
+    if run is None or not (run / "manifest.json").exists():
+        return False
+    return json.loads((run / "manifest.json").read_text())["stages"].get("extract", {}).get("state") == "done"
+
+
+def train_done(folder: Path) -> bool:
+    m = json.loads((folder / "manifest.json").read_text())
+    return m["stages"].get("train", {}).get("state") == "done"
+
+
+def train_all(jobs: list[tuple[Variant, Path, list[str]]], parallel: int, deadline: float) -> None:
+    """Run the trainings, `parallel` at a time, until all are done or the deadline; cut ones are
+    stopped with SIGTERM (they resume from `latest` next time)."""
+    pending = [(v, f, c) for v, f, c in jobs if not train_done(f)]
+    running: list[tuple[Variant, subprocess.Popen, float]] = []
+    while pending or running:
+        while pending and len(running) < parallel and time.time() < deadline:
+            v, folder, cmd = pending.pop(0)
+            log = open(folder / "train.log", "a")
+            print(f"ablate: start {v.name}: {' '.join(cmd[3:])}", flush=True)
+            running.append((v, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                                start_new_session=True), time.time()))
+        if not running:
+            break
+        time.sleep(POLL_S)
+        for item in list(running):
+            v, p, t0 = item
+            if p.poll() is not None:
+                running.remove(item)
+                print(f"ablate: {v.name} exited {p.returncode} after {time.time() - t0:.0f} s", flush=True)
+        if time.time() >= deadline:
+            for v, p, _ in running:
+                os.killpg(p.pid, signal.SIGTERM)
+                print(f"ablate: {v.name} cut at the deadline (resumes from latest)", flush=True)
+            for v, p, _ in running:
+                try:
+                    p.wait(STOP_GRACE_S)
+                except subprocess.TimeoutExpired:
+                    os.killpg(p.pid, signal.SIGKILL)
+            return
+
+
+def score(v: Variant, folder: Path, base_run: Path, device) -> dict:
+    """The variant's checkpoint scored on the base run's held-out samples (the same for every variant)."""
+    import torch
+
+    from specdraft.config import Recipe
+    from specdraft.hidden.store import HiddenStore
+    from specdraft.run import Run
+    from specdraft.targets import Target
+    from specdraft.train import (BEST, CHECKPOINTS, COMPLETE, FINAL, LATEST, TTT, evaluate, load_checkpoint,
+                                 pack, split_holdout, target_top_tokens)
+
+    run = Run(folder)
+    recipe: Recipe = run.recipe()
+    cfg = recipe.train
+    ckpt = next((folder / CHECKPOINTS / n for n in (BEST, FINAL, LATEST)
+                 if (folder / CHECKPOINTS / n / COMPLETE).exists()), None)
+    row = {"name": v.name, "factor": v.factor, "label": v.label, "overrides": v.overrides, "data": v.data}
+    stage = run.stage("train") or {}
+    row["state"] = stage.get("state", "not started")
+    if ckpt is None:
+        return row
+    source = HiddenStore(base_run)
+    target = Target(recipe.target.model, source.aux_layer_ids)
+    drafter, meta = load_checkpoint(ckpt, target.embed_weight().float())
+    _, held = split_holdout(len(source), cfg.holdout, cfg.seed)
+    head = target.head_weight()
+    tops = target_top_tokens(source, head, held, device)
+    lengths = [len(source.tokens(i)[0]) for i in range(len(source))]
+    model = TTT(drafter, head[drafter.t2d].float(), EVAL_STEPS, cfg.step_weight_decay, cfg.loss).to(device)
+    cfg_eval = type(cfg)(**{**cfg.__dict__, "ttt_steps": EVAL_STEPS})
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.autocast_dtype == "bfloat16")
+    s = evaluate(model, source, pack(held, lengths, cfg.batch_tokens), tops, cfg_eval, device, autocast)
+    alpha = s["cond_accept"]
+    tau = lambda k: round(1 + sum(__import__("math").prod(alpha[:j + 1]) for j in range(k)), 4)  # noqa: E731
+    log = folder / CHECKPOINTS / "train_log.jsonl"
+    steps = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+    last_train = next((r for r in reversed(steps) if r["kind"] == "train"), {})
+    metrics, counts = stage.get("metrics", {}), stage.get("counts", {})
+    row.update({
+        "checkpoint": ckpt.name, "step": meta.get("step"), "steps": counts.get("steps"),
+        "samples": counts.get("samples"), "heldout_samples": len(held),
+        f"tau_{SERVED_K}": tau(SERVED_K), f"tau_{EVAL_STEPS}": tau(EVAL_STEPS), "cond_accept": alpha,
+        "acc0": s["acc"][0], "train_acc0": (last_train.get("acc") or [None])[0],
+        "train_seconds": round(stage.get("seconds") or 0, 1), "tokens_per_s": metrics.get("tokens_per_s"),
+        "trainable_params": counts.get("trainable_params"), "vocab_coverage": metrics.get("vocab_coverage"),
+    })
+    return row
+
+
+def report(lines: list[dict], path: Path, hardware: str, parallel: int) -> None:
+    """bench/ablations.md: one row per variant, grouped by factor, the best of each group in bold."""
+    key = f"tau_{SERVED_K}"
+    base = next((r for r in lines if r["name"] == "base" and key in r), None)
+    out = ["# Ablations of the smollm2-h200 recipe",
+           "",
+           "Written by `bench/ablate.py` from `bench/results/ablations-h200.jsonl`. Each row is the recipe "
+           "with one thing changed, scored on the same held-out samples of the base run (the target's own "
+           f"answers): simulated chain acceptance length τ with K = {SERVED_K} (what vLLM serves with 3 "
+           f"speculative tokens) and K = {EVAL_STEPS}, from the training-time test rolled out with "
+           "teacher-forced context. These run above the real decoder's τ (rounds start after a rejection, at "
+           "harder tokens); they rank the variants, and the recipe drafter's real τ is in "
+           "`bench/results/speedup-h200.jsonl`.",
+           "",
+           f"Hardware: {hardware}; {parallel} trainings side by side on the GPU, so seconds are shared-GPU "
+           "wall time (compare them within this table only).",
+           "",
+           f"| factor | setting | τ K={SERVED_K} | τ K={EVAL_STEPS} | Δ τ{SERVED_K} vs base | cond. acceptance 0/1/2 "
+           "| held-out acc0 | train acc0 | samples | steps | train s | trainable M |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    groups: dict[str, list[dict]] = {}
+    for r in lines:
+        groups.setdefault(r["factor"], []).append(r)
+    for factor, rows in groups.items():
+        scored = [r for r in rows if key in r]
+        best = max([r[key] for r in scored] + ([base[key]] if base and factor != "base" else []), default=None)
+        for r in rows:
+            if key not in r:
+                out.append(f"| {factor} | {r['label']} | not trained ({r['state']}) |  |  |  |  |  |  |  |  |  |")
+                continue
+            cell = f"**{r[key]:.3f}**" if r[key] == best and factor != "base" else f"{r[key]:.3f}"
+            delta = f"{r[key] - base[key]:+.3f}" if base else ""
+            cond = " / ".join(f"{a:.3f}" for a in r["cond_accept"][:3])
+            done = "" if r["state"] == "done" else f" ({r['state']}, step {r['step']})"
+            tp = f"{r['trainable_params'] / 1e6:.1f}" if r.get("trainable_params") else ""
+            train_acc = "" if r["train_acc0"] is None else f"{r['train_acc0']:.3f}"
+            out.append(f"| {factor} | {r['label']}{done} | {cell} | {r[f'tau_{EVAL_STEPS}']:.3f} | {delta} | {cond} "
+                       f"| {r['acc0']:.3f} | {train_acc} | {r['samples']} | {r['steps']} | {r['train_seconds']:.0f} "
+                       f"| {tp} |")
+    out += ["", "A bold τ is the best of its factor, the base (recipe defaults) included.", ""]
+    path.write_text("\n".join(out))
+    print(f"ablate: wrote {path}")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("run", nargs="?", type=Path)
+    p.add_argument("--fp8-run", type=Path, help="the same tokens extracted with store_dtype fp8_e4m3")
+    p.add_argument("--source-run", type=Path, help="a run of the source's own answers (gen.answers=source)")
+    p.add_argument("--samples", type=int, default=3000, help="training samples of every non-data-size variant")
+    p.add_argument("--parallel", type=int, default=8, help="trainings at once on the device")
+    p.add_argument("--deadline", type=float, default=0, help="seconds from now; 0: none")
+    p.add_argument("--only", default="", help="comma-separated variant names")
+    p.add_argument("--set", action="append", default=[], help="SECTION.FIELD=VALUE for every variant")
+    p.add_argument("--out", type=Path, default=Path("bench/results/ablations-h200.jsonl"))
+    p.add_argument("--markdown", type=Path, default=Path("bench/ablations.md"))
+    p.add_argument("--report", type=Path, help="only rewrite the Markdown from this JSONL")
+    args = p.parse_args()
+    hardware = environment.hardware_line()
+    if args.report:
+        lines = [json.loads(x) for x in args.report.read_text().splitlines() if x.strip()]
+        report(lines, args.markdown, lines[0].get("hardware", hardware), lines[0].get("parallel", args.parallel))
+        return 0
+    import torch
+
+    deadline = time.time() + args.deadline if args.deadline else float("inf")
+    data_runs = {"base": args.run, "fp8": args.fp8_run, "source": args.source_run}
+    if not extracted(args.run):
+        raise SystemExit(f"ablate: {args.run}: gen, render and extract must be done first")
+    chosen = [v for v in variants(args.samples) if not args.only or v.name in args.only.split(",")]
+    jobs = []
+    for v in chosen:
+        if not extracted(data_runs[v.data]):
+            print(f"ablate: skip {v.name} (no extracted --{v.data}-run)")
+            continue
+        folder = args.run if v.is_run else args.run / "ablations" / v.name
+        if not v.is_run:
+            prepare(v, data_runs[v.data], folder)
+        jobs.append((v, folder, train_command(v, folder, 0 if v.all_samples else args.samples, args.set)))
+    train_all(jobs, args.parallel, deadline)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    lines = []
+    for v, folder, _ in jobs:
+        row = score(v, folder, args.run, device)
+        row.update({"hardware": hardware, "parallel": args.parallel})
+        lines.append(row)
+        print(json.dumps(row), flush=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    report(lines, args.markdown, hardware, args.parallel)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
