@@ -37,6 +37,7 @@ class DataConfig:
     eval_fraction: float = 0.05
     split_seed: int = 0
     # Only conversations whose first turn is the user's are used (the target answers them).
+    # 0 means every usable one of the train split (the issue-10 recipe trains on all of them).
     num_train: int = 1000
     # Prompts longer than this (in tokens, after the chat template) are skipped.
     max_prompt_tokens: int = 512
@@ -68,6 +69,10 @@ class GenConfig:
     backoff_max_s: float = 60.0
     # Conversations to save; the run ends with exactly this many. 0 means data.num_train.
     num_samples: int = 0
+    # Whose answers train the drafter: "target" asks the target (on-policy, what EAGLE-3 wants);
+    # "source" keeps the data source's own first answer to the same prompts, no model loaded: the
+    # "original vs regenerated answers" ablation, which measures what regenerating is worth.
+    answers: str = "target"
     # User turns replayed per conversation (each answered by the target given its own answers); 0 = all.
     max_turns: int = 0
     # "auto" expects reasoning when the target has thinking markers (and thinking is not switched off).

@@ -298,13 +298,22 @@ def expected_tokens(recipe: Recipe, run: Run | None, tokens_per_sample: int | No
                 "source": "measured: stages.render.counts (the rendered data)"}
     # gen.num_samples, where the recipe has and sets it, overrides data.num_train.
     samples = getattr(recipe.gen, "num_samples", 0) or recipe.data.num_train
+    counted = ""
+    if not samples:
+        from .data.sources import prompts
+
+        # data.num_train = 0 means every usable train conversation. Counted without the tokenizer, so
+        # prompts over max_prompt_tokens are in too: an upper bound, like the length below.
+        d = recipe.data
+        samples = len(prompts(d.source, "train", d.eval_fraction, d.split_seed))
+        counted = "; samples: every train conversation of data.source (data.num_train = 0), an upper bound"
     if tokens_per_sample is not None:
-        source = "assumed: samples x --tokens-per-sample"
+        source = "assumed: samples x --tokens-per-sample" + counted
     else:
         # An upper bound: the longest prompt kept plus the longest answer, capped by the render length.
         tokens_per_sample = min(recipe.render.max_length, recipe.data.max_prompt_tokens + recipe.gen.max_new_tokens)
         source = ("assumed: samples x min(render.max_length, data.max_prompt_tokens + gen.max_new_tokens), "
-                  "an upper bound")
+                  "an upper bound" + counted)
     return {"samples": samples, "tokens": samples * tokens_per_sample, "tokens_per_sample": tokens_per_sample,
             "source": source}
 
@@ -432,9 +441,13 @@ def time_table(recipe: Recipe, spec: TargetSpec, tokens: dict, parts: dict, stag
         rows.append({"phase": phase, "work": work, "unit": unit, "rate_per_s": round(rate, 2),
                      "seconds": round(work / rate, 1), "source": source})
 
-    answer_tokens = tokens["samples"] * recipe.gen.max_new_tokens
-    row("gen", answer_tokens, "answer tokens (samples x gen.max_new_tokens, an upper bound)", "gen",
-        "tokens_per_s", target_scale, "forward FLOPs ratio")
+    if recipe.gen.answers == "source":
+        rows.append({"phase": "gen", "work": 0, "unit": "answer tokens", "rate_per_s": None, "seconds": 0.0,
+                     "source": "gen.answers = source: the source's own answers are copied, nothing is generated"})
+    else:
+        answer_tokens = tokens["samples"] * recipe.gen.max_new_tokens
+        row("gen", answer_tokens, "answer tokens (samples x gen.max_new_tokens, an upper bound)", "gen",
+            "tokens_per_s", target_scale, "forward FLOPs ratio")
     online = recipe.train.hidden == "online"
     if online:
         rows.append({"phase": "extract", "work": 0, "unit": "tokens", "rate_per_s": None, "seconds": 0.0,

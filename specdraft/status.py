@@ -69,9 +69,11 @@ def _gen_progress(run: Run, recipe: dict) -> dict | None:
                 records += "id" in json.loads(line)
             except json.JSONDecodeError:
                 pass  # a torn last line: gen repairs it when it resumes
-    # gen.num_samples (when the recipe has it and sets it) or data.num_train conversations make gen done.
+    # gen.num_samples (when the recipe has it and sets it) or data.num_train conversations make gen done;
+    # both 0 means every usable one, a count gen alone knows (fraction None: started, share unknown).
     of = recipe["gen"].get("num_samples") or recipe["data"]["num_train"]
-    return {"records": records, "of": of, "unit": "conversations", "fraction": min(1.0, records / max(1, of)),
+    fraction = min(1.0, records / of) if of else (None if records else 0.0)
+    return {"records": records, "of": of or "all", "unit": "conversations", "fraction": fraction,
             "source": "conversations.jsonl lines, of gen.num_samples or data.num_train"}
 
 
@@ -130,7 +132,7 @@ def _stages(run: Run, manifest: dict, recipe: dict) -> list[dict]:
                 row["error"] = entry.get("error")
             if entry and entry["state"] == "partial":
                 row["state"] = "in progress"
-            elif progress and (progress.get("fraction", 1) > 0):
+            elif progress and (progress.get("fraction", 1) != 0):
                 # Cut off (killed, interrupted, failed) with work on disk that a rerun resumes from.
                 row["state"] = "in progress"
             elif entry and entry["state"] == "failed":
@@ -235,7 +237,8 @@ def _remaining(manifest: dict, stages: list[dict]) -> dict | None:
         row = state.get(stage)
         if row is None or row["state"] == "done":
             continue
-        done = (row.get("progress") or {}).get("fraction", 0.0) if row["state"] == "in progress" else 0.0
+        # An unknown share done (gen of every conversation) bills the whole phase.
+        done = ((row.get("progress") or {}).get("fraction") or 0.0) if row["state"] == "in progress" else 0.0
         left = trow["seconds"] * (1 - done)
         total += left
         rows.append({"phase": trow["phase"], "planned_seconds": trow["seconds"], "done_fraction": round(done, 4),
@@ -275,9 +278,11 @@ def collect(run: Run) -> dict:
 def _goal(recipe: dict) -> dict:
     t, d, g, tr, ex, ev = (recipe[k] for k in ("target", "data", "gen", "train", "export", "eval"))
     hidden = "on the fly (online)" if tr.get("hidden") == "online" else "extracted to disk"
-    text = (f"{recipe.get('description') or 'An EAGLE-3 drafter'}. Target: {t['model']}. Data: {d['num_train']} "
-            f"{d['source']} conversations whose answers the target writes itself (up to {g['max_new_tokens']} "
-            f"tokens each), rendered with its own chat template, hidden states {hidden}. Done means: a drafter "
+    answers = ("with the source's own answers" if g.get("answers") == "source" else
+               f"whose answers the target writes itself (up to {g['max_new_tokens']} tokens each)")
+    text = (f"{recipe.get('description') or 'An EAGLE-3 drafter'}. Target: {t['model']}. Data: "
+            f"{d['num_train'] or 'all train-split'} {d['source']} conversations {answers}, rendered with the "
+            f"target's own chat template, hidden states {hidden}. Done means: a drafter "
             f"trained for {tr['epochs']} epochs with {tr['ttt_steps']} TTT steps and a {tr['draft_vocab_size']}-token "
             f"draft vocabulary, exported for {', '.join(ex['formats'])}, and measured by eval: tau and per-position "
             f"acceptance over {ev['num_prompts']} held-out prompts with K = {ev['draft_tokens']} draft tokens.")

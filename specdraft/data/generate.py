@@ -5,6 +5,9 @@ Two ways to ask it, one record format:
   asynchronously through `client.ServerPool`; multi-turn conversations are replayed turn by turn, each
   answer given the target's own earlier answers; `self_instruct` lets the target write the prompts too.
 - in-process: batched `generate` with transformers, for small targets and tests.
+With `gen.answers = "source"` nobody is asked: the same prompts keep the data source's own first answer
+(the ablation against regenerated answers); those records carry no `token_ids`, so render tokenizes the
+text through the target's template.
 
 Record (one JSON line per finished conversation; render reads it):
     {"id", "split", "messages": [..., {"role": "assistant", "content", "reasoning", "reasoning_source",
@@ -39,6 +42,8 @@ SELF_INSTRUCT_TEMPERATURE = 1.0
 # A self-instruct run gives up when this many user turns per wanted sample came back unusable (duplicate,
 # empty or cut off): the target keeps writing the same few prompts.
 SELF_INSTRUCT_ATTEMPTS_PER_SAMPLE = 4
+# gen.answers: ask the target, or keep the source's own answers.
+ANSWERS = ("target", "source")
 # Stands in for the user's text while finding where the template's user-turn prefix ends.
 _USER_SENTINEL = "\u2063SPECDRAFT-USER\u2063"
 
@@ -60,22 +65,35 @@ def _repair_tail(path: Path) -> int:
         return len(data) - keep
 
 
-def finished_ids(path: Path) -> set[str]:
-    """Ids already in the conversations file (after repairing a torn last line)."""
+def _records(path: Path):
+    """The records already in the conversations file (after repairing a torn last line)."""
     _repair_tail(path)
-    ids = set()
-    if path.exists():
-        with open(path, encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
-                try:
-                    ids.add(json.loads(line)["id"])
-                except (json.JSONDecodeError, KeyError, TypeError):
-                    raise DataError(f"{path}:{lineno}: not a conversation record") from None
-    return ids
+    if not path.exists():
+        return
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                record = None
+            if not isinstance(record, dict) or "id" not in record:
+                raise DataError(f"{path}:{lineno}: not a conversation record")
+            yield record
 
 
-def num_samples(recipe: Recipe) -> int:
-    return recipe.gen.num_samples or recipe.data.num_train
+def finished_ids(path: Path) -> set[str]:
+    """Ids already in the conversations file."""
+    return {r["id"] for r in _records(path)}
+
+
+def answers_on_disk(path: Path) -> set[str]:
+    """Whose answers ("target" / "source") the records already in the conversations file hold."""
+    return {"source" if (r.get("generator") or {}).get("kind") == "source" else "target" for r in _records(path)}
+
+
+def num_samples(recipe: Recipe) -> int | None:
+    """Conversations to save: gen.num_samples, else data.num_train; None (both 0) means every usable one."""
+    return recipe.gen.num_samples or recipe.data.num_train or None
 
 
 def split_reasoning(message: dict, markers: tuple[str, str] | None) -> tuple[str, str, str]:
@@ -122,8 +140,20 @@ def _prompt_messages(conv: dict) -> list[dict]:
     raise DataError(f"conversation {conv['id']}: no user turn")
 
 
-def select_prompts(recipe: Recipe, target: Target, split: str, limit: int) -> tuple[list[dict], int]:
-    """The first `limit` prompts of a split that fit `max_prompt_tokens`; also how many were too long."""
+def _source_answer(conv: dict, prompt_len: int) -> dict | None:
+    """The source's answer to the prompt: the assistant turn right after it, None when there is none.
+
+    Only the turn right after: an answer that follows a second user turn answers that one too.
+    """
+    following = conv["messages"][prompt_len: prompt_len + 1]
+    if following and following[0]["role"] == "assistant" and following[0]["content"].strip():
+        return {"role": "assistant", "content": following[0]["content"]}
+    return None
+
+
+def select_prompts(recipe: Recipe, target: Target, split: str, limit: int | None) -> tuple[list[dict], int]:
+    """The first `limit` (None: all) prompts of a split that fit `max_prompt_tokens`, each with the
+    source's own answer (or None); also how many were too long."""
     d = recipe.data
     chosen, too_long = [], 0
     for conv in prompts(d.source, split, d.eval_fraction, d.split_seed):
@@ -132,8 +162,9 @@ def select_prompts(recipe: Recipe, target: Target, split: str, limit: int) -> tu
         if len(ids) > d.max_prompt_tokens:
             too_long += 1
             continue
-        chosen.append({"id": conv["id"], "messages": messages, "prompt_ids": ids})
-        if len(chosen) >= limit:
+        chosen.append({"id": conv["id"], "messages": messages, "prompt_ids": ids,
+                       "source_answer": _source_answer(conv, len(messages))})
+        if limit is not None and len(chosen) >= limit:
             break
     return chosen, too_long
 
@@ -232,6 +263,47 @@ def run_inprocess(recipe: Recipe, run: Run) -> dict:
     metrics = {"tokens_per_s": round(generated_tokens / gen_seconds, 1) if gen_seconds else None}
     return run.record("gen", state="done", config=cfg, counts=counts, metrics=metrics,
                       seconds=time.time() - t_start)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the source's own answers
+
+
+def run_source(recipe: Recipe, run: Run) -> dict:
+    """The prompts in-process gen would ask, each with the source's own first answer; no model loaded.
+
+    Records go out in selection order, each flushed as written; a rerun skips the ids on disk, like
+    in-process gen. Prompts whose source has no answer right after them are skipped and counted.
+    """
+    from tqdm import tqdm
+
+    cfg, d = recipe.gen, recipe.data
+    t_start = time.time()
+    target = Target(recipe.target.model, recipe.target.aux_layer_ids)  # the tokenizer, for max_prompt_tokens
+    out_path = run.path / CONVERSATIONS
+    done = finished_ids(out_path)
+    chosen, too_long = select_prompts(recipe, target, "train", num_samples(recipe))
+    answered = [c for c in chosen if c["source_answer"] is not None]
+    pending = [c for c in answered if c["id"] not in done]
+    with open(out_path, "a", encoding="utf-8") as f:
+        for conv in tqdm(pending, desc="gen (source answers)", unit="conv"):
+            record = {
+                "id": conv["id"],
+                "split": "train",
+                "messages": conv["messages"] + [conv["source_answer"]],
+                "finish_reason": None,  # nobody generated it: no stop or length to report
+                "prompt_tokens": len(conv["prompt_ids"]),
+                "generator": {"kind": "source", "source": d.source},
+            }
+            f.write(json.dumps(record, ensure_ascii=False) + "\n")
+            f.flush()
+        os.fsync(f.fileno())
+    counts = {"prompts": len(chosen), "skipped_too_long": too_long,
+              "skipped_no_answer": len(chosen) - len(answered), "already_done": len(answered) - len(pending),
+              "written": len(pending), "records": len(finished_ids(out_path))}
+    print(f"gen: {counts['records']} conversations with the source's own answers in {out_path} "
+          f"({counts['skipped_no_answer']} prompts without one skipped)\nnext: specdraft render --run {run.path}")
+    return run.record("gen", state="done", config=cfg, counts=counts, seconds=time.time() - t_start)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -460,11 +532,16 @@ def run_server(recipe: Recipe, run: Run) -> dict:
     target = Target(recipe.target.model, recipe.target.aux_layer_ids)
     done = finished_ids(run.path / CONVERSATIONS)
     target_n = num_samples(recipe)
+    gen = ServerGen(recipe, run, target)
+    items = None
+    if target_n is None:
+        # Every usable conversation: the count is known only once the source has been read and filtered.
+        items = list(_conversation_prompts(recipe, target, gen.counts))
+        target_n = len(items)
     if len(done) > target_n:
         raise DataError(f"{run.path / CONVERSATIONS} already holds {len(done)} conversations, more than "
                         f"gen.num_samples = {target_n}; raise it or use another run folder")
-    gen = ServerGen(recipe, run, target)
-    stop = asyncio.run(gen.run(target_n, done))
+    stop = asyncio.run(gen.run(target_n, done, items))
     seconds = time.time() - t_start
     saved = len(finished_ids(run.path / CONVERSATIONS))
     counts = {"target": target_n, "records": saved, "already_done": len(done), **gen.counts,
@@ -487,8 +564,21 @@ def run_server(recipe: Recipe, run: Run) -> dict:
 
 
 def run(recipe: Recipe, run: Run) -> dict:
-    if recipe.gen.endpoints:
+    cfg = recipe.gen
+    if cfg.answers not in ANSWERS:
+        raise ConfigError(f"gen.answers: expected one of {ANSWERS}, got {cfg.answers!r}")
+    if cfg.self_instruct and (cfg.answers == "source" or num_samples(recipe) is None):
+        raise ConfigError("gen.self_instruct: the target writes the prompts, so there are no source answers "
+                          "and no 'every conversation'; set gen.num_samples and gen.answers = \"target\"")
+    # A resumed run that switched modes would mix both kinds of answers and spoil the ablation.
+    other = answers_on_disk(run.path / CONVERSATIONS) - {cfg.answers}
+    if other:
+        raise DataError(f"{run.path / CONVERSATIONS} holds {other.pop()} answers, but gen.answers = "
+                        f"{cfg.answers!r}: use another run folder")
+    if cfg.answers == "source":
+        return run_source(recipe, run)
+    if cfg.endpoints:
         return run_server(recipe, run)
-    if recipe.gen.self_instruct:
+    if cfg.self_instruct:
         raise ConfigError("gen.self_instruct asks a server's completions endpoint: give --endpoint URL")
     return run_inprocess(recipe, run)
