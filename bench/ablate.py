@@ -151,53 +151,67 @@ def train_all(jobs: list[tuple[Variant, Path, list[str]]], parallel: int, deadli
             return
 
 
-def score(v: Variant, folder: Path, base_run: Path, device) -> dict:
-    """The variant's checkpoint scored on the base run's held-out samples (the same for every variant)."""
-    import torch
+class Scorer:
+    """Scores checkpoints on the base run's held-out samples: the target's weights, the held-out rows and
+    the target's top tokens there are loaded once and shared by every variant."""
 
-    from specdraft.config import Recipe
-    from specdraft.hidden.store import HiddenStore
-    from specdraft.run import Run
-    from specdraft.targets import Target
-    from specdraft.train import (BEST, CHECKPOINTS, COMPLETE, FINAL, LATEST, TTT, evaluate, load_checkpoint,
-                                 pack, split_holdout, target_top_tokens)
+    def __init__(self, base_run: Path, device):
+        from specdraft.hidden.store import HiddenStore
+        from specdraft.run import Run
+        from specdraft.targets import Target
+        from specdraft.train import pack, split_holdout, target_top_tokens
 
-    run = Run(folder)
-    recipe: Recipe = run.recipe()
-    cfg = recipe.train
-    ckpt = next((folder / CHECKPOINTS / n for n in (BEST, FINAL, LATEST)
-                 if (folder / CHECKPOINTS / n / COMPLETE).exists()), None)
-    row = {"name": v.name, "factor": v.factor, "label": v.label, "overrides": v.overrides, "data": v.data}
-    stage = run.stage("train") or {}
-    row["state"] = stage.get("state", "not started")
-    if ckpt is None:
+        self.cfg = Run(base_run).recipe().train
+        self.source = HiddenStore(base_run)
+        self.target = Target(Run(base_run).recipe().target.model, self.source.aux_layer_ids)
+        self.embed, self.head = self.target.embed_weight().float(), self.target.head_weight()
+        _, self.held = split_holdout(len(self.source), self.cfg.holdout, self.cfg.seed)
+        self.tops = target_top_tokens(self.source, self.head, self.held, device)
+        lengths = [len(self.source.tokens(i)[0]) for i in range(len(self.source))]
+        self.rows = pack(self.held, lengths, self.cfg.batch_tokens)
+        self.device = device
+
+    def __call__(self, v: Variant, folder: Path) -> dict:
+        import math
+
+        import torch
+
+        from specdraft.run import Run
+        from specdraft.train import BEST, CHECKPOINTS, COMPLETE, FINAL, LATEST, TTT, evaluate, load_checkpoint
+
+        run = Run(folder)
+        cfg = run.recipe().train
+        ckpt = next((folder / CHECKPOINTS / n for n in (BEST, FINAL, LATEST)
+                     if (folder / CHECKPOINTS / n / COMPLETE).exists()), None)
+        row = {"name": v.name, "factor": v.factor, "label": v.label, "overrides": v.overrides, "data": v.data}
+        stage = run.stage("train") or {}
+        row["state"] = stage.get("state", "not started")
+        if ckpt is None:
+            return row
+        drafter, meta = load_checkpoint(ckpt, self.embed)
+        model = TTT(drafter, self.head[drafter.t2d].float(), EVAL_STEPS, cfg.step_weight_decay,
+                    cfg.loss).to(self.device)
+        cfg_eval = type(self.cfg)(**{**self.cfg.__dict__, "ttt_steps": EVAL_STEPS})
+        autocast = torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=cfg.autocast_dtype == "bfloat16")
+        s = evaluate(model, self.source, self.rows, self.tops, cfg_eval, self.device, autocast)
+        alpha = s["cond_accept"]
+
+        def tau(k: int) -> float:  # chain drafting of k tokens: 1 + sum over depths of P(accepted through it)
+            return round(1 + sum(math.prod(alpha[:j + 1]) for j in range(k)), 4)
+
+        log = folder / CHECKPOINTS / "train_log.jsonl"
+        steps = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+        last_train = next((r for r in reversed(steps) if r["kind"] == "train"), {})
+        metrics, counts = stage.get("metrics", {}), stage.get("counts", {})
+        row.update({
+            "checkpoint": ckpt.name, "step": meta.get("step"), "steps": counts.get("steps"),
+            "samples": counts.get("samples"), "heldout_samples": len(self.held),
+            f"tau_{SERVED_K}": tau(SERVED_K), f"tau_{EVAL_STEPS}": tau(EVAL_STEPS), "cond_accept": alpha,
+            "acc0": s["acc"][0], "train_acc0": (last_train.get("acc") or [None])[0],
+            "train_seconds": round(stage.get("seconds") or 0, 1), "tokens_per_s": metrics.get("tokens_per_s"),
+            "trainable_params": counts.get("trainable_params"), "vocab_coverage": metrics.get("vocab_coverage"),
+        })
         return row
-    source = HiddenStore(base_run)
-    target = Target(recipe.target.model, source.aux_layer_ids)
-    drafter, meta = load_checkpoint(ckpt, target.embed_weight().float())
-    _, held = split_holdout(len(source), cfg.holdout, cfg.seed)
-    head = target.head_weight()
-    tops = target_top_tokens(source, head, held, device)
-    lengths = [len(source.tokens(i)[0]) for i in range(len(source))]
-    model = TTT(drafter, head[drafter.t2d].float(), EVAL_STEPS, cfg.step_weight_decay, cfg.loss).to(device)
-    cfg_eval = type(cfg)(**{**cfg.__dict__, "ttt_steps": EVAL_STEPS})
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.autocast_dtype == "bfloat16")
-    s = evaluate(model, source, pack(held, lengths, cfg.batch_tokens), tops, cfg_eval, device, autocast)
-    alpha = s["cond_accept"]
-    tau = lambda k: round(1 + sum(__import__("math").prod(alpha[:j + 1]) for j in range(k)), 4)  # noqa: E731
-    log = folder / CHECKPOINTS / "train_log.jsonl"
-    steps = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
-    last_train = next((r for r in reversed(steps) if r["kind"] == "train"), {})
-    metrics, counts = stage.get("metrics", {}), stage.get("counts", {})
-    row.update({
-        "checkpoint": ckpt.name, "step": meta.get("step"), "steps": counts.get("steps"),
-        "samples": counts.get("samples"), "heldout_samples": len(held),
-        f"tau_{SERVED_K}": tau(SERVED_K), f"tau_{EVAL_STEPS}": tau(EVAL_STEPS), "cond_accept": alpha,
-        "acc0": s["acc"][0], "train_acc0": (last_train.get("acc") or [None])[0],
-        "train_seconds": round(stage.get("seconds") or 0, 1), "tokens_per_s": metrics.get("tokens_per_s"),
-        "trainable_params": counts.get("trainable_params"), "vocab_coverage": metrics.get("vocab_coverage"),
-    })
-    return row
 
 
 def report(lines: list[dict], path: Path, hardware: str, parallel: int) -> None:
@@ -280,10 +294,10 @@ def main() -> int:
             prepare(v, data_runs[v.data], folder)
         jobs.append((v, folder, train_command(v, folder, 0 if v.all_samples else args.samples, args.set)))
     train_all(jobs, args.parallel, deadline)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    scorer = Scorer(args.run, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     lines = []
     for v, folder, _ in jobs:
-        row = score(v, folder, args.run, device)
+        row = scorer(v, folder)
         row.update({"hardware": hardware, "parallel": args.parallel})
         lines.append(row)
         print(json.dumps(row), flush=True)
