@@ -70,7 +70,7 @@ def variants(samples: int) -> list[Variant]:
         Variant("data-1k", "data size", "1 K", {"train.max_samples": 1000}, all_samples=True),
         Variant("source", "answers", "ShareGPT's own (not regenerated)", data="source"),
         Variant("vocab-4k", "draft vocab", "4 K", {"train.draft_vocab_size": 4096}),
-        Variant("vocab-16k", "draft vocab", "16 K", {"train.draft_vocab_size": 16384}),
+        Variant("vocab-8k", "draft vocab", "8 K", {"train.draft_vocab_size": 8192}),
         Variant("vocab-32k", "draft vocab", "32 K", {"train.draft_vocab_size": 32768}),
         Variant("vocab-full", "draft vocab", "full", {"train.draft_vocab_size": 10 ** 9}),
         Variant("norms-3.1", "EAGLE-3.1 norms", "on",
