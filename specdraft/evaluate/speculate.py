@@ -36,6 +36,7 @@ from ..targets import Target, get_attr, resolve_device, tap_hidden_states
 from ..train import load_trained
 
 EVAL_DIR = "eval"
+ENGINES = ("auto", "eager", "static", "cuda-graphs")
 # Bisection steps to invert tau(α) = (1 − α^(K+1)) / (1 − α): 60 halvings reach float precision.
 ALPHA_BISECTION_STEPS = 60
 
@@ -51,7 +52,10 @@ def sync(device: torch.device) -> None:
 
 
 class TargetRunner:
-    """The target with a KV cache, returning logits and aux states for the tokens it is fed."""
+    """The target with a KV cache, returning logits and aux states for the tokens it is fed: the eager
+    engine (transformers' DynamicCache and its own masks). engine.StaticTargetRunner is the fast one."""
+
+    engine = "eager"
 
     def __init__(self, target: Target, model):
         self.target, self.model = target, model
@@ -59,6 +63,12 @@ class TargetRunner:
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.cache = None
+
+    def reserve(self, tokens: int):
+        """The dynamic cache grows as it goes: nothing to reserve."""
+
+    def drafter_state(self, drafter, max_accepted: int) -> "DrafterState":
+        return DrafterState(drafter)
 
     def reset(self):
         from transformers import DynamicCache
@@ -98,6 +108,38 @@ class TargetRunner:
         for layer in self.cache.layers:
             layer.keys = layer.keys.index_select(-2, idx)
             layer.values = layer.values.index_select(-2, idx)
+
+
+def make_runner(target: Target, model, engine: str):
+    """The engine named by EvalConfig.engine: "eager", "static" (preallocated caches, eager kernels),
+    "cuda-graphs" (static, with decode steps replayed as CUDA graphs), or "auto": cuda-graphs on CUDA,
+    eager elsewhere (on the CPU there are no graphs and attending over the whole static capacity costs
+    more than it saves). Sliding-window targets (gpt-oss) stay eager: their windows live in the model's
+    own masks, which the static engine replaces with one full-attention mask."""
+    from .engine import StaticTargetRunner
+
+    if engine not in ENGINES:
+        raise ValueError(f"eval.engine {engine!r}: expected one of {ENGINES}")
+    on_cuda = next(model.parameters()).device.type == "cuda"
+    sliding = "sliding" in target.family.attention
+    if engine == "auto":
+        engine = "cuda-graphs" if on_cuda and not sliding else "eager"
+        if on_cuda and sliding:
+            print(f"eval: {target.family.attention} attention: the eager engine (no static cache, no CUDA graphs)")
+    if engine != "eager" and sliding:
+        raise ValueError(f"eval.engine {engine!r}: {target.family.attention} attention needs the eager engine")
+    if engine == "cuda-graphs" and not on_cuda:
+        raise ValueError("eval.engine 'cuda-graphs' needs the model on a CUDA device")
+    if engine == "eager":
+        return TargetRunner(target, model)
+    return StaticTargetRunner(target, model, graphs=engine == "cuda-graphs")
+
+
+def cache_tokens(prompt_len: int, max_new: int, shape: "TreeShape") -> int:
+    """Cache slots a decode of `prompt_len` + `max_new` tokens may write: a verification writes the
+    tree's tokens past the last accepted one, and the drafter's padded step-0 rows (at most depth + 1)
+    past it too; twice the tree covers both."""
+    return prompt_len + max_new + 2 * (shape.tokens + 1)
 
 
 @dataclass
@@ -171,6 +213,7 @@ class Stats:
 
 def greedy(runner: TargetRunner, prompt: list[int], max_new: int, eos: int) -> tuple[list[int], list[float]]:
     """Plain greedy decoding; also the top-1/top-2 logit gap at each step (for the tie check)."""
+    runner.reserve(len(prompt) + max_new)
     runner.reset()
     logits, _ = runner.forward(prompt)
     out, gaps = [], []
@@ -260,11 +303,12 @@ def speculative(runner: TargetRunner, drafter, prompt: list[int], max_new: int, 
                 stats: Stats) -> list[int]:
     """Greedy speculative decoding with tree (or chain) drafts; returns the generated ids."""
     dev = runner.device
+    runner.reserve(cache_tokens(len(prompt), max_new, shape))
     runner.reset()
     logits, aux = runner.forward(prompt)
     out = [int(logits[-1].argmax())]
     n = len(prompt)  # target cache length; out[-1] is x_n, not yet fed to the target
-    state = DrafterState(drafter)
+    state = runner.drafter_state(drafter, shape.depth + 1)
     state.advance(aux, prompt[1:] + out[-1:], 0)
     while out[-1] != eos and len(out) < max_new:
         sync(dev)
@@ -341,12 +385,13 @@ def speculative_sampled(runner: TargetRunner, drafter, prompt: list[int], max_ne
     def sample(probs):
         return int(torch.multinomial(probs, 1, generator=generator))
 
+    runner.reserve(cache_tokens(len(prompt), max_new, TreeShape.chain(K)))
     runner.reset()
     logits, aux = runner.forward(prompt)
     V = logits.shape[-1]
     out = [sample(torch.softmax(logits[-1] / temperature, -1))]
     n = len(prompt)
-    state = DrafterState(drafter)
+    state = runner.drafter_state(drafter, K + 1)
     state.advance(aux, prompt[1:] + out[-1:], 0)
     while out[-1] != eos and len(out) < max_new:
         sync(dev)
@@ -485,14 +530,17 @@ def evaluate(runner: TargetRunner, drafter, prompts: list[dict], cfg, eos: int) 
     ties = {"chain": 0, "tree": 0}
     per_prompt = []
     by_category = defaultdict(lambda: {"prompts": 0, "chain": Stats(chain.depth), "tree": Stats(tree.depth)})
+    # Sized once for every prompt: a static cache that grew mid-run would recapture its graphs in the timing.
+    runner.reserve(max(cache_tokens(len(p["prompt_ids"]), cfg.max_new_tokens, s) for p in prompts for s in (chain, tree)))
     for p in tqdm(prompts, desc="eval", unit="prompt"):
         sync(runner.device)
         t0 = time.perf_counter()
         ref, gaps = greedy(runner, p["prompt_ids"], cfg.max_new_tokens, eos)
         sync(runner.device)
-        seconds["ar"] += time.perf_counter() - t0
+        took = {"ar": time.perf_counter() - t0}
+        seconds["ar"] += took["ar"]
         tokens["ar"] += len(ref)
-        row = {"id": p["id"], "tokens": len(ref)}
+        row = {"id": p["id"], "tokens": len(ref), "seconds": took}
         cat = by_category[p.get("category", "all")]
         cat["prompts"] += 1
         for name, shape in (("chain", chain), ("tree", tree)):
@@ -500,7 +548,8 @@ def evaluate(runner: TargetRunner, drafter, prompts: list[dict], cfg, eos: int) 
             t0 = time.perf_counter()
             spec = speculative(runner, drafter, p["prompt_ids"], cfg.max_new_tokens, eos, shape, stats[name])
             sync(runner.device)
-            seconds[name] += time.perf_counter() - t0
+            took[name] = time.perf_counter() - t0
+            seconds[name] += took[name]
             tokens[name] += len(spec)
             check = check_exact(spec, ref, gaps, cfg.tie_tolerance, p["id"])
             ties[name] += not check["exact"]
@@ -508,10 +557,13 @@ def evaluate(runner: TargetRunner, drafter, prompts: list[dict], cfg, eos: int) 
             for a, (after, before) in enumerate(zip(stats[name].accepted_hist, hist_before)):
                 for _ in range(after - before):
                     cat[name].add(a)
+        row["seconds"] = {k: round(v, 4) for k, v in took.items()}
         per_prompt.append(row)
     ar_tps = tokens["ar"] / seconds["ar"]
     ar_step = seconds["ar"] / max(1, tokens["ar"])  # one target forward of one token (prefill amortised)
-    report = {"prompts": len(prompts), "autoregressive_tokens_per_s": round(ar_tps, 2)}
+    # The engine as it ran: a CUDA graph capture that failed mid-run shows here.
+    report = {"prompts": len(prompts), "engine": runner.engine, "autoregressive_tokens_per_s": round(ar_tps, 2),
+              "seconds_per_prompt": {k: round(v / len(prompts), 4) for k, v in seconds.items()}}
     for name, shape in (("chain", chain), ("tree", tree)):
         s = stats[name]
         c = s.draft_seconds / max(1, s.draft_steps) / ar_step
@@ -550,7 +602,7 @@ def run(recipe: Recipe, run: Run) -> dict:
     device = torch.device(resolve_device(cfg.device))
     drafter, target, _ = load_trained(recipe, run)
     drafter = drafter.to(device=device, dtype=getattr(torch, cfg.dtype))
-    runner = TargetRunner(target, target.load_model(cfg.dtype, device=str(device)))
+    runner = make_runner(target, target.load_model(cfg.dtype, device=str(device)), cfg.engine)
     prompts = load_prompts(recipe, target)
     report = evaluate(runner, drafter, prompts, cfg, target.eos_token_id)
     # Top-level figures are the chain's: what vLLM's num_speculative_tokens = K serves.
@@ -582,7 +634,7 @@ def render_markdown(r: dict) -> str:
         "# Drafter evaluation (reference decoder, greedy, exact)",
         "",
         f"- prompts: {r['prompts']}; dtype {r['dtype']}; device {r['device']}; hardware: {r['hardware']}",
-        f"- autoregressive decode (same engine): {r['autoregressive_tokens_per_s']} tok/s",
+        f"- engine: {r['engine']}; autoregressive decode (same engine): {r['autoregressive_tokens_per_s']} tok/s",
         "",
         "| drafting | shape | tau | per-position acceptance | exact / ties | tok/s | speedup | c | α | bound |",
         "|---|---|---|---|---|---|---|---|---|---|",
