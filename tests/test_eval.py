@@ -174,6 +174,30 @@ def test_chain_and_tree_greedy_equal_target_greedy(engine):
 
 
 @pytest.mark.slow
+def test_static_engine_decodes_as_the_eager_engine(engine):
+    """The static engine (preallocated caches, the accepted tree path kept by an index copy in place: what
+    the GPU runs, less the CUDA graphs) gives the eager engine's tokens and accepted lengths, greedy and
+    sampled, on a memorised prompt, where tree paths beyond the first child are accepted."""
+    runner, drafter, target, recipe, prompts = engine
+    static = S.make_runner(target, runner.model, "static")
+    cfg, eos, ids = recipe.eval, target.eos_token_id, prompts[0]["prompt_ids"]
+    cfg.max_new_tokens = 12
+    r = S.evaluate(static, drafter, prompts[:1], cfg, eos)  # raises if speculation differs from greedy
+    assert r["engine"] == "static"
+    assert S.greedy(static, ids, cfg.max_new_tokens, eos)[0] == S.greedy(runner, ids, cfg.max_new_tokens, eos)[0]
+    for name, shape in (("chain", S.TreeShape.chain(cfg.draft_tokens)),
+                        ("tree", S.TreeShape(cfg.tree_topk, cfg.tree_depth, cfg.tree_tokens))):
+        stats = S.Stats(shape.depth)
+        S.speculative(runner, drafter, ids, cfg.max_new_tokens, eos, shape, stats)
+        assert r[name]["exact_prompts"] == 1
+        assert r[name]["accepted_length_histogram"] == stats.accepted_hist
+    assert sum(r["tree"]["accepted_length_histogram"][2:]) > 0
+    sampled = [S.speculative_sampled(rn, drafter, ids, 8, eos, 3, 1.0, S.Stats(3), torch.Generator().manual_seed(0))
+               for rn in (runner, static)]
+    assert sampled[0] == sampled[1]
+
+
+@pytest.mark.slow
 def test_sampled_decoder_runs_and_counts(engine):
     runner, drafter, target, recipe, prompts = engine
     stats = S.Stats(3)

@@ -142,6 +142,12 @@ def cache_tokens(prompt_len: int, max_new: int, shape: "TreeShape") -> int:
     return prompt_len + max_new + 2 * (shape.tokens + 1)
 
 
+def decode_capacity(prompts: list[dict], cfg) -> int:
+    """Cache slots enough for evaluating every prompt with `cfg` (chain and tree)."""
+    shapes = (TreeShape.chain(cfg.draft_tokens), TreeShape(cfg.tree_topk, cfg.tree_depth, cfg.tree_tokens))
+    return max(cache_tokens(len(p["prompt_ids"]), cfg.max_new_tokens, s) for p in prompts for s in shapes)
+
+
 @dataclass
 class TreeShape:
     """EAGLE-2 dynamic tree: expand `topk` nodes per depth, `depth` depths, verify the best `tokens`."""
@@ -531,7 +537,7 @@ def evaluate(runner: TargetRunner, drafter, prompts: list[dict], cfg, eos: int) 
     per_prompt = []
     by_category = defaultdict(lambda: {"prompts": 0, "chain": Stats(chain.depth), "tree": Stats(tree.depth)})
     # Sized once for every prompt: a static cache that grew mid-run would recapture its graphs in the timing.
-    runner.reserve(max(cache_tokens(len(p["prompt_ids"]), cfg.max_new_tokens, s) for p in prompts for s in (chain, tree)))
+    runner.reserve(decode_capacity(prompts, cfg))
     for p in tqdm(prompts, desc="eval", unit="prompt"):
         sync(runner.device)
         t0 = time.perf_counter()
