@@ -8,7 +8,9 @@ multi-token acceptance are all exercised, which a weak drafter (accepting nothin
 
 from __future__ import annotations
 
+import dataclasses
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -228,6 +230,19 @@ def test_eval_cli_on_a_prompts_file_reports_categories(memorised, tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "fine"}\n{"prompt": 3}\n')
     assert main(["eval", "--run", str(memorised), "--prompts-file", str(bad)]) == 2
+
+
+def test_engine_choice(target):
+    """auto is eager off CUDA; the static engines refuse what they cannot run exactly or at all."""
+    model = torch.nn.Module()
+    model.model = torch.nn.Linear(1, 1)  # where TargetRunner finds the decoder
+    assert type(S.make_runner(target, model, "auto")) is S.TargetRunner
+    for engine, why in (("jit", "expected one of"), ("cuda-graphs", "CUDA device")):
+        with pytest.raises(ValueError, match=why):
+            S.make_runner(target, model, engine)
+    sliding = SimpleNamespace(family=dataclasses.replace(target.family, attention="gqa+sliding"))
+    with pytest.raises(ValueError, match="needs the eager engine"):
+        S.make_runner(sliding, model, "static")
 
 
 def test_bad_prompts_file_names_file_and_line(tmp_path, target):
