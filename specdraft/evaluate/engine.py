@@ -12,7 +12,8 @@ The cache has a fixed capacity; attention reads all of it under a [n, capacity] 
 builds on the device from the cache length and the tree's visibility, so one graph per width serves
 every position. Keeping the accepted path is a gather and a scatter inside the same buffers. The
 drafter's cache works the same way; its step-0 call over the accepted tokens is padded to the most
-a round can accept, and each drafting depth has its own shape.
+a round can accept, and a round's whole tree drafting (every depth and its top-k selections, no host
+sync: speculate.grow_tree) is one graph.
 
 A graph is captured the first time its shape is met, with that call's real inputs: the warm-up calls
 on a side stream write the same keys to the same slots as the replay that follows, so capturing lazily
@@ -28,10 +29,14 @@ from collections.abc import Callable
 import torch
 
 from ..targets import Target, get_attr, tap_hidden_states
+from .speculate import grow_tree
 
 # Eager calls on a side stream before a capture: the first call picks kernels and allocates library
 # workspaces (cuBLAS), which must not happen inside the capture (PyTorch's CUDA graph notes use 3).
 GRAPH_WARMUP_CALLS = 3
+# Cache capacities are rounded up to this: memory-efficient SDPA wants the mask's last dimension aligned
+# to 16 elements and otherwise copies a padded mask at every call.
+CAPACITY_ALIGNMENT = 16
 
 
 class CapturedCall:
@@ -136,7 +141,7 @@ class StaticTargetRunner:
         """Make room for `tokens` cache slots. Growing reallocates the buffers and drops the captured
         graphs (they hold the old addresses), so callers reserve once for all their prompts."""
         if tokens > self.cache.capacity:
-            self.cache = StaticKV(self.layers, tokens)
+            self.cache = StaticKV(self.layers, -(-tokens // CAPACITY_ALIGNMENT) * CAPACITY_ALIGNMENT)
             self.graphs.clear()
             self._drafter_state = None
 
@@ -256,12 +261,23 @@ class StaticDrafterState:
         return logits[0], h[0]
 
     @torch.inference_mode()
-    def step(self, hidden, tokens: list[int], depth: int, diag: list):
-        """As DrafterState.step; the outputs are a graph's: read or copy them before the next step of
-        the same depth."""
+    def step(self, hidden, tokens: torch.Tensor, depth: int, diag: list):
+        """As DrafterState.step (sampled chains draft step by step); the outputs are a graph's: read or
+        copy them before the next step of the same depth."""
         flat = [t for kv in diag for t in kv]
-        return self.graphs(("step", depth, len(tokens)), lambda *xs: self._step(depth, *xs),
-                           hidden, torch.tensor([tokens]), torch.tensor(self.root_position), *flat)
+        return self.graphs(("step", depth, tokens.shape[1]), lambda *xs: self._step(depth, *xs),
+                           hidden, tokens, torch.tensor(self.root_position), *flat)
+
+    @torch.inference_mode()
+    def draft(self, shape) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """As DrafterState.draft: the whole tree's drafting steps and selections in one graph."""
+        def grow(hidden, logits, root):
+            def step(h, tokens, depth, diag):
+                return self._step(depth, h, tokens, root, *(t for kv in diag for t in kv))
+            return grow_tree(self.drafter, step, hidden, logits, shape)
+
+        return self.graphs(("draft", shape.topk, shape.depth), grow, self.root_hidden, self.root_logits,
+                           torch.tensor(self.root_position))
 
     def _step(self, depth, hidden, tokens, root, *flat):
         """hidden [1, F, H], tokens [1, F], root [] (the root's position), flat = the ancestors' keys

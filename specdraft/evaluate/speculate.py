@@ -254,46 +254,53 @@ class DrafterState:
         self.root_position = first_position + len(next_tokens) - 1
 
     @torch.inference_mode()
-    def step(self, hidden, tokens: list[int], depth: int, diag: list):
-        """One drafting step for sibling nodes at `depth`: each reads its parent's output state `hidden`
-        [1, F, H] and sees the whole step-0 cache plus its ancestors' keys (`diag`) and its own."""
-        F_ = len(tokens)
-        dev = hidden.device
-        return self.drafter(hidden, torch.tensor([tokens], device=dev),
-                            torch.full((1, F_), self.root_position + depth, device=dev),
+    def step(self, hidden, tokens: torch.Tensor, depth: int, diag: list):
+        """One drafting step for sibling nodes at `depth`: each of `tokens` [1, F] reads its parent's output
+        state `hidden` [1, F, H] and sees the whole step-0 cache plus its ancestors' keys (`diag`) and its own."""
+        return self.drafter(hidden, tokens, torch.full(tokens.shape, self.root_position + depth, device=hidden.device),
                             base=self.cache, diag=diag, q_offset=self.cache[0].shape[2] - 1)
+
+    def draft(self, shape: TreeShape) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Every node of this round's dynamic tree (grow_tree)."""
+        return grow_tree(self.drafter, self.step, self.root_hidden, self.root_logits, shape)
+
+
+def grow_tree(drafter, step, root_hidden: torch.Tensor, root_logits: torch.Tensor, shape: TreeShape
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The device half of EAGLE-2 drafting, with no host sync, so one CUDA graph can hold it: the root's
+    `topk` best children form the frontier; at every further depth each frontier node gets its `topk`
+    best children (by cumulative draft log-prob), and the `topk` best of those form the next frontier.
+    `step` is the state's drafting step. -> scores, target ids and parents [N] of every drafted node in
+    creation order: the root's children, then each depth's topk*topk children row by row (-1 = root)."""
+    k = shape.topk
+    top = torch.log_softmax(root_logits.float(), -1).topk(k)  # [k]
+    ids = drafter.to_target_ids(top.indices)  # [k]
+    scores, tokens, parents = [top.values], [ids], [torch.full_like(ids, -1)]
+    frontier = torch.arange(k, device=ids.device)  # [k] node index of each frontier node
+    front_scores, front_ids = top.values, ids
+    hidden = root_hidden.expand(1, k, -1)  # [1, k, H]
+    diag: list = []
+    for depth in range(1, shape.depth):
+        logits, h, kv = step(hidden, front_ids[None], depth, diag)
+        cum = front_scores[:, None] + torch.log_softmax(logits[0].float(), -1)  # [k, Vd]
+        child = cum.topk(k, dim=-1)  # each frontier node's best children: [k, k]
+        first = k + (depth - 1) * k * k  # node index of this depth's first child
+        scores.append(child.values.flatten())  # [k*k]
+        tokens.append(drafter.to_target_ids(child.indices).flatten())  # [k*k]
+        parents.append(frontier[:, None].expand(k, k).flatten())  # [k*k]
+        best = scores[-1].topk(k)  # the next frontier among them
+        rows = best.indices // k  # [k] the frontier row each chosen child came from
+        frontier, front_scores, front_ids = first + best.indices, best.values, tokens[-1][best.indices]
+        hidden = h[:, rows]  # [1, k, H]: each chosen child's parent output
+        diag = [(dk[:, :, rows], dv[:, :, rows]) for dk, dv in diag + [kv]]  # ancestors' keys per chosen child
+    return torch.cat(scores), torch.cat(tokens), torch.cat(parents)
 
 
 @torch.inference_mode()
 def draft_tree(state: DrafterState, shape: TreeShape) -> Tree:
-    d = state.drafter
-    scores, tokens, parents, depths = [], [], [], []
-    logp = torch.log_softmax(state.root_logits.float(), -1)
-    top = logp.topk(shape.topk)
-    frontier = []
-    for s, t in zip(top.values.tolist(), d.to_target_ids(top.indices).tolist()):
-        frontier.append(len(tokens))
-        scores.append(s), tokens.append(t), parents.append(-1), depths.append(1)
-    hidden = state.root_hidden.expand(1, len(frontier), -1)  # [1, F, H]
-    diag: list = []
-    for depth in range(1, shape.depth):
-        logits, h, kv = state.step(hidden, [tokens[i] for i in frontier], depth, diag)
-        lp = torch.log_softmax(logits[0].float(), -1)  # [F, Vd]
-        cum = torch.tensor([scores[i] for i in frontier], device=lp.device)[:, None] + lp  # [F, Vd]
-        child = cum.topk(shape.topk, dim=-1)  # each frontier node's best children: [F, k]
-        child_ids = d.to_target_ids(child.indices).tolist()
-        child_scores = child.values.tolist()
-        new = []  # (score, row, node index)
-        for row, node in enumerate(frontier):
-            for s, t in zip(child_scores[row], child_ids[row]):
-                new.append((s, row, len(tokens)))
-                scores.append(s), tokens.append(t), parents.append(node), depths.append(depth + 1)
-        new.sort(key=lambda x: -x[0])
-        chosen = new[: shape.topk]
-        rows = torch.tensor([r for _, r, _ in chosen], device=lp.device)
-        frontier = [i for _, _, i in chosen]
-        hidden = h[:, rows]  # [1, F, H]: each chosen child's parent output
-        diag = [(k[:, :, rows], v[:, :, rows]) for k, v in diag + [kv]]  # ancestors' keys per chosen child
+    scores, tokens, parents = (t.tolist() for t in state.draft(shape))
+    k = shape.topk
+    depths = [1] * k + [depth for depth in range(2, shape.depth + 1) for _ in range(k * k)]
     # The best `tokens` nodes; a child never outscores its parent (log-probs add), and on an exact tie
     # the shallower node comes first, so every kept node's parent is kept too.
     order = sorted(range(len(tokens)), key=lambda i: (-scores[i], depths[i], i))[: shape.tokens]
@@ -408,7 +415,7 @@ def speculative_sampled(runner: TargetRunner, drafter, prompt: list[int], max_ne
             qs.append(draft_probs(drafter, d_logits, temperature, V))
             drafts.append(sample(qs[-1]))
             if depth < K:
-                d_logits, hidden, kv = state.step(hidden, [drafts[-1]], depth, diag)
+                d_logits, hidden, kv = state.step(hidden, torch.tensor([[drafts[-1]]], device=dev), depth, diag)
                 d_logits, diag = d_logits[0, -1], diag + [kv]
         sync(dev)
         stats.draft_seconds += time.perf_counter() - t0
