@@ -17,6 +17,10 @@ its output distribution is the target's.
 Figures: tau (tokens per target forward), the histogram of accepted lengths, per-position acceptance
 (share of rounds whose draft at depth i was accepted, as vLLM counts it), decode speed with and
 without speculation, the draft/target cost ratio c, and Leviathan's bound for the measured α and c.
+
+Engines (make_runner): the eager one here (transformers' DynamicCache and masks), and engine.py's
+static KV caches with CUDA graphs on the GPU. Both decode with the same functions below; greedy and
+speculative decoding of one evaluation always share one engine.
 """
 
 from __future__ import annotations
