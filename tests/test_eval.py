@@ -245,6 +245,17 @@ def test_engine_choice(target):
         S.make_runner(sliding, model, "static")
 
 
+def test_failed_graph_capture_falls_back_loudly(capsys):
+    """Where a capture fails (here: no CUDA at all) the step runs eagerly, now and after, and says why."""
+    from specdraft.evaluate.engine import StepGraphs
+
+    graphs = StepGraphs(torch.device("cpu"), enabled=True)
+    for _ in range(2):
+        assert graphs(("step", 1), lambda x: x * 2, torch.ones(3)).tolist() == [2.0] * 3
+    assert not graphs.enabled and graphs.failure.startswith("capture of ('step', 1) failed")
+    assert capsys.readouterr().err.count("engine: CUDA graph capture of") == 1
+
+
 def test_bad_prompts_file_names_file_and_line(tmp_path, target):
     from specdraft.config import Recipe
 
