@@ -176,13 +176,10 @@ class Tree:
 
     def visible(self) -> torch.Tensor:
         """[1+N, 1+N] bool: row r (0 = root, 1+i = node i) sees the root, its ancestors and itself."""
-        n = len(self.tokens)
-        vis = torch.zeros(n + 1, n + 1, dtype=torch.bool)
-        vis[:, 0] = True
-        for i, p in enumerate(self.parents):
-            if p >= 0:
-                vis[i + 1] = vis[p + 1]
-            vis[i + 1, i + 1] = True
+        parent = torch.tensor([0] + [p + 1 for p in self.parents])  # [1+N] each row's parent row (root: itself)
+        vis = torch.eye(len(parent), dtype=torch.bool)
+        for _ in range(max(self.depths, default=0)):  # each pass adds one generation of ancestors (a few
+            vis |= vis[parent]  # tensor ops per depth instead of a row copy per node: it runs every round)
         return vis
 
 
