@@ -80,9 +80,10 @@ class StepGraphs:
                     call = self.calls[key] = CapturedCall(fn, inputs, self.device)
                 except Exception as e:  # noqa: BLE001 - any capture failure falls back; the warm-up ran the
                     # same calls eagerly, so a bug in the step itself is raised again by the eager call below
-                    self.enabled, self.failure = False, f"capture of {key} failed: {e}"
-                    print(f"engine: CUDA graph {self.failure}\nengine: every step now runs eagerly on the "
-                          "static cache (the report says so)", file=sys.stderr, flush=True)
+                    self.enabled = False
+                    self.failure = f"capture of {key} failed: {(str(e).splitlines() or [type(e).__name__])[0]}"
+                    print(f"engine: CUDA graph capture of {key} failed: {type(e).__name__}: {e}\nengine: every "
+                          "step now runs eagerly on the static cache (the report says so)", file=sys.stderr, flush=True)
             if call is not None:
                 return call(*inputs)
         return fn(*(x.to(self.device, non_blocking=True) for x in inputs))
@@ -154,6 +155,7 @@ class StaticTargetRunner:
 
     def drafter_state(self, drafter, max_accepted: int) -> StaticDrafterState:
         if self._drafter_state is None or self._drafter_state.drafter is not drafter:
+            self.graphs.clear()  # the drafter's graphs hold the old state's buffers
             self._drafter_state = StaticDrafterState(drafter, self.cache.capacity, self.graphs)
         self._drafter_state.reset(max_accepted)
         return self._drafter_state
