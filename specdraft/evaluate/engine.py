@@ -210,8 +210,9 @@ class StaticTargetRunner:
 
 
 class StaticDrafterState:
-    """DrafterState's interface (advance, step, root_*) on a preallocated step-0 key/value cache, its
-    calls of fixed shape: advance padded to `max_accepted` rows after the prefill, one shape per depth."""
+    """DrafterState's interface (advance, step, draft, root_*) on a preallocated step-0 key/value cache,
+    its calls of fixed shape: advance padded to `max_accepted` rows after the prefill, one graph for a
+    whole tree drafting per tree shape, one per depth for the sampled chain's single steps."""
 
     def __init__(self, drafter, capacity: int, graphs: StepGraphs):
         cfg = drafter.config
