@@ -247,10 +247,10 @@ def test_engine_choice(target):
 
 @pytest.mark.slow
 def test_steps_for_cuda_graphs_never_read_the_device_on_the_host(engine):
-    """What the GPU captures as CUDA graphs (decode steps, tree drafting, the drafter's step 0) is run
-    here under a dispatch mode that refuses every op reading tensor values on the host (.item(),
-    .tolist(), data-dependent shapes: a sync a capture cannot hold) and every tensor built from Python
-    data (a host-to-device copy inside the graph)."""
+    """What the GPU captures as CUDA graphs (decode steps, tree drafting, the drafter's step 0) runs here
+    under torch function and dispatch modes that refuse every op reading tensor values on the host
+    (.item(), .tolist(), data-dependent shapes: a sync a capture cannot hold) and every tensor built
+    from Python data (a host-to-device copy inside the graph)."""
     from torch.overrides import TorchFunctionMode
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -279,7 +279,7 @@ def test_steps_for_cuda_graphs_never_read_the_device_on_the_host(engine):
 
     keys = []
 
-    class Checked(StepGraphs):  # graphs off: each call runs eagerly, under the mode
+    class Checked(StepGraphs):  # graphs off: each call runs eagerly, under both modes
         def __call__(self, key, fn, *inputs):
             keys.append(key)
             with NoHostMethods(), NoHostOps():

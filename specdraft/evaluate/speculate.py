@@ -258,8 +258,8 @@ class DrafterState:
     def step(self, hidden, tokens: torch.Tensor, depth: int, diag: list):
         """One drafting step for sibling nodes at `depth`: each of `tokens` [1, F] reads its parent's output
         state `hidden` [1, F, H] and sees the whole step-0 cache plus its ancestors' keys (`diag`) and its own."""
-        return self.drafter(hidden, tokens, torch.full(tokens.shape, self.root_position + depth, device=hidden.device),
-                            base=self.cache, diag=diag, q_offset=self.cache[0].shape[2] - 1)
+        positions = torch.full(tokens.shape, self.root_position + depth, device=hidden.device)  # [1, F]
+        return self.drafter(hidden, tokens, positions, base=self.cache, diag=diag, q_offset=self.cache[0].shape[2] - 1)
 
     def draft(self, shape: TreeShape) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Every node of this round's dynamic tree (grow_tree)."""
