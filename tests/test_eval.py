@@ -285,7 +285,7 @@ def test_steps_for_cuda_graphs_never_read_the_device_on_the_host(engine):
             with NoHostMethods(), NoHostOps():
                 return super().__call__(key, fn, *inputs)
 
-    runner, drafter, target, recipe, prompts = engine
+    runner, drafter, target, _, prompts = engine
     static = S.make_runner(target, runner.model, "static")
     static.graphs = Checked(static.device, enabled=False)
     ids, eos = prompts[0]["prompt_ids"], target.eos_token_id

@@ -71,7 +71,7 @@ class TargetRunner:
     def reserve(self, tokens: int):
         """The dynamic cache grows as it goes: nothing to reserve."""
 
-    def drafter_state(self, drafter, max_accepted: int) -> "DrafterState":
+    def drafter_state(self, drafter, max_accepted: int) -> DrafterState:
         return DrafterState(drafter)
 
     def reset(self):
@@ -139,7 +139,7 @@ def make_runner(target: Target, model, engine: str):
     return StaticTargetRunner(target, model, graphs=engine == "cuda-graphs")
 
 
-def cache_tokens(prompt_len: int, max_new: int, shape: "TreeShape") -> int:
+def cache_tokens(prompt_len: int, max_new: int, shape: TreeShape) -> int:
     """Cache slots a decode of `prompt_len` + `max_new` tokens may write: a verification writes the
     tree's tokens past the last accepted one, and the drafter's padded step-0 rows (at most depth + 1)
     past it too; twice the tree covers both."""
@@ -160,7 +160,7 @@ class TreeShape:
     tokens: int
 
     @classmethod
-    def chain(cls, K: int) -> "TreeShape":
+    def chain(cls, K: int) -> TreeShape:
         return cls(topk=1, depth=K, tokens=K)
 
 
