@@ -1,13 +1,17 @@
 """Speedup of a run's drafter with the reference decoder: batch 1, greedy, held-out prompts.
 
     python bench/speedup.py runs/demo [--prompts 64] [--new-tokens 256] [--dtype bfloat16] [--device auto]
+                                      [--engine auto|eager|static|cuda-graphs]
     python bench/speedup.py runs/tiny --prompts 2 --new-tokens 16          # a CPU smoke run
 
 Prints one JSON line: tau of chain and tree drafting, autoregressive and speculative tokens/s, the
 speedup, the draft/target cost ratio c, and Leviathan's bound for the measured α and c. Every
 speculative output is checked against the target's own greedy output (ties counted, not failed).
-The first prompt is decoded once untimed, so one-time costs (kernel selection, allocator growth) are
-not charged to either side.
+The first prompt is decoded once untimed, so one-time costs (kernel selection, allocator growth, the
+capture of every decode step's CUDA graph) are not charged to either side. The engine (eval.engine,
+speculate.make_runner) is the same for the autoregressive baseline and speculation; on CUDA the default
+is the static KV cache with CUDA graphs, and the line says which engine really ran (a failed capture
+falls back to the static cache without graphs, and says so).
 """
 
 from __future__ import annotations
@@ -33,6 +37,8 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--dtype", default="float32", help="float32 keeps greedy speculation exact (FACTS.md)")
     ap.add_argument("--device", default="auto")
+    ap.add_argument("--engine", default=None, choices=S.ENGINES, help="default: the recipe's eval.engine (auto: "
+                    "cuda-graphs on CUDA, eager elsewhere)")
     ap.add_argument("--K", type=int, default=None, help="chain length (default: the recipe's eval.draft_tokens)")
     ap.add_argument("--tree", default=None, metavar="TOPK,DEPTH,TOKENS", help="default: the recipe's eval.tree_*")
     ap.add_argument("--prompts-file", default=None, help="a JSONL of prompts instead of the run's held-out split")
@@ -48,11 +54,14 @@ def main() -> None:
         cfg.tree_topk, cfg.tree_depth, cfg.tree_tokens = (int(x) for x in args.tree.split(","))
     if args.prompts_file:
         cfg.prompts_file = args.prompts_file
+    if args.engine:
+        cfg.engine = args.engine
     device = torch.device(resolve_device(cfg.device))
     drafter, target, _ = load_trained(recipe, run)
     drafter = drafter.to(device=device, dtype=getattr(torch, cfg.dtype))
-    runner = S.TargetRunner(target, target.load_model(cfg.dtype, device=str(device)))
+    runner = S.make_runner(target, target.load_model(cfg.dtype, device=str(device)), cfg.engine)
     prompts = S.load_prompts(recipe, target)
+    runner.reserve(S.decode_capacity(prompts, cfg))  # the warm-up then captures the graphs the run replays
 
     warm = type(cfg)(**{**vars(cfg), "max_new_tokens": min(cfg.max_new_tokens, 32)})
     S.evaluate(runner, drafter, prompts[:1], warm, target.eos_token_id)
@@ -61,7 +70,7 @@ def main() -> None:
     chain, tree = r["chain"], r["tree"]
     print(json.dumps({
         "bench": "speedup", "run": str(run.path), "prompts": len(prompts), "max_new_tokens": cfg.max_new_tokens,
-        "dtype": cfg.dtype, "device": str(device), "batch": 1, "greedy": True,
+        "dtype": cfg.dtype, "device": str(device), "engine": r["engine"], "batch": 1, "greedy": True,
         "K": cfg.draft_tokens, "tree": tree["shape"],
         "tau_chain": chain["tau"], "tau_tree": tree["tau"],
         "per_position_acceptance_chain": chain["per_position_acceptance"],
@@ -76,6 +85,8 @@ def main() -> None:
         "speedup_over_bound_chain": round(chain["speedup"] / chain["leviathan_bound"], 3),
         "exact_prompts_chain": chain["exact_prompts"], "exact_prompts_tree": tree["exact_prompts"],
         "numerical_ties_chain": chain["numerical_ties"], "numerical_ties_tree": tree["numerical_ties"],
+        "seconds_per_prompt": r["seconds_per_prompt"],
+        "seconds_per_prompt_max": {k: max(p["seconds"][k] for p in r["per_prompt"]) for k in r["seconds_per_prompt"]},
         "seconds": round(time.time() - t0, 1), "hardware": environment.hardware_line(),
     }))
 

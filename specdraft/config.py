@@ -207,6 +207,11 @@ class EvalConfig:
     temperature: float = 0.0
     # "auto" = CUDA when present, else CPU.
     device: str = "auto"
+    # The decode engine, the same for the autoregressive baseline and speculation (speculate.make_runner):
+    # "auto" = "cuda-graphs" on CUDA (a static KV cache, each decode step replayed as a CUDA graph: at
+    # batch 1 a small target is otherwise bound by Python and kernel launches, not by the GPU), "eager"
+    # elsewhere; "static" is the static cache without graphs (runs on the CPU too).
+    engine: str = "auto"
     # A JSONL of prompts ({"prompt": str} or {"messages": [...]}) instead of the run's held-out split.
     prompts_file: str = ""
     # Per-category figures when prompts carry this field.

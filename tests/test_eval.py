@@ -8,7 +8,9 @@ multi-token acceptance are all exercised, which a weak drafter (accepting nothin
 
 from __future__ import annotations
 
+import dataclasses
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -174,6 +176,30 @@ def test_chain_and_tree_greedy_equal_target_greedy(engine):
 
 
 @pytest.mark.slow
+def test_static_engine_decodes_as_the_eager_engine(engine):
+    """The static engine (preallocated caches, the accepted tree path kept by an index copy in place: what
+    the GPU runs, less the CUDA graphs) gives the eager engine's tokens and accepted lengths, greedy and
+    sampled, on a memorised prompt, where tree paths beyond the first child are accepted."""
+    runner, drafter, target, recipe, prompts = engine
+    static = S.make_runner(target, runner.model, "static")
+    cfg, eos, ids = recipe.eval, target.eos_token_id, prompts[0]["prompt_ids"]
+    cfg.max_new_tokens = 12
+    r = S.evaluate(static, drafter, prompts[:1], cfg, eos)  # raises if speculation differs from greedy
+    assert r["engine"] == "static"
+    assert S.greedy(static, ids, cfg.max_new_tokens, eos)[0] == S.greedy(runner, ids, cfg.max_new_tokens, eos)[0]
+    for name, shape in (("chain", S.TreeShape.chain(cfg.draft_tokens)),
+                        ("tree", S.TreeShape(cfg.tree_topk, cfg.tree_depth, cfg.tree_tokens))):
+        stats = S.Stats(shape.depth)
+        S.speculative(runner, drafter, ids, cfg.max_new_tokens, eos, shape, stats)
+        assert r[name]["exact_prompts"] == 1
+        assert r[name]["accepted_length_histogram"] == stats.accepted_hist
+    assert sum(r["tree"]["accepted_length_histogram"][2:]) > 0
+    sampled = [S.speculative_sampled(rn, drafter, ids, 8, eos, 3, 1.0, S.Stats(3), torch.Generator().manual_seed(0))
+               for rn in (runner, static)]
+    assert sampled[0] == sampled[1]
+
+
+@pytest.mark.slow
 def test_sampled_decoder_runs_and_counts(engine):
     runner, drafter, target, recipe, prompts = engine
     stats = S.Stats(3)
@@ -204,6 +230,81 @@ def test_eval_cli_on_a_prompts_file_reports_categories(memorised, tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "fine"}\n{"prompt": 3}\n')
     assert main(["eval", "--run", str(memorised), "--prompts-file", str(bad)]) == 2
+
+
+def test_engine_choice(target):
+    """auto is eager off CUDA; the static engines refuse what they cannot run exactly or at all."""
+    model = torch.nn.Module()
+    model.model = torch.nn.Linear(1, 1)  # where TargetRunner finds the decoder
+    assert type(S.make_runner(target, model, "auto")) is S.TargetRunner
+    for engine, why in (("jit", "expected one of"), ("cuda-graphs", "CUDA device")):
+        with pytest.raises(ValueError, match=why):
+            S.make_runner(target, model, engine)
+    sliding = SimpleNamespace(family=dataclasses.replace(target.family, attention="gqa+sliding"))
+    with pytest.raises(ValueError, match="needs the eager engine"):
+        S.make_runner(sliding, model, "static")
+
+
+@pytest.mark.slow
+def test_steps_for_cuda_graphs_never_read_the_device_on_the_host(engine):
+    """What the GPU captures as CUDA graphs (decode steps, tree drafting, the drafter's step 0) runs here
+    under torch function and dispatch modes that refuse every op reading tensor values on the host
+    (.item(), .tolist(), data-dependent shapes: a sync a capture cannot hold) and every tensor built
+    from Python data (a host-to-device copy inside the graph)."""
+    from torch.overrides import TorchFunctionMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from specdraft.evaluate.engine import StepGraphs
+
+    # aten ops by name (or name.overload) that read values on the host, or make a tensor of host data.
+    refused_ops = {"aten.item", "aten._local_scalar_dense", "aten.is_nonzero", "aten.equal", "aten.nonzero",
+                   "aten.masked_select", "aten._unique2", "aten.lift_fresh",
+                   "aten.repeat_interleave.Tensor", "aten.repeat_interleave.self_Tensor"}
+    # Tensor methods that read values without an aten op of their own.
+    refused_methods = {"tolist", "numpy", "__bool__", "__int__", "__float__", "__index__"}
+
+    class NoHostOps(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = str(func)  # aten.op.overload
+            boolean_index = name == "aten.index.Tensor" and any(
+                i is not None and i.dtype in (torch.bool, torch.uint8) for i in args[1])
+            assert not boolean_index and name not in refused_ops and name.rsplit(".", 1)[0] not in refused_ops, \
+                f"{name} in a CUDA graph step"
+            return func(*args, **(kwargs or {}))
+
+    class NoHostMethods(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            assert getattr(func, "__name__", "") not in refused_methods, f"Tensor.{func.__name__} in a CUDA graph step"
+            return func(*args, **(kwargs or {}))
+
+    keys = []
+
+    class Checked(StepGraphs):  # graphs off: each call runs eagerly, under both modes
+        def __call__(self, key, fn, *inputs):
+            keys.append(key)
+            with NoHostMethods(), NoHostOps():
+                return super().__call__(key, fn, *inputs)
+
+    runner, drafter, target, _, prompts = engine
+    static = S.make_runner(target, runner.model, "static")
+    static.graphs = Checked(static.device, enabled=False)
+    ids, eos = prompts[0]["prompt_ids"], target.eos_token_id
+    S.greedy(static, ids, 4, eos)
+    for shape in (S.TreeShape.chain(3), S.TreeShape(4, 3, 8)):
+        S.speculative(static, drafter, ids, 6, eos, shape, S.Stats(shape.depth))
+    S.speculative_sampled(static, drafter, ids, 6, eos, 3, 1.0, S.Stats(3), torch.Generator().manual_seed(0))
+    assert {k[0] for k in keys} == {"target", "draft", "advance", "step"}
+
+
+def test_failed_graph_capture_falls_back_loudly(capsys):
+    """Where a capture fails (here: no CUDA at all) the step runs eagerly, now and after, and says why."""
+    from specdraft.evaluate.engine import StepGraphs
+
+    graphs = StepGraphs(torch.device("cpu"), enabled=True)
+    for _ in range(2):
+        assert graphs(("step", 1), lambda x: x * 2, torch.ones(3)).tolist() == [2.0] * 3
+    assert not graphs.enabled and graphs.failure.startswith("capture of ('step', 1) failed")
+    assert capsys.readouterr().err.count("engine: CUDA graph capture of") == 1
 
 
 def test_bad_prompts_file_names_file_and_line(tmp_path, target):

@@ -17,6 +17,10 @@ its output distribution is the target's.
 Figures: tau (tokens per target forward), the histogram of accepted lengths, per-position acceptance
 (share of rounds whose draft at depth i was accepted, as vLLM counts it), decode speed with and
 without speculation, the draft/target cost ratio c, and Leviathan's bound for the measured α and c.
+
+Engines (make_runner): the eager one here (transformers' DynamicCache and masks), and engine.py's
+static KV caches with CUDA graphs on the GPU. Both decode with the same functions below; greedy and
+speculative decoding of one evaluation always share one engine.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from ..targets import Target, get_attr, resolve_device, tap_hidden_states
 from ..train import load_trained
 
 EVAL_DIR = "eval"
+ENGINES = ("auto", "eager", "static", "cuda-graphs")
 # Bisection steps to invert tau(α) = (1 − α^(K+1)) / (1 − α): 60 halvings reach float precision.
 ALPHA_BISECTION_STEPS = 60
 
@@ -51,7 +56,10 @@ def sync(device: torch.device) -> None:
 
 
 class TargetRunner:
-    """The target with a KV cache, returning logits and aux states for the tokens it is fed."""
+    """The target with a KV cache, returning logits and aux states for the tokens it is fed: the eager
+    engine (transformers' DynamicCache and its own masks). engine.StaticTargetRunner is the fast one."""
+
+    engine = "eager"
 
     def __init__(self, target: Target, model):
         self.target, self.model = target, model
@@ -59,6 +67,12 @@ class TargetRunner:
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.cache = None
+
+    def reserve(self, tokens: int):
+        """The dynamic cache grows as it goes: nothing to reserve."""
+
+    def drafter_state(self, drafter, max_accepted: int) -> DrafterState:
+        return DrafterState(drafter)
 
     def reset(self):
         from transformers import DynamicCache
@@ -100,6 +114,44 @@ class TargetRunner:
             layer.values = layer.values.index_select(-2, idx)
 
 
+def make_runner(target: Target, model, engine: str):
+    """The engine named by EvalConfig.engine: "eager", "static" (preallocated caches, eager kernels),
+    "cuda-graphs" (static, with decode steps replayed as CUDA graphs), or "auto": cuda-graphs on CUDA,
+    eager elsewhere (on the CPU there are no graphs and attending over the whole static capacity costs
+    more than it saves). Sliding-window targets (gpt-oss) stay eager: their windows live in the model's
+    own masks, which the static engine replaces with one full-attention mask."""
+    from .engine import StaticTargetRunner
+
+    if engine not in ENGINES:
+        raise ValueError(f"eval.engine {engine!r}: expected one of {ENGINES}")
+    on_cuda = next(model.parameters()).device.type == "cuda"
+    sliding = "sliding" in target.family.attention
+    if engine == "auto":
+        engine = "cuda-graphs" if on_cuda and not sliding else "eager"
+        if on_cuda and sliding:
+            print(f"eval: {target.family.attention} attention: the eager engine (no static cache, no CUDA graphs)")
+    if engine != "eager" and sliding:
+        raise ValueError(f"eval.engine {engine!r}: {target.family.attention} attention needs the eager engine")
+    if engine == "cuda-graphs" and not on_cuda:
+        raise ValueError("eval.engine 'cuda-graphs' needs the model on a CUDA device")
+    if engine == "eager":
+        return TargetRunner(target, model)
+    return StaticTargetRunner(target, model, graphs=engine == "cuda-graphs")
+
+
+def cache_tokens(prompt_len: int, max_new: int, shape: TreeShape) -> int:
+    """Cache slots a decode of `prompt_len` + `max_new` tokens may write: a verification writes the
+    tree's tokens past the last accepted one, and the drafter's padded step-0 rows (at most depth + 1)
+    past it too; twice the tree covers both."""
+    return prompt_len + max_new + 2 * (shape.tokens + 1)
+
+
+def decode_capacity(prompts: list[dict], cfg) -> int:
+    """Cache slots enough for evaluating every prompt with `cfg` (chain and tree)."""
+    shapes = (TreeShape.chain(cfg.draft_tokens), TreeShape(cfg.tree_topk, cfg.tree_depth, cfg.tree_tokens))
+    return max(cache_tokens(len(p["prompt_ids"]), cfg.max_new_tokens, s) for p in prompts for s in shapes)
+
+
 @dataclass
 class TreeShape:
     """EAGLE-2 dynamic tree: expand `topk` nodes per depth, `depth` depths, verify the best `tokens`."""
@@ -108,7 +160,7 @@ class TreeShape:
     tokens: int
 
     @classmethod
-    def chain(cls, K: int) -> "TreeShape":
+    def chain(cls, K: int) -> TreeShape:
         return cls(topk=1, depth=K, tokens=K)
 
 
@@ -124,13 +176,10 @@ class Tree:
 
     def visible(self) -> torch.Tensor:
         """[1+N, 1+N] bool: row r (0 = root, 1+i = node i) sees the root, its ancestors and itself."""
-        n = len(self.tokens)
-        vis = torch.zeros(n + 1, n + 1, dtype=torch.bool)
-        vis[:, 0] = True
-        for i, p in enumerate(self.parents):
-            if p >= 0:
-                vis[i + 1] = vis[p + 1]
-            vis[i + 1, i + 1] = True
+        parent = torch.tensor([0] + [p + 1 for p in self.parents])  # [1+N] each row's parent row (root: itself)
+        vis = torch.eye(len(parent), dtype=torch.bool)
+        for _ in range(max(self.depths, default=0)):  # each pass adds one generation of ancestors (a few
+            vis |= vis[parent]  # tensor ops per depth instead of a row copy per node: it runs every round)
         return vis
 
 
@@ -171,6 +220,7 @@ class Stats:
 
 def greedy(runner: TargetRunner, prompt: list[int], max_new: int, eos: int) -> tuple[list[int], list[float]]:
     """Plain greedy decoding; also the top-1/top-2 logit gap at each step (for the tie check)."""
+    runner.reserve(len(prompt) + max_new)
     runner.reset()
     logits, _ = runner.forward(prompt)
     out, gaps = [], []
@@ -205,46 +255,53 @@ class DrafterState:
         self.root_position = first_position + len(next_tokens) - 1
 
     @torch.inference_mode()
-    def step(self, hidden, tokens: list[int], depth: int, diag: list):
-        """One drafting step for sibling nodes at `depth`: each reads its parent's output state `hidden`
-        [1, F, H] and sees the whole step-0 cache plus its ancestors' keys (`diag`) and its own."""
-        F_ = len(tokens)
-        dev = hidden.device
-        return self.drafter(hidden, torch.tensor([tokens], device=dev),
-                            torch.full((1, F_), self.root_position + depth, device=dev),
-                            base=self.cache, diag=diag, q_offset=self.cache[0].shape[2] - 1)
+    def step(self, hidden, tokens: torch.Tensor, depth: int, diag: list):
+        """One drafting step for sibling nodes at `depth`: each of `tokens` [1, F] reads its parent's output
+        state `hidden` [1, F, H] and sees the whole step-0 cache plus its ancestors' keys (`diag`) and its own."""
+        positions = torch.full(tokens.shape, self.root_position + depth, device=hidden.device)  # [1, F]
+        return self.drafter(hidden, tokens, positions, base=self.cache, diag=diag, q_offset=self.cache[0].shape[2] - 1)
+
+    def draft(self, shape: TreeShape) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Every node of this round's dynamic tree (grow_tree)."""
+        return grow_tree(self.drafter, self.step, self.root_hidden, self.root_logits, shape)
+
+
+def grow_tree(drafter, step, root_hidden: torch.Tensor, root_logits: torch.Tensor, shape: TreeShape
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The device half of EAGLE-2 drafting, with no host sync, so one CUDA graph can hold it: the root's
+    `topk` best children form the frontier; at every further depth each frontier node gets its `topk`
+    best children (by cumulative draft log-prob), and the `topk` best of those form the next frontier.
+    `step` is the state's drafting step. -> scores, target ids and parents [N] of every drafted node in
+    creation order: the root's children, then each depth's topk*topk children row by row (-1 = root)."""
+    k = shape.topk
+    top = torch.log_softmax(root_logits.float(), -1).topk(k)  # [k]
+    ids = drafter.to_target_ids(top.indices)  # [k]
+    scores, tokens, parents = [top.values], [ids], [torch.full_like(ids, -1)]
+    frontier = torch.arange(k, device=ids.device)  # [k] node index of each frontier node
+    front_scores, front_ids = top.values, ids
+    hidden = root_hidden.expand(1, k, -1)  # [1, k, H]
+    diag: list = []
+    for depth in range(1, shape.depth):
+        logits, h, kv = step(hidden, front_ids[None], depth, diag)
+        cum = front_scores[:, None] + torch.log_softmax(logits[0].float(), -1)  # [k, Vd]
+        child = cum.topk(k, dim=-1)  # each frontier node's best children: [k, k]
+        first = k + (depth - 1) * k * k  # node index of this depth's first child
+        scores.append(child.values.flatten())  # [k*k]
+        tokens.append(drafter.to_target_ids(child.indices).flatten())  # [k*k]
+        parents.append(frontier[:, None].expand(k, k).flatten())  # [k*k]
+        best = scores[-1].topk(k)  # the next frontier among them
+        rows = best.indices // k  # [k] the frontier row each chosen child came from
+        frontier, front_scores, front_ids = first + best.indices, best.values, tokens[-1][best.indices]
+        hidden = h[:, rows]  # [1, k, H]: each chosen child's parent output
+        diag = [(dk[:, :, rows], dv[:, :, rows]) for dk, dv in diag + [kv]]  # ancestors' keys per chosen child
+    return torch.cat(scores), torch.cat(tokens), torch.cat(parents)
 
 
 @torch.inference_mode()
 def draft_tree(state: DrafterState, shape: TreeShape) -> Tree:
-    d = state.drafter
-    scores, tokens, parents, depths = [], [], [], []
-    logp = torch.log_softmax(state.root_logits.float(), -1)
-    top = logp.topk(shape.topk)
-    frontier = []
-    for s, t in zip(top.values.tolist(), d.to_target_ids(top.indices).tolist()):
-        frontier.append(len(tokens))
-        scores.append(s), tokens.append(t), parents.append(-1), depths.append(1)
-    hidden = state.root_hidden.expand(1, len(frontier), -1)  # [1, F, H]
-    diag: list = []
-    for depth in range(1, shape.depth):
-        logits, h, kv = state.step(hidden, [tokens[i] for i in frontier], depth, diag)
-        lp = torch.log_softmax(logits[0].float(), -1)  # [F, Vd]
-        cum = torch.tensor([scores[i] for i in frontier], device=lp.device)[:, None] + lp  # [F, Vd]
-        child = cum.topk(shape.topk, dim=-1)  # each frontier node's best children: [F, k]
-        child_ids = d.to_target_ids(child.indices).tolist()
-        child_scores = child.values.tolist()
-        new = []  # (score, row, node index)
-        for row, node in enumerate(frontier):
-            for s, t in zip(child_scores[row], child_ids[row]):
-                new.append((s, row, len(tokens)))
-                scores.append(s), tokens.append(t), parents.append(node), depths.append(depth + 1)
-        new.sort(key=lambda x: -x[0])
-        chosen = new[: shape.topk]
-        rows = torch.tensor([r for _, r, _ in chosen], device=lp.device)
-        frontier = [i for _, _, i in chosen]
-        hidden = h[:, rows]  # [1, F, H]: each chosen child's parent output
-        diag = [(k[:, :, rows], v[:, :, rows]) for k, v in diag + [kv]]  # ancestors' keys per chosen child
+    scores, tokens, parents = (t.tolist() for t in state.draft(shape))
+    k = shape.topk
+    depths = [1] * k + [depth for depth in range(2, shape.depth + 1) for _ in range(k * k)]
     # The best `tokens` nodes; a child never outscores its parent (log-probs add), and on an exact tie
     # the shallower node comes first, so every kept node's parent is kept too.
     order = sorted(range(len(tokens)), key=lambda i: (-scores[i], depths[i], i))[: shape.tokens]
@@ -260,11 +317,12 @@ def speculative(runner: TargetRunner, drafter, prompt: list[int], max_new: int, 
                 stats: Stats) -> list[int]:
     """Greedy speculative decoding with tree (or chain) drafts; returns the generated ids."""
     dev = runner.device
+    runner.reserve(cache_tokens(len(prompt), max_new, shape))
     runner.reset()
     logits, aux = runner.forward(prompt)
     out = [int(logits[-1].argmax())]
     n = len(prompt)  # target cache length; out[-1] is x_n, not yet fed to the target
-    state = DrafterState(drafter)
+    state = runner.drafter_state(drafter, shape.depth + 1)
     state.advance(aux, prompt[1:] + out[-1:], 0)
     while out[-1] != eos and len(out) < max_new:
         sync(dev)
@@ -341,12 +399,13 @@ def speculative_sampled(runner: TargetRunner, drafter, prompt: list[int], max_ne
     def sample(probs):
         return int(torch.multinomial(probs, 1, generator=generator))
 
+    runner.reserve(cache_tokens(len(prompt), max_new, TreeShape.chain(K)))
     runner.reset()
     logits, aux = runner.forward(prompt)
     V = logits.shape[-1]
     out = [sample(torch.softmax(logits[-1] / temperature, -1))]
     n = len(prompt)
-    state = DrafterState(drafter)
+    state = runner.drafter_state(drafter, K + 1)
     state.advance(aux, prompt[1:] + out[-1:], 0)
     while out[-1] != eos and len(out) < max_new:
         sync(dev)
@@ -357,7 +416,7 @@ def speculative_sampled(runner: TargetRunner, drafter, prompt: list[int], max_ne
             qs.append(draft_probs(drafter, d_logits, temperature, V))
             drafts.append(sample(qs[-1]))
             if depth < K:
-                d_logits, hidden, kv = state.step(hidden, [drafts[-1]], depth, diag)
+                d_logits, hidden, kv = state.step(hidden, torch.tensor([[drafts[-1]]], device=dev), depth, diag)
                 d_logits, diag = d_logits[0, -1], diag + [kv]
         sync(dev)
         stats.draft_seconds += time.perf_counter() - t0
@@ -485,14 +544,17 @@ def evaluate(runner: TargetRunner, drafter, prompts: list[dict], cfg, eos: int) 
     ties = {"chain": 0, "tree": 0}
     per_prompt = []
     by_category = defaultdict(lambda: {"prompts": 0, "chain": Stats(chain.depth), "tree": Stats(tree.depth)})
+    # Sized once for every prompt: a static cache that grew mid-run would recapture its graphs in the timing.
+    runner.reserve(decode_capacity(prompts, cfg))
     for p in tqdm(prompts, desc="eval", unit="prompt"):
         sync(runner.device)
         t0 = time.perf_counter()
         ref, gaps = greedy(runner, p["prompt_ids"], cfg.max_new_tokens, eos)
         sync(runner.device)
-        seconds["ar"] += time.perf_counter() - t0
+        took = {"ar": time.perf_counter() - t0}
+        seconds["ar"] += took["ar"]
         tokens["ar"] += len(ref)
-        row = {"id": p["id"], "tokens": len(ref)}
+        row = {"id": p["id"], "tokens": len(ref), "seconds": took}
         cat = by_category[p.get("category", "all")]
         cat["prompts"] += 1
         for name, shape in (("chain", chain), ("tree", tree)):
@@ -500,7 +562,8 @@ def evaluate(runner: TargetRunner, drafter, prompts: list[dict], cfg, eos: int) 
             t0 = time.perf_counter()
             spec = speculative(runner, drafter, p["prompt_ids"], cfg.max_new_tokens, eos, shape, stats[name])
             sync(runner.device)
-            seconds[name] += time.perf_counter() - t0
+            took[name] = time.perf_counter() - t0
+            seconds[name] += took[name]
             tokens[name] += len(spec)
             check = check_exact(spec, ref, gaps, cfg.tie_tolerance, p["id"])
             ties[name] += not check["exact"]
@@ -508,10 +571,13 @@ def evaluate(runner: TargetRunner, drafter, prompts: list[dict], cfg, eos: int) 
             for a, (after, before) in enumerate(zip(stats[name].accepted_hist, hist_before)):
                 for _ in range(after - before):
                     cat[name].add(a)
+        row["seconds"] = {k: round(v, 4) for k, v in took.items()}
         per_prompt.append(row)
     ar_tps = tokens["ar"] / seconds["ar"]
     ar_step = seconds["ar"] / max(1, tokens["ar"])  # one target forward of one token (prefill amortised)
-    report = {"prompts": len(prompts), "autoregressive_tokens_per_s": round(ar_tps, 2)}
+    # The engine as it ran: a CUDA graph capture that failed mid-run shows here.
+    report = {"prompts": len(prompts), "engine": runner.engine, "autoregressive_tokens_per_s": round(ar_tps, 2),
+              "seconds_per_prompt": {k: round(v / len(prompts), 4) for k, v in seconds.items()}}
     for name, shape in (("chain", chain), ("tree", tree)):
         s = stats[name]
         c = s.draft_seconds / max(1, s.draft_steps) / ar_step
@@ -550,7 +616,7 @@ def run(recipe: Recipe, run: Run) -> dict:
     device = torch.device(resolve_device(cfg.device))
     drafter, target, _ = load_trained(recipe, run)
     drafter = drafter.to(device=device, dtype=getattr(torch, cfg.dtype))
-    runner = TargetRunner(target, target.load_model(cfg.dtype, device=str(device)))
+    runner = make_runner(target, target.load_model(cfg.dtype, device=str(device)), cfg.engine)
     prompts = load_prompts(recipe, target)
     report = evaluate(runner, drafter, prompts, cfg, target.eos_token_id)
     # Top-level figures are the chain's: what vLLM's num_speculative_tokens = K serves.
@@ -582,7 +648,7 @@ def render_markdown(r: dict) -> str:
         "# Drafter evaluation (reference decoder, greedy, exact)",
         "",
         f"- prompts: {r['prompts']}; dtype {r['dtype']}; device {r['device']}; hardware: {r['hardware']}",
-        f"- autoregressive decode (same engine): {r['autoregressive_tokens_per_s']} tok/s",
+        f"- engine: {r['engine']}; autoregressive decode (same engine): {r['autoregressive_tokens_per_s']} tok/s",
         "",
         "| drafting | shape | tau | per-position acceptance | exact / ties | tok/s | speedup | c | α | bound |",
         "|---|---|---|---|---|---|---|---|---|---|",
