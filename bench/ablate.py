@@ -250,10 +250,17 @@ def report(lines: list[dict], path: Path, hardware: str, parallel: int) -> None:
             done = "" if r["state"] == "done" else f" ({r['state']}, step {r['step']})"
             tp = f"{r['trainable_params'] / 1e6:.1f}" if r.get("trainable_params") else ""
             train_acc = "" if r["train_acc0"] is None else f"{r['train_acc0']:.3f}"
+            secs = f"{r['train_seconds']:.0f}" if r["train_seconds"] else ""
             out.append(f"| {factor} | {r['label']}{done} | {cell} | {r[f'tau_{EVAL_STEPS}']:.3f} | {delta} | {cond} "
-                       f"| {r['acc0']:.3f} | {train_acc} | {r['samples']} | {r['steps']} | {r['train_seconds']:.0f} "
+                       f"| {r['acc0']:.3f} | {train_acc} | {r['samples'] or ''} | {r['steps'] or ''} | {secs} "
                        f"| {tp} |")
-    out += ["", "A bold τ is the best of its factor, the base (recipe defaults) included.", ""]
+    cut = [r for r in lines if r.get("state") != "done"]
+    out += ["", "A bold τ is the best of its factor, the base (recipe defaults) included."]
+    if cut:
+        out += ["", f"Partial: {len(cut)} of {len(lines)} variants did not finish (a setting marked with its state and "
+                "step was scored at that step; 'not trained' ones have no checkpoint). Compare partial rows only "
+                "with rows at the same step."]
+    out.append("")
     path.write_text("\n".join(out))
     print(f"ablate: wrote {path}")
 
@@ -264,7 +271,8 @@ def main() -> int:
     p.add_argument("--fp8-run", type=Path, help="the same tokens extracted with store_dtype fp8_e4m3")
     p.add_argument("--source-run", type=Path, help="a run of the source's own answers (gen.answers=source)")
     p.add_argument("--samples", type=int, default=3000, help="training samples of every non-data-size variant")
-    p.add_argument("--parallel", type=int, default=8, help="trainings at once on the device")
+    # 8 side by side on one H200 (16 cores) ran each far slower than one alone (bench/ablations.md).
+    p.add_argument("--parallel", type=int, default=2, help="trainings at once on the device")
     p.add_argument("--deadline", type=float, default=0, help="seconds from now; 0: none")
     p.add_argument("--only", default="", help="comma-separated variant names")
     p.add_argument("--set", action="append", default=[], help="SECTION.FIELD=VALUE for every variant")
