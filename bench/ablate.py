@@ -22,9 +22,9 @@ JSON line per variant goes to --out, and bench/ablations.md is written from all 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -35,6 +35,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from specdraft import environment  # noqa: E402
+from specdraft.run import Run  # noqa: E402
 
 # Every variant is scored by rolling its drafter out this many steps; tau at 3 is what vLLM serves
 # with 3 speculative tokens.
@@ -82,19 +83,6 @@ def variants(samples: int) -> list[Variant]:
         Variant("lr-3e-3", "learning rate", "3e-3", {"train.lr": 3e-3}),
         Variant("noise", "hidden noise", "±0.2 RMS", {"train.hidden_noise": 0.2}),
     ]
-
-
-def prepare(v: Variant, data_run: Path, folder: Path) -> None:
-    """The variant's run folder: the data run's manifest (stages up to extract) and links to its data."""
-    if (folder / "manifest.json").exists():
-        return
-    folder.mkdir(parents=True, exist_ok=True)
-    manifest = json.loads((data_run / "manifest.json").read_text())
-    manifest["stages"] = {k: s for k, s in manifest["stages"].items() if k in ("gen", "render", "extract")}
-    (folder / "manifest.json").write_text(json.dumps(manifest, indent=1))
-    for name in ("hidden", "tokens", "conversations.jsonl"):
-        if (data_run / name).exists() and not (folder / name).exists():
-            (folder / name).symlink_to((data_run / name).resolve())
 
 
 def train_command(v: Variant, folder: Path, samples: int, extra: list[str]) -> list[str]:
@@ -157,13 +145,13 @@ class Scorer:
 
     def __init__(self, base_run: Path, device):
         from specdraft.hidden.store import HiddenStore
-        from specdraft.run import Run
         from specdraft.targets import Target
         from specdraft.train import pack, split_holdout, target_top_tokens
 
-        self.cfg = Run(base_run).recipe().train
+        recipe = Run(base_run).recipe()
+        self.cfg = recipe.train
         self.source = HiddenStore(base_run)
-        self.target = Target(Run(base_run).recipe().target.model, self.source.aux_layer_ids)
+        self.target = Target(recipe.target.model, self.source.aux_layer_ids)
         self.embed, self.head = self.target.embed_weight().float(), self.target.head_weight()
         _, self.held = split_holdout(len(self.source), self.cfg.holdout, self.cfg.seed)
         self.tops = target_top_tokens(self.source, self.head, self.held, device)
@@ -176,7 +164,6 @@ class Scorer:
 
         import torch
 
-        from specdraft.run import Run
         from specdraft.train import BEST, CHECKPOINTS, COMPLETE, FINAL, LATEST, TTT, evaluate, load_checkpoint
 
         run = Run(folder)
@@ -191,7 +178,7 @@ class Scorer:
         drafter, meta = load_checkpoint(ckpt, self.embed)
         model = TTT(drafter, self.head[drafter.t2d].float(), EVAL_STEPS, cfg.step_weight_decay,
                     cfg.loss).to(self.device)
-        cfg_eval = type(self.cfg)(**{**self.cfg.__dict__, "ttt_steps": EVAL_STEPS})
+        cfg_eval = dataclasses.replace(self.cfg, ttt_steps=EVAL_STEPS)
         autocast = torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=cfg.autocast_dtype == "bfloat16")
         s = evaluate(model, self.source, self.rows, self.tops, cfg_eval, self.device, autocast)
         alpha = s["cond_accept"]
@@ -299,7 +286,7 @@ def main() -> int:
             continue
         folder = args.run if v.is_run else args.run / "ablations" / v.name
         if not v.is_run:
-            prepare(v, data_runs[v.data], folder)
+            Run(folder).share_data(data_runs[v.data], through="extract")
         jobs.append((v, folder, train_command(v, folder, 0 if v.all_samples else args.samples, args.set)))
     train_all(jobs, args.parallel, deadline)
     scorer = Scorer(args.run, torch.device("cuda" if torch.cuda.is_available() else "cpu"))

@@ -34,18 +34,8 @@ if [ -n "$CONV" ] && [ ! -f $R/conversations.jsonl ]; then gunzip -c $CONV > $R/
 first="--recipe smollm2-h200 --set target.model=$G"
 [ -f $R/manifest.json ] && first=""
 stage $R gen $first $EXTRA && stage $R render && stage $R extract && data=1
-if [ -n "$data" ] && [ "$(state $R8 extract)" != done ]; then
-  mkdir -p $R8; python3 - "$R" "$R8" <<'EOF'
-import json, os, sys
-src, dst = sys.argv[1:]
-m = json.load(open(f"{src}/manifest.json"))
-m["stages"] = {k: v for k, v in m["stages"].items() if k in ("gen", "render")}
-json.dump(m, open(f"{dst}/manifest.json", "w"), indent=1)
-for name in ("tokens", "conversations.jsonl"):
-    if not os.path.exists(f"{dst}/{name}"):
-        os.symlink(os.path.realpath(f"{src}/{name}"), f"{dst}/{name}")
-EOF
-fi
+# The fp8 copy reads RUN's tokens: only its extract runs.
+[ -n "$data" ] && python3 -c "from specdraft.run import Run; Run('$R8').share_data('$R', through='render')"
 [ -n "$data" ] && stage $R8 extract --set extract.store_dtype=fp8_e4m3
 [ -n "$data" ] && stage $RS gen --recipe smollm2-h200 --set target.model=$G --set gen.answers=source \
   --set data.num_train=$SOURCE_SAMPLES && stage $RS render && stage $RS extract

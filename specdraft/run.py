@@ -104,6 +104,28 @@ class Run:
     def stage(self, stage: str) -> dict | None:
         return self.manifest().get("stages", {}).get(stage)
 
+    def share_data(self, source: Path, through: str) -> None:
+        """Make this folder a run on another run's data: `source`'s manifest with its stages up to
+        `through` ("gen", "render" or "extract") and links to the files they wrote, so only the later
+        stages run here (a variant trained on the same hidden states; an fp8 extract of the same tokens).
+        A folder that already has a manifest is left as it is."""
+        from .data.generate import CONVERSATIONS
+        from .data.render import TOKENS_DIR
+        from .hidden.store import HIDDEN_DIR
+
+        if self.exists():
+            return
+        outputs = {"gen": CONVERSATIONS, "render": TOKENS_DIR, "extract": HIDDEN_DIR}
+        shared = list(outputs)[: list(outputs).index(through) + 1]
+        source = Path(source)
+        manifest = Run(source).manifest()
+        manifest["stages"] = {k: v for k, v in manifest["stages"].items() if k in shared}
+        self.path.mkdir(parents=True, exist_ok=True)
+        for stage in shared:
+            if (source / outputs[stage]).exists() and not (self.path / outputs[stage]).exists():
+                (self.path / outputs[stage]).symlink_to((source / outputs[stage]).resolve())
+        self.save_manifest(manifest)
+
     def require(self, stage: str) -> dict:
         entry = self.stage(stage)
         if entry is None or entry["state"] != "done":

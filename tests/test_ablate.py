@@ -48,3 +48,28 @@ def test_report_bolds_the_best_and_marks_partial_rows(tmp_path):
     assert "| loss | lk | not trained (not started) |" in text
     assert "Partial: 2 of 5 variants" in text
     json.dumps(lines)  # the rows stay JSON lines
+
+
+def test_share_data_links_the_stages_through_one(tmp_path):
+    """A run on another run's data: its manifest keeps the stages up to `through`, its data are links,
+    and a folder that already has a manifest is left alone (a resumed variant keeps its own record)."""
+    from specdraft.run import Run
+
+    source = tmp_path / "source"
+    (source / "tokens").mkdir(parents=True)
+    (source / "hidden").mkdir()
+    (source / "conversations.jsonl").write_text("{}\n")
+    stages = {name: {"state": "done"} for name in ("gen", "render", "extract", "train")}
+    (source / "manifest.json").write_text(json.dumps({"name": "s", "stages": stages}))
+    fp8 = Run(tmp_path / "fp8")
+    fp8.share_data(source, through="render")
+    assert list(fp8.manifest()["stages"]) == ["gen", "render"]
+    assert (fp8.path / "tokens").resolve() == (source / "tokens").resolve()
+    assert (fp8.path / "conversations.jsonl").is_symlink() and not (fp8.path / "hidden").exists()
+    variant = Run(tmp_path / "variant")
+    variant.share_data(source, through="extract")
+    assert list(variant.manifest()["stages"]) == ["gen", "render", "extract"]
+    assert (variant.path / "hidden").resolve() == (source / "hidden").resolve()
+    variant.record("train", state="partial")
+    variant.share_data(source, through="extract")
+    assert variant.stage("train")["state"] == "partial"
