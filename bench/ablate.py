@@ -66,16 +66,16 @@ def variants(samples: int) -> list[Variant]:
         Variant("base", "base", "recipe defaults"),
         # The issue's factors next, those a served drafter hinges on most first.
         Variant("ttt-1", "TTT steps", "1", {"train.ttt_steps": 1}),
-        Variant("ttt-3", "TTT steps", "3", {"train.ttt_steps": 3}),
         Variant("ttt-5", "TTT steps", "5", {"train.ttt_steps": 5}),
+        Variant("ttt-7", "TTT steps", "7", {"train.ttt_steps": 7}),
         Variant("source", "answers", "ShareGPT's own (not regenerated)", data="source"),
         Variant("data-1k", "data size", "1 K", {"train.max_samples": 1000}, all_samples=True),
         Variant("vocab-8k", "draft vocab", "8 K", {"train.draft_vocab_size": 8192}),
+        Variant("vocab-16k", "draft vocab", "16 K", {"train.draft_vocab_size": 16384}),
         Variant("vocab-32k", "draft vocab", "32 K", {"train.draft_vocab_size": 32768}),
-        Variant("vocab-4k", "draft vocab", "4 K", {"train.draft_vocab_size": 4096}),
-        Variant("vocab-full", "draft vocab", "full", {"train.draft_vocab_size": 10 ** 9}),
-        Variant("norms-3.1", "EAGLE-3.1 norms", "on",
-                {"train.fc_norm": True, "train.norm_output": True}),
+        Variant("vocab-full", "draft vocab", "full", {"train.draft_vocab_size": 0}),
+        Variant("norms-off", "EAGLE-3.1 norms", "off",
+                {"train.fc_norm": False, "train.norm_output": False}),
         Variant("loss-kl", "loss", "KL", {"train.loss": "kl"}),
         Variant("loss-lk", "loss", "LK (acceptance)", {"train.loss": "lk"}),
         Variant("fp8", "hidden storage", "fp8 e4m3", data="fp8"),
@@ -202,9 +202,16 @@ class Scorer:
         return row
 
 
+READINGS = "## Readings"
+
+
 def report(lines: list[dict], path: Path, hardware: str, parallel: int) -> None:
-    """bench/ablations.md: one row per variant, grouped by factor, the best of each group in bold."""
+    """bench/ablations.md: one row per variant, grouped by factor, the best of each group in bold. What a
+    person wrote under READINGS in the file before is kept: the table is rewritten, the reading of it is not."""
     key = f"tau_{SERVED_K}"
+    old = path.read_text() if path.exists() else ""
+    readings = old[old.index(READINGS):] if READINGS in old else ""
+    sets = lines[0].get("sets") if lines else None
     base = next((r for r in lines if r["name"] == "base" and key in r), None)
     out = ["# Ablations of the smollm2-h200 recipe",
            "",
@@ -217,7 +224,8 @@ def report(lines: list[dict], path: Path, hardware: str, parallel: int) -> None:
            "`bench/results/speedup-h200.jsonl`.",
            "",
            f"Hardware: {hardware}; {parallel} trainings side by side on the GPU, so seconds are shared-GPU "
-           "wall time (compare them within this table only).",
+           "wall time (compare them within this table only)." + (
+               f" Every variant but RUN's own drafter also had `{' '.join(sets)}`." if sets else ""),
            "",
            f"| factor | setting | τ K={SERVED_K} | τ K={EVAL_STEPS} | Δ τ{SERVED_K} vs base | cond. acceptance 0/1/2 "
            "| held-out acc0 | train acc0 | samples | steps | train s | trainable M |",
@@ -249,6 +257,8 @@ def report(lines: list[dict], path: Path, hardware: str, parallel: int) -> None:
                 "step was scored at that step; 'not trained' ones have no checkpoint). Compare partial rows only "
                 "with rows at the same step."]
     out.append("")
+    if readings:
+        out += [readings.rstrip(), ""]
     path.write_text("\n".join(out))
     print(f"ablate: wrote {path}")
 
@@ -294,7 +304,7 @@ def main() -> int:
     lines = []
     for v, folder, _ in jobs:
         row = scorer(v, folder)
-        row.update({"hardware": hardware, "parallel": args.parallel})
+        row.update({"hardware": hardware, "parallel": args.parallel, "sets": args.set})
         lines.append(row)
         print(json.dumps(row), flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)

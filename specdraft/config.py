@@ -128,7 +128,7 @@ class ExtractConfig:
 
 @dataclass
 class TrainConfig:
-    draft_vocab_size: int = 8192
+    draft_vocab_size: int = 8192  # 0: the target's whole vocabulary
     # Training-time test: how many drafting steps are unrolled, and the weight decay per step.
     ttt_steps: int = 7
     step_weight_decay: float = 0.8

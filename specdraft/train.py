@@ -504,7 +504,7 @@ def run(recipe: Recipe, run: Run) -> dict:
     if cfg.max_samples:
         train_idx = train_idx[:cfg.max_samples]
     counts = vocab.token_counts([samples[i] for i in train_idx], target.vocab_size)
-    d2t, t2d = vocab.build(counts, cfg.draft_vocab_size)
+    d2t, t2d = vocab.build(counts, cfg.draft_vocab_size or target.vocab_size)
     coverage = vocab.coverage(counts, t2d)
     dcfg = DrafterConfig.from_target(target, cfg.draft_vocab_size)
     dcfg.norm_before_fc, dcfg.fc_norm, dcfg.norm_output = cfg.norm_before_fc, cfg.fc_norm, cfg.norm_output

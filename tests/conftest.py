@@ -90,36 +90,35 @@ batch_tokens = 4096
 """
 
 
-def _trainer_source_hash() -> str:
+# The recipe's EAGLE-3.1 norms (one RMSNorm per aux layer before fc, the normed output fed forward):
+# vLLM serves them, SGLang refuses them.
+MEMORISED_NORMS_RECIPE = MEMORISED_RECIPE + "fc_norm = true\nnorm_output = true\n"
+
+
+def _trainer_source_hash(recipe: str) -> str:
     """A hash of the code that produces a trained drafter (everything but export, eval and the CLI's
-    other commands) and of the recipe: the cache key of the memorised run."""
+    other commands) and of the recipe: the cache key of a memorised run."""
     import hashlib
 
     root = Path(__file__).resolve().parents[1] / "specdraft"
-    h = hashlib.sha256(MEMORISED_RECIPE.encode())
+    h = hashlib.sha256(recipe.encode())
     for path in sorted(root.rglob("*.py")):
         if path.relative_to(root).parts[0] not in ("export", "evaluate"):
             h.update(path.read_bytes())
     return h.hexdigest()[:16]
 
 
-@pytest.fixture(scope="session")
-def memorised_run(tmp_path_factory, pytestconfig, target) -> Path:
-    """A run whose drafter memorised the target's answers to 8 ShareGPT prompts, exported in both
-    formats: a drafter that demonstrably drafts, shared by the doctor and vLLM serving tests.
-
-    Training it takes minutes on a 2-core CPU (far more when the machine is shared), so the trained
-    run is kept in pytest's cache under a hash of the trainer's code and recipe: any change to them
-    trains anew. Tests get a copy, exported fresh by the current export code."""
+def _memorised(recipe: str, formats: str, tmp_path_factory, pytestconfig) -> Path:
+    """Train `recipe` (or take it from pytest's cache), copy it, export it fresh in `formats`."""
     import os
     import shutil
 
     from specdraft.cli import main
 
-    cached = pytestconfig.cache.mkdir("specdraft") / f"memorised-{_trainer_source_hash()}"
+    cached = pytestconfig.cache.mkdir("specdraft") / f"memorised-{_trainer_source_hash(recipe)}"
     if not (cached / "checkpoints" / "final").exists():
         build = tmp_path_factory.mktemp("memorised-build")
-        (build / "overfit.toml").write_text(MEMORISED_RECIPE)
+        (build / "overfit.toml").write_text(recipe)
         for stage in ("gen", "render", "extract", "train"):
             assert main([stage, "--recipe", str(build / "overfit.toml"), "--run", str(build / "run")]) == 0
         staging = cached.with_name(cached.name + f".tmp-{os.getpid()}")
@@ -130,5 +129,22 @@ def memorised_run(tmp_path_factory, pytestconfig, target) -> Path:
             shutil.rmtree(staging)  # another session put its (identical) run there first
     run = tmp_path_factory.mktemp("memorised") / "run"
     shutil.copytree(cached, run)
-    assert main(["export", "--run", str(run), "--formats", "both"]) == 0
+    assert main(["export", "--run", str(run), "--formats", formats]) == 0
     return run
+
+
+@pytest.fixture(scope="session")
+def memorised_run(tmp_path_factory, pytestconfig, target) -> Path:
+    """A run whose drafter memorised the target's answers to 8 ShareGPT prompts, exported in both
+    formats: a drafter that demonstrably drafts, shared by the doctor and vLLM serving tests.
+
+    Training it takes minutes on a 2-core CPU (far more when the machine is shared), so the trained
+    run is kept in pytest's cache under a hash of the trainer's code and recipe: any change to them
+    trains anew. Tests get a copy, exported fresh by the current export code."""
+    return _memorised(MEMORISED_RECIPE, "both", tmp_path_factory, pytestconfig)
+
+
+@pytest.fixture(scope="session")
+def memorised_norms_run(tmp_path_factory, pytestconfig, target) -> Path:
+    """The same, trained with EAGLE-3.1's norms (the smollm2-h200 recipe's), exported for vLLM only."""
+    return _memorised(MEMORISED_NORMS_RECIPE, "vllm", tmp_path_factory, pytestconfig)

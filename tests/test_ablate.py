@@ -29,6 +29,21 @@ def test_variants_cover_the_issue_factors():
     assert [v.name for v in variants if v.is_run] == ["data-all"]
 
 
+def test_each_variant_changes_what_the_recipe_sets(target):
+    """A variant equal to the recipe's own default would train the base again under another name; the
+    full-vocabulary one (0) is the target's whole vocabulary."""
+    from specdraft.config import load_recipe
+    from specdraft.drafter.model import DrafterConfig
+
+    recipe = load_recipe("smollm2-h200")
+    for v in ablate().variants(3000):
+        for key, value in v.overrides.items():
+            section, field = key.split(".")
+            if field != "max_samples":
+                assert getattr(getattr(recipe, section), field) != value, (v.name, key)
+    assert DrafterConfig.from_target(target, 0).draft_vocab_size == target.vocab_size
+
+
 def row(name, factor, tau3, state="done", step=100):
     return {"name": name, "factor": factor, "label": name, "state": state, "step": step, "tau_3": tau3,
             "tau_7": tau3 + 0.1, "cond_accept": [0.5, 0.5, 0.5], "acc0": 0.5, "train_acc0": 0.6, "samples": 3000,
@@ -48,6 +63,18 @@ def test_report_bolds_the_best_and_marks_partial_rows(tmp_path):
     assert "| loss | lk | not trained (not started) |" in text
     assert "Partial: 2 of 5 variants" in text
     json.dumps(lines)  # the rows stay JSON lines
+
+
+def test_report_keeps_the_readings_and_names_the_common_settings(tmp_path):
+    md = tmp_path / "ablations.md"
+    lines = [dict(row("base", "base", 2.0), sets=["train.epochs=5"]), row("ttt-3", "TTT steps", 2.2)]
+    ablate().report(lines, md, "test machine", 2)
+    assert "also had `train.epochs=5`" in md.read_text()
+    md.write_text(md.read_text() + "\n## Readings\n\nTTT 3 wins.\n")
+    lines[1]["tau_3"] = 1.5
+    ablate().report(lines, md, "test machine", 2)
+    text = md.read_text()
+    assert "| TTT steps | ttt-3 | 1.500 |" in text and text.count("## Readings") == 1 and "TTT 3 wins." in text
 
 
 def test_share_data_links_the_stages_through_one(tmp_path):

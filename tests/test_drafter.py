@@ -69,6 +69,17 @@ def test_options_change_the_output():
         assert not torch.allclose(plain[1], other[1]), option
 
 
+def test_both_input_norms_apply_in_vllms_order():
+    """vLLM's combine_hidden_states norms the concatenated aux states (`norm_before_fc`) before each aux
+    layer's part (`fc_norm`); a drafter trained the other way round would be served another function."""
+    d = small_drafter(4, norm_before_fc=True, fc_norm=True)
+    aux = torch.randn(1, 5, 96)
+    whole = d.input_norm(aux)
+    parts = torch.cat([norm(p) for norm, p in zip(d.fc_norm, whole.chunk(3, dim=-1))], dim=-1)
+    with torch.no_grad():
+        torch.testing.assert_close(d.project(aux), d.fc(parts))
+
+
 def packed_and_alone(seed=1):
     """Three documents of different lengths: as one packed row, and as three right-padded rows."""
     g = torch.Generator().manual_seed(seed)

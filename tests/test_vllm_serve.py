@@ -61,6 +61,20 @@ def test_vllm_serves_the_exported_drafter_and_accepts_its_drafts(memorised_run, 
     assert acc["per_position_acceptance"][0] > 0.25, acc
 
 
+def test_vllm_serves_eagle31_norms_as_trained(memorised_norms_run, target, tmp_path):
+    """The recipe's EAGLE-3.1 norms (`fc_norm`, `norm_output`) are served as trained: vLLM reads both
+    flags and their tensors. An engine that dropped `fc_norm` would feed fc raw target states (their
+    RMS is far from 1) and accept next to nothing, as a random drafter does (FACTS.md)."""
+    config = json.loads((memorised_norms_run / "export" / "vllm" / "config.json").read_text())
+    assert config["fc_norm"] is True and config["norm_output"] is True
+    records = training_prompts(memorised_norms_run)
+    acc, _ = serve_and_measure(target, memorised_norms_run / "export" / "vllm",
+                               [r["messages"][:-1] for r in records], tmp_path / "vllm.log")
+    print(f"vLLM, EAGLE-3.1 norms: {acc}")
+    assert acc["mean_acceptance_length"] > 1.5, acc
+    assert acc["per_position_acceptance"][0] > 0.25, acc
+
+
 def test_doctor_predicts_what_vllm_measures_for_a_lost_d2t(memorised_run, served, target, tmp_path):
     """The same drafter with its d2t lost (zeros, what vLLM keeps when the tensor is missing): doctor
     fails it, and vLLM, serving it anyway, accepts far less. Not zero: with the identity mapping the

@@ -63,7 +63,7 @@ class DrafterConfig:
             head_dim=target.drafter_head_dim,  # MLA targets: the value head width (targets.py)
             intermediate_size=c.intermediate_size,
             vocab_size=c.vocab_size,
-            draft_vocab_size=min(draft_vocab_size, c.vocab_size),
+            draft_vocab_size=min(draft_vocab_size, c.vocab_size) if draft_vocab_size else c.vocab_size,
             target_hidden_size=c.hidden_size,
             aux_layer_ids=list(target.aux_layer_ids),
             rms_norm_eps=c.rms_norm_eps,
@@ -260,11 +260,12 @@ class Eagle3Drafter(nn.Module):
 
     def project(self, aux: torch.Tensor) -> torch.Tensor:
         """Target aux states [B, T, n_aux*Ht] -> the first step's hidden input [B, T, H]."""
+        # With both on, vLLM norms the whole first, then each aux layer's part: so do we.
+        if self.config.norm_before_fc:
+            aux = self.input_norm(aux)
         if self.config.fc_norm:
             parts = aux.chunk(len(self.fc_norm), dim=-1)  # n_aux x [B, T, Ht]
             aux = torch.cat([norm(p) for norm, p in zip(self.fc_norm, parts)], dim=-1)  # [B, T, n_aux*Ht]
-        if self.config.norm_before_fc:
-            aux = self.input_norm(aux)
         return self.fc(aux)
 
     def forward(self, hidden, input_ids, positions, base=None, diag=None, q_offset=0, mask=None):
