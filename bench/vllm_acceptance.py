@@ -24,6 +24,18 @@ from specdraft.evaluate.server import VLLM_PYTHON, VllmServer
 from specdraft.run import Run
 from specdraft.targets import Target
 
+def speedup_line(path: Path, prompts: int, max_tokens: int) -> dict:
+    """The chain figures of the last bench/speedup.py line in `path` measured on as many prompts and
+    tokens as this run serves (a results file keeps every run's line)."""
+    lines = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    fits = [x for x in lines if x.get("prompts") == prompts and x.get("max_new_tokens") == max_tokens]
+    if not fits:
+        have = sorted({(x.get("prompts"), x.get("max_new_tokens")) for x in lines})
+        raise SystemExit(f"{path}: no line measured on {prompts} prompts x {max_tokens} tokens "
+                         f"(it has {have}); pass --prompts and --max-tokens to match one")
+    return {"tau": fits[-1]["tau_chain"], "per_position_acceptance": fits[-1]["per_position_acceptance_chain"]}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("run")
@@ -42,6 +54,9 @@ def main() -> None:
     max_tokens = args.max_tokens or recipe.eval.max_new_tokens
     drafter = (run.path / "export" / args.format).resolve()
     K = recipe.eval.draft_tokens
+    # Read before serving, so a missing reference fails in a second rather than after the run.
+    reference = (speedup_line(Path(args.reference), len(prompts), max_tokens) if args.reference
+                 else json.loads((run.path / "eval" / "report.json").read_text()))
     spec = {"method": "eagle3", "model": str(drafter), "num_speculative_tokens": K}
     log_path = Path(args.log or f"/tmp/vllm-acceptance-{os.getpid()}.log")
     with VllmServer(target.path, speculative=spec, log_path=log_path, python=Path(args.vllm_python)) as server:
@@ -55,11 +70,6 @@ def main() -> None:
             tokens += resp["usage"]["completion_tokens"]
         seconds = time.time() - t1
         after = spec_decode_counters(server.metrics_text())
-    if args.reference:
-        line = json.loads(Path(args.reference).read_text().splitlines()[0])
-        reference = {"tau": line["tau_chain"], "per_position_acceptance": line["per_position_acceptance_chain"]}
-    else:
-        reference = json.loads((run.path / "eval" / "report.json").read_text())
     acc = acceptance(before, after)
     print(json.dumps({
         "bench": "vllm_acceptance", "run": str(run.path), "format": args.format, "prompts": len(prompts), "max_tokens": max_tokens,
