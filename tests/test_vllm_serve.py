@@ -62,9 +62,11 @@ def test_vllm_serves_the_exported_drafter_and_accepts_its_drafts(memorised_run, 
 
 
 def test_vllm_serves_eagle31_norms_as_trained(memorised_norms_run, target, tmp_path):
-    """The recipe's EAGLE-3.1 norms (`fc_norm`, `norm_output`) are served as trained: vLLM reads both
-    flags and their tensors. An engine that dropped `fc_norm` would feed fc raw target states (their
-    RMS is far from 1) and accept next to nothing, as a random drafter does (FACTS.md)."""
+    """The recipe's EAGLE-3.1 norms (`fc_norm`, `norm_output`) are served as trained. Measured: 2.11,
+    per position 0.45 / 0.35 / 0.31. The same folder told `norm_output: false` served 1.68 with
+    0.52 / 0.14 / 0.02: the first draft reads the target's states and is unchanged, each later one is fed
+    the un-normed output it was not trained on. Told `fc_norm: false`, vLLM refuses to load it (its
+    tensors have no module), so that one cannot go silently wrong."""
     config = json.loads((memorised_norms_run / "export" / "vllm" / "config.json").read_text())
     assert config["fc_norm"] is True and config["norm_output"] is True
     records = training_prompts(memorised_norms_run)
@@ -73,6 +75,7 @@ def test_vllm_serves_eagle31_norms_as_trained(memorised_norms_run, target, tmp_p
     print(f"vLLM, EAGLE-3.1 norms: {acc}")
     assert acc["mean_acceptance_length"] > 1.5, acc
     assert acc["per_position_acceptance"][0] > 0.25, acc
+    assert acc["per_position_acceptance"][2] > 0.15, acc  # what a dropped norm_output loses
 
 
 def test_doctor_predicts_what_vllm_measures_for_a_lost_d2t(memorised_run, served, target, tmp_path):
