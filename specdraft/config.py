@@ -167,11 +167,15 @@ class TrainConfig:
     # same, so runs on less data are compared on the same prompts (the data-size ablation).
     max_samples: int = 0
     # How lm_head and the final norm start: "random", or "target" (the draft vocab's rows of the target's
-    # lm_head and the target's final norm weight), so step 0 starts where the target's head reads.
+    # lm_head and the target's final norm weight), so step 0 starts where the target's head reads;
+    # "target-frozen" also keeps lm_head there (speculators' way; the final norm still trains).
     lm_head_init: str = "random"
     # Uniform noise added to the target's aux states while training, as a share of each state's RMS
     # (EAGLE's regulariser against features the drafter will never see exactly); 0 = off.
     hidden_noise: float = 0.0
+    # The decoder layer's residual: the hidden input after hidden_norm (True, speculators' default) or
+    # before it (False, the flat format's and SGLang's only choice).
+    norm_before_residual: bool = False
     # EAGLE-3 follow-ups (see DrafterConfig): off by default until measured better.
     norm_before_fc: bool = False
     fc_norm: bool = False

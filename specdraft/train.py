@@ -50,7 +50,7 @@ PAD_DOCUMENT = -1
 # Shifted-in positions past the end of a row: a document id no position has, so nothing matches it.
 NO_DOCUMENT = -2
 LOSSES = ("soft_ce", "kl", "lk")
-HEAD_INITS = ("random", "target")
+HEAD_INITS = ("random", "target", "target-frozen")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -508,6 +508,7 @@ def run(recipe: Recipe, run: Run) -> dict:
     coverage = vocab.coverage(counts, t2d)
     dcfg = DrafterConfig.from_target(target, cfg.draft_vocab_size)
     dcfg.norm_before_fc, dcfg.fc_norm, dcfg.norm_output = cfg.norm_before_fc, cfg.fc_norm, cfg.norm_output
+    dcfg.norm_before_residual = cfg.norm_before_residual
     drafter = Eagle3Drafter(dcfg)
     embed = target.embed_weight().float()
     drafter.embed_tokens.weight.data.copy_(embed)
@@ -519,9 +520,12 @@ def run(recipe: Recipe, run: Run) -> dict:
         t2d = drafter.t2d.clone()
         coverage = vocab.coverage(counts, t2d)
     head = target.head_weight()
-    if cfg.lm_head_init == "target" and not cfg.init_from:
+    if cfg.lm_head_init.startswith("target") and not cfg.init_from:
         drafter.lm_head.weight.data.copy_(head[t2d].float())
         drafter.norm.weight.data.copy_(target.final_norm_weight())
+        # Frozen, the head is the target's own reading of a hidden state: the one layer learns to write
+        # states it reads right, rather than Vd x H more parameters from few answer tokens.
+        drafter.lm_head.weight.requires_grad_(cfg.lm_head_init == "target")
     tops = target_top_tokens(source, head, train_idx + held_idx, device)
     model = TTT(drafter, head[t2d].float(), cfg.ttt_steps, cfg.step_weight_decay, cfg.loss,
                 cfg.gradient_checkpointing, cfg.hidden_noise).to(device)
@@ -681,7 +685,8 @@ def rng_state() -> dict:
 
 # Fields that fix the data order, the schedule or the shapes: a resumed run must keep them.
 RESUME_FIXED = ("seed", "batch_tokens", "micro_batches", "epochs", "holdout", "draft_vocab_size", "ttt_steps",
-                "lr", "warmup_steps", "schedule", "norm_before_fc", "fc_norm", "norm_output")
+                "lr", "warmup_steps", "schedule", "norm_before_fc", "fc_norm", "norm_output", "norm_before_residual",
+                "lm_head_init")
 
 
 def resume_from(path: Path, cfg: TrainConfig, wrapped, optimizer, scheduler, state: dict) -> None:
@@ -690,7 +695,9 @@ def resume_from(path: Path, cfg: TrainConfig, wrapped, optimizer, scheduler, sta
                                                           set_optimizer_state_dict)
 
     saved = json.loads((path / "config.json").read_text())["train"]
-    changed = [f"{k}: {saved.get(k)!r} -> {getattr(cfg, k)!r}" for k in RESUME_FIXED if saved.get(k) != getattr(cfg, k)]
+    defaults = TrainConfig()  # a field newer than the checkpoint had its default then
+    changed = [f"{k}: {saved.get(k, getattr(defaults, k))!r} -> {getattr(cfg, k)!r}" for k in RESUME_FIXED
+               if saved.get(k, getattr(defaults, k)) != getattr(cfg, k)]
     if changed:
         raise ValueError(f"{path}: cannot resume with a changed train config ({'; '.join(changed)}); restore "
                          "those fields, or start over with --set train.resume=false (checkpoints are replaced)")

@@ -213,6 +213,29 @@ def test_fewer_samples_same_holdout_and_head_from_target(extracted_run, tmp_path
     assert torch.allclose(state["norm.weight"].float(), target.final_norm_weight())
 
 
+@pytest.mark.slow
+def test_frozen_target_head_stays_and_residual_flag_reaches_the_drafter(extracted_run, tmp_path):
+    """lm_head_init "target-frozen": after training at a real lr the head is still the target's rows and
+    is not counted as trainable; norm_before_residual reaches the saved drafter config."""
+    from safetensors.torch import load_file
+
+    from specdraft.targets import Target
+
+    run = fresh_copy(extracted_run, tmp_path, "frozen")
+    assert main(cli(run, extracted_run, "--set", "train.max_samples=3", "--set", "train.lm_head_init=target-frozen",
+                    "--set", "train.norm_before_residual=true", "--set", "train.epochs=3",
+                    "--set", "train.warmup_steps=0")) == 0
+    counts = json.loads((run / "manifest.json").read_text())["stages"]["train"]["counts"]
+    state = load_file(str(run / "checkpoints" / "final" / "model.safetensors"))
+    target = Target("smollm2", meta_ids(run))
+    assert torch.equal(state["lm_head.weight"].float(), target.head_weight()[state["t2d"]].float())
+    assert not torch.allclose(state["norm.weight"].float(), target.final_norm_weight())  # the norm trains
+    own = sum(t.numel() for k, t in state.items() if k not in ("embed_tokens.weight", "d2t", "t2d", "lm_head.weight"))
+    assert counts["trainable_params"] == own
+    config = json.loads((run / "checkpoints" / "final" / "config.json").read_text())
+    assert config["drafter"]["norm_before_residual"] is True
+
+
 def meta_ids(run: Path) -> list[int]:
     return json.loads((run / "checkpoints" / "final" / "config.json").read_text())["aux_layer_ids"]
 
