@@ -64,6 +64,11 @@ def variants(samples: int) -> list[Variant]:
         Variant("data-all", "data size", "all (the recipe drafter, trained in RUN)", all_samples=True,
                 is_run=True),
         Variant("base", "base", "recipe defaults"),
+        # Where speculators differs from us at equal data (served 0.615 at the first position against our
+        # 0.43): its lm_head is the target's, frozen; its residual is the normed hidden input.
+        Variant("head-target-frozen", "lm_head init", "the target's, frozen", {"train.lm_head_init": "target-frozen"}),
+        Variant("residual-normed", "residual", "after hidden_norm", {"train.norm_before_residual": True}),
+        Variant("wd-0.1", "weight decay", "0.1", {"train.weight_decay": 0.1}),
         # The factors next, those a served drafter hinges on most first.
         Variant("ttt-1", "TTT steps", "1", {"train.ttt_steps": 1}),
         Variant("ttt-5", "TTT steps", "5", {"train.ttt_steps": 5}),
