@@ -16,6 +16,8 @@ R=$M/runs/smollm2-h200; R8=$R-fp8; RS=$R-source; RES=$M/results; mkdir -p $RES $
 LOG=$RES/h200.log
 S="python3 -m specdraft.cli"
 SOURCE_SAMPLES=${SOURCE_SAMPLES:-3300}  # >= 3,000 training samples after the 5 % held out
+# Ablations train 5 epochs (the recipe's drafter 10): all of them fit in about two calls that way
+# (bench/ablations.md, 2026-12-03). ABLATE_EXTRA="" trains them as the recipe says.
 SPEEDUP_PROMPTS=${SPEEDUP_PROMPTS:-64}; SPEEDUP_TOKENS=${SPEEDUP_TOKENS:-256}
 left() { echo $((DEADLINE - SECONDS)); }
 state() { python3 -c "import json;m=json.load(open('$1/manifest.json'));print(m['stages'].get('$2',{}).get('state','none'))" 2>/dev/null || echo none; }
@@ -49,7 +51,8 @@ fi
 if [ "$(state $R eval)" = done ] && [ $(left) -gt 60 ]; then
   echo "== ablate (budget $(left)s) $(date +%T)" >> $LOG
   python3 bench/ablate.py $R --fp8-run $R8 --source-run $RS --deadline $(( $(left) - 45 )) \
-    --parallel ${ABLATE_PARALLEL:-2} --set train.eval_every=100000 --set train.checkpoint_every=150 $ABLATE_EXTRA \
+    --parallel ${ABLATE_PARALLEL:-2} --set train.eval_every=100000 --set train.checkpoint_every=150 \
+    ${ABLATE_EXTRA---set train.epochs=5} \
     --out $RES/ablations-h200.jsonl --markdown $RES/ablations.md >> $LOG 2>&1
   echo "== ablate rc=$? $(date +%T)" >> $LOG
 fi
