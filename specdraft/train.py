@@ -504,9 +504,9 @@ def run(recipe: Recipe, run: Run) -> dict:
     if cfg.max_samples:
         train_idx = train_idx[:cfg.max_samples]
     counts = vocab.token_counts([samples[i] for i in train_idx], target.vocab_size)
-    d2t, t2d = vocab.build(counts, cfg.draft_vocab_size or target.vocab_size)
+    dcfg = DrafterConfig.from_target(target, cfg.draft_vocab_size)  # its size: 0 and oversize resolved
+    d2t, t2d = vocab.build(counts, dcfg.draft_vocab_size)
     coverage = vocab.coverage(counts, t2d)
-    dcfg = DrafterConfig.from_target(target, cfg.draft_vocab_size)
     dcfg.norm_before_fc, dcfg.fc_norm, dcfg.norm_output = cfg.norm_before_fc, cfg.fc_norm, cfg.norm_output
     dcfg.norm_before_residual = cfg.norm_before_residual
     drafter = Eagle3Drafter(dcfg)
