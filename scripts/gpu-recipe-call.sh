@@ -39,7 +39,8 @@ stage $R gen $first $EXTRA && stage $R render && stage $R extract && data=1
 # The fp8 copy reads RUN's tokens: only its extract runs.
 [ -n "$data" ] && python3 -c "from specdraft.run import Run; Run('$R8').share_data('$R', through='render')"
 [ -n "$data" ] && stage $R8 extract --set extract.store_dtype=fp8_e4m3
-[ -n "$data" ] && stage $RS gen --recipe smollm2-h200 --set target.model=$G --set gen.answers=source \
+# SOURCE=0 leaves the source's answers out (only the "source" ablation reads them; ~1 min).
+[ -n "$data" ] && [ "${SOURCE:-1}" != 0 ] && stage $RS gen --recipe smollm2-h200 --set target.model=$G --set gen.answers=source \
   --set data.num_train=$SOURCE_SAMPLES && stage $RS render && stage $RS extract
 # The recipe's own drafter first, alone on the GPU (side by side with 7 ablations it reached no
 # checkpoint in 13 minutes: bench/ablations.md); then its export, eval and the speedup bench.

@@ -252,3 +252,27 @@ def test_hidden_noise_only_in_training():
     assert not torch.equal(noisy, aux) and ((noisy - aux).abs() <= 0.2 * rms + 1e-6).all()
     assert (noisy - aux).abs().max() > 0.1 * rms.min()
     assert torch.equal(model.eval().noisy(aux), aux)
+
+
+def test_every_epoch_has_its_steps_when_packing_differs():
+    """Each epoch's shuffle packs into its own number of rows; the run's step count is the fewest of
+    any epoch, so no epoch runs out of rows (the smollm2-h200 drafter stopped at the twelfth epoch's
+    end with StopIteration when epoch 0's count was taken for all)."""
+    import dataclasses
+
+    from specdraft.config import TrainConfig
+    from specdraft.train import epoch_rows, epoch_steps, step_batches
+
+    lengths = [int(n) for n in torch.randint(20, 200, (300,), generator=torch.Generator().manual_seed(1))]
+    cfg = dataclasses.replace(TrainConfig(), batch_tokens=512, epochs=20, loader_workers=0, micro_batches=1)
+    idx = list(range(len(lengths)))
+    counts = [len(epoch_rows(idx, lengths, cfg, e)) for e in range(cfg.epochs)]
+    assert min(counts) < counts[0], counts  # the case that failed: a later epoch packs fewer rows
+    hidden = 4
+    source = [{"input_ids": torch.arange(n), "loss_mask": torch.ones(n, dtype=torch.bool),
+               "aux": torch.zeros(n, 3 * hidden), "last": torch.zeros(n, hidden)} for n in lengths]
+    tops = [torch.zeros(n, dtype=torch.long) for n in lengths]
+    per_epoch = epoch_steps(idx, lengths, cfg)
+    seen = [epoch for epoch, _ in step_batches(source, tops, idx, lengths, cfg, 0, per_epoch, 0, 1,
+                                               torch.device("cpu"))]
+    assert seen == [e for e in range(cfg.epochs) for _ in range(per_epoch)]
