@@ -1,7 +1,7 @@
 """The recipe's ablations: one drafter per changed default, all scored on the same held-out samples.
 
     python bench/ablate.py RUN [--fp8-run RUN8] [--source-run RUNS] [--samples 3000] [--parallel 8]
-                           [--deadline SECONDS] [--only a,b] [--out bench/results/ablations-h200.jsonl]
+                           [--deadline SECONDS] [--only a,b] [--skip c] [--out bench/results/ablations-h200.jsonl]
     python bench/ablate.py --report bench/results/ablations-h200.jsonl   # the Markdown table only
 
 RUN is a run whose gen, render and extract stages are done (the target's own answers, bf16 hidden
@@ -92,12 +92,19 @@ def variants(samples: int) -> list[Variant]:
     ]
 
 
-def train_command(v: Variant, folder: Path, samples: int, extra: list[str]) -> list[str]:
+def loader_workers(parallel: int) -> int:
+    """DataLoader workers of each of `parallel` trainings: the machine's cores shared out. One worker
+    feeds ~4-10 steps/s of 8,192-token rows (37 MB each), while the drafter alone runs ~25 steps/s on an
+    H200 (bench/results/smollm2-h200.jsonl): with one worker each, the ablations waited on the loader."""
+    return max(1, (os.cpu_count() or 2) // parallel - 1)
+
+
+def train_command(v: Variant, folder: Path, samples: int, extra: list[str], workers: int = 1) -> list[str]:
     """`specdraft train` of the variant; RUN's own training keeps its recipe as it is."""
     cmd = [sys.executable, "-m", "specdraft.cli", "train", "--run", str(folder)]
     if v.is_run:
         return cmd
-    sets = {"train.max_samples": samples, "train.loader_workers": 1, **v.overrides}
+    sets = {"train.max_samples": samples, "train.loader_workers": workers, **v.overrides}
     for k, val in sets.items():
         cmd += ["--set", f"{k}={json.dumps(val) if isinstance(val, bool) else val}"]
     return cmd + [a for item in extra for a in ("--set", item)]
@@ -281,6 +288,8 @@ def main() -> int:
     p.add_argument("--parallel", type=int, default=2, help="trainings at once on the device")
     p.add_argument("--deadline", type=float, default=0, help="seconds from now; 0: none")
     p.add_argument("--only", default="", help="comma-separated variant names")
+    p.add_argument("--skip", default="", help="comma-separated variant names left out (data-all: RUN's own "
+                   "drafter, when it is already trained elsewhere)")
     p.add_argument("--set", action="append", default=[], help="SECTION.FIELD=VALUE for every variant")
     p.add_argument("--out", type=Path, default=Path("bench/results/ablations-h200.jsonl"))
     p.add_argument("--markdown", type=Path, default=Path("bench/ablations.md"))
@@ -297,7 +306,8 @@ def main() -> int:
     data_runs = {"base": args.run, "fp8": args.fp8_run, "source": args.source_run}
     if not extracted(args.run):
         raise SystemExit(f"ablate: {args.run}: gen, render and extract must be done first")
-    chosen = [v for v in variants(args.samples) if not args.only or v.name in args.only.split(",")]
+    chosen = [v for v in variants(args.samples) if (not args.only or v.name in args.only.split(","))
+              and v.name not in args.skip.split(",")]
     jobs = []
     for v in chosen:
         if not extracted(data_runs[v.data]):
@@ -306,7 +316,8 @@ def main() -> int:
         folder = args.run if v.is_run else args.run / "ablations" / v.name
         if not v.is_run:
             Run(folder).share_data(data_runs[v.data], through="extract")
-        jobs.append((v, folder, train_command(v, folder, 0 if v.all_samples else args.samples, args.set)))
+        jobs.append((v, folder, train_command(v, folder, 0 if v.all_samples else args.samples, args.set,
+                                               loader_workers(args.parallel))))
     train_all(jobs, args.parallel, deadline)
     scorer = Scorer(args.run, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     lines = []

@@ -6,7 +6,7 @@
 # conversations.jsonl.gz of an earlier call, so gen only answers the prompts not yet answered.
 #   1. RUN: gen (all train-split first turns), render, extract (bf16);
 #   2. RUN-fp8: the same tokens extracted with fp8 storage; RUN-source: ShareGPT's own answers;
-#   3. RUN: train (alone on the GPU), export, eval (reference decoder), bench/speedup.py;
+#   3. RUN: train (alone on the GPU), export, eval (reference decoder), bench/speedup.py (RUN_DRAFTER=0: none);
 #   4. bench/ablate.py: the ablations, two at a time (resumed when cut).
 DEADLINE=${1:-540}
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -44,21 +44,30 @@ stage $R gen $first $EXTRA && stage $R render && stage $R extract && data=1
   --set data.num_train=$SOURCE_SAMPLES && stage $RS render && stage $RS extract
 # The recipe's own drafter first, alone on the GPU (side by side with 7 ablations it reached no
 # checkpoint in 13 minutes: bench/ablations.md); then its export, eval and the speedup bench.
-[ -n "$data" ] && stage $R train && stage $R export && stage $R eval
-if [ "$(state $R eval)" = done ] && [ ! -s $RES/speedup-h200.jsonl ] && [ $(left) -gt 60 ]; then
+# RUN_DRAFTER=0: the recipe's drafter is trained and measured already (an earlier session brought it
+# back), so the call goes straight to the ablations and leaves data-all, its row, out.
+if [ "${RUN_DRAFTER:-1}" = 0 ]; then
+  [ -n "$data" ] && ready=1; SKIP="--skip data-all"
+else
+  [ -n "$data" ] && stage $R train && stage $R export && stage $R eval && ready=1; SKIP=""
+fi
+if [ "${RUN_DRAFTER:-1}" != 0 ] && [ -n "$ready" ] && [ ! -s $RES/speedup-h200.jsonl ] && [ $(left) -gt 60 ]; then
   timeout $(( $(left) - 15 )) python3 bench/speedup.py $R --prompts $SPEEDUP_PROMPTS \
     --new-tokens $SPEEDUP_TOKENS > $RES/speedup-h200.jsonl 2>>$LOG
 fi
-if [ "$(state $R eval)" = done ] && [ $(left) -gt 60 ]; then
+if [ -n "$ready" ] && [ $(left) -gt 60 ]; then
   echo "== ablate (budget $(left)s) $(date +%T)" >> $LOG
   python3 bench/ablate.py $R --fp8-run $R8 --source-run $RS --deadline $(( $(left) - 45 )) \
-    --parallel ${ABLATE_PARALLEL:-2} --set train.eval_every=100000 --set train.checkpoint_every=150 \
+    --parallel ${ABLATE_PARALLEL:-2} $SKIP --set train.eval_every=100000 --set train.checkpoint_every=150 \
     ${ABLATE_EXTRA---set train.epochs=5} \
     --out $RES/ablations-h200.jsonl --markdown $RES/ablations.md >> $LOG 2>&1
   echo "== ablate rc=$? $(date +%T)" >> $LOG
 fi
 tail -c 4000000 $LOG > $OUT/h200.log
 cp $RES/*.jsonl $RES/*.md $OUT/ 2>/dev/null
+# Each ablation's own log, so a variant that never reached a checkpoint can be told apart from a slow one
+# (the fp8 variant ran 130 s with no step logged on 2026-12-03 and nothing said why).
+for f in $R/ablations/*/train.log; do [ -f $f ] && tail -c 20000 $f > $OUT/train-$(basename $(dirname $f)).log; done
 [ -f $R/conversations.jsonl ] && gzip -c $R/conversations.jsonl > $OUT/conversations.jsonl.gz
 if [ -f $R/manifest.json ]; then
   (cd $R && tar czf $M/run.tgz manifest.json $(ls -d STATUS.md eval checkpoints/train_log.jsonl \

@@ -100,3 +100,17 @@ def test_share_data_links_the_stages_through_one(tmp_path):
     variant.record("train", state="partial")
     variant.share_data(source, through="extract")
     assert variant.stage("train")["state"] == "partial"
+
+
+def test_each_training_gets_its_share_of_loader_workers(tmp_path):
+    """One DataLoader worker each left the ablations waiting on the loader; the cores are shared out,
+    and RUN's own drafter keeps its recipe's settings."""
+    import os
+
+    module = ablate()
+    v = next(v for v in module.variants(3000) if v.name == "base")
+    cmd = module.train_command(v, tmp_path, 3000, [], module.loader_workers(2))
+    assert f"train.loader_workers={max(1, (os.cpu_count() or 2) // 2 - 1)}" in cmd
+    assert all(module.loader_workers(p) >= 1 for p in (1, 2, 64, 1024))
+    run_variant = next(v for v in module.variants(3000) if v.is_run)
+    assert "--set" not in module.train_command(run_variant, tmp_path, 0, [], 8)
