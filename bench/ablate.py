@@ -66,6 +66,9 @@ def variants(samples: int) -> list[Variant]:
         Variant("base", "base", "recipe defaults"),
         # The one factor of the issue never measured on the GPU yet.
         Variant("fp8", "hidden storage", "fp8 e4m3", data="fp8"),
+        # The old defaults of the two factors whose new winners lost a little in the tree (2026-12-03).
+        Variant("vocab-16k", "draft vocab", "16 K", {"train.draft_vocab_size": 16384}),
+        Variant("ttt-7", "TTT steps", "7", {"train.ttt_steps": 7}),
         # Where speculators differs from us at equal data (served 0.615 at the first position against our
         # 0.43): its lm_head is the target's, frozen; its residual is the normed hidden input.
         Variant("head-target-frozen", "lm_head init", "the target's, frozen", {"train.lm_head_init": "target-frozen"}),
@@ -80,8 +83,6 @@ def variants(samples: int) -> list[Variant]:
         Variant("lr-3e-3", "learning rate", "3e-3", {"train.lr": 3e-3}),
         Variant("source", "answers", "ShareGPT's own (not regenerated)", data="source"),
         Variant("data-1k", "data size", "1 K", {"train.max_samples": 1000}, all_samples=True),
-        Variant("ttt-7", "TTT steps", "7", {"train.ttt_steps": 7}),
-        Variant("vocab-16k", "draft vocab", "16 K", {"train.draft_vocab_size": 16384}),
         Variant("vocab-full", "draft vocab", "full", {"train.draft_vocab_size": 0}),
         Variant("lr-3e-4", "learning rate", "3e-4", {"train.lr": 3e-4}),
         Variant("loss-kl", "loss", "KL", {"train.loss": "kl"}),
