@@ -73,8 +73,10 @@ class GenConfig:
     # "source" keeps the data source's own first answer to the same prompts, no model loaded: the
     # "original vs regenerated answers" ablation, which measures what regenerating is worth.
     answers: str = "target"
-    # User turns replayed per conversation (each answered by the target given its own answers); 0 = all.
-    max_turns: int = 0
+    # User turns replayed per conversation, in-process or through a server (each answered by the target
+    # given its own earlier answers); 0 = all. ShareGPT's train split has 3.4 user turns per conversation,
+    # so all of them is ~3x the answers of the first alone, at ~3x the cost of every stage after gen.
+    max_turns: int = 1
     # "auto" expects reasoning when the target has thinking markers (and thinking is not switched off).
     expect_reasoning: str = "auto"
     # Stop when more than this share of the last `empty_reasoning_window` answers had no reasoning.

@@ -288,6 +288,12 @@ def bytes_per_token(n_states: int, hidden_size: int, store_dtype: str) -> int:
     return n_states * (hidden_size * STORAGE_BYTES[store_dtype] + scale)
 
 
+def answer_turns(recipe: Recipe) -> int:
+    """Answers gen writes per conversation at most: gen.max_turns (0: every user turn, bounded only by
+    render.max_length); the source's own answers are first turns only."""
+    return 1 if recipe.gen.answers == "source" else recipe.gen.max_turns
+
+
 def expected_tokens(recipe: Recipe, run: Run | None, tokens_per_sample: int | None) -> dict:
     """Tokens the run will extract and train on: rendered when it has been, else samples x length."""
     stages = run.manifest().get("stages", {}) if run is not None else {}
@@ -310,10 +316,15 @@ def expected_tokens(recipe: Recipe, run: Run | None, tokens_per_sample: int | No
     if tokens_per_sample is not None:
         source = "assumed: samples x --tokens-per-sample" + counted
     else:
-        # An upper bound: the longest prompt kept plus the longest answer, capped by the render length.
-        tokens_per_sample = min(recipe.render.max_length, recipe.data.max_prompt_tokens + recipe.gen.max_new_tokens)
-        source = ("assumed: samples x min(render.max_length, data.max_prompt_tokens + gen.max_new_tokens), "
-                  "an upper bound" + counted)
+        # An upper bound: the longest prompt kept plus the longest answer, per turn, capped by the render
+        # length (gen stops a conversation's turns before they pass it).
+        turns = answer_turns(recipe)
+        per_turn = recipe.data.max_prompt_tokens + recipe.gen.max_new_tokens
+        tokens_per_sample = min(recipe.render.max_length, per_turn * turns if turns else recipe.render.max_length)
+        per = "data.max_prompt_tokens + gen.max_new_tokens"
+        if turns != 1:
+            per = f"{turns or 'all'} turns x ({per})"
+        source = f"assumed: samples x min(render.max_length, {per}), an upper bound" + counted
     return {"samples": samples, "tokens": samples * tokens_per_sample, "tokens_per_sample": tokens_per_sample,
             "source": source}
 
@@ -445,8 +456,11 @@ def time_table(recipe: Recipe, spec: TargetSpec, tokens: dict, parts: dict, stag
         rows.append({"phase": "gen", "work": 0, "unit": "answer tokens", "rate_per_s": None, "seconds": 0.0,
                      "source": "gen.answers = source: the source's own answers are copied, nothing is generated"})
     else:
-        answer_tokens = tokens["samples"] * recipe.gen.max_new_tokens
-        row("gen", answer_tokens, "answer tokens (samples x gen.max_new_tokens, an upper bound)", "gen",
+        turns = answer_turns(recipe)
+        per_sample = min(recipe.gen.max_new_tokens * turns, recipe.render.max_length) if turns else recipe.render.max_length
+        answer_tokens = tokens["samples"] * per_sample
+        what = "gen.max_new_tokens" if turns == 1 else "the answers of gen.max_turns turns, within render.max_length"
+        row("gen", answer_tokens, f"answer tokens (samples x {what}, an upper bound)", "gen",
             "tokens_per_s", target_scale, "forward FLOPs ratio")
     online = recipe.train.hidden == "online"
     if online:

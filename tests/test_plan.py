@@ -154,3 +154,20 @@ def test_bad_config_names_the_file_and_line(tmp_path):
         read_target(str(bad))
     with pytest.raises(PlanError, match="no config.json"):
         read_target(str(tmp_path / "missing"))
+
+
+def test_every_turn_raises_the_token_bound_to_the_render_cut():
+    """gen.max_turns = 0 replays every user turn until render.max_length: the disk bill must say so."""
+    from specdraft.config import Recipe
+    from specdraft.plan import expected_tokens
+
+    recipe = Recipe()
+    recipe.data.num_train, recipe.data.max_prompt_tokens, recipe.gen.max_new_tokens = 100, 512, 256
+    recipe.render.max_length = 2048
+    assert expected_tokens(recipe, None, None)["tokens_per_sample"] == 768
+    recipe.gen.max_turns = 2
+    assert expected_tokens(recipe, None, None)["tokens_per_sample"] == 1536
+    recipe.gen.max_turns = 0
+    assert expected_tokens(recipe, None, None)["tokens"] == 100 * 2048
+    recipe.gen.answers = "source"  # the source's own answers are first turns only
+    assert expected_tokens(recipe, None, None)["tokens_per_sample"] == 768

@@ -39,26 +39,21 @@ def own_run(tmp_path_factory, target):
     by turn (the second answer given its own first one), each turn with the ids it generated."""
     from conftest import TINY_RECIPE
     from specdraft.config import GenConfig, load_recipe
-    from specdraft.data.generate import generate_batch
+    from specdraft.data.generate import answer_turns
     from specdraft.run import Run
 
     root = tmp_path_factory.mktemp("render-stage")
     recipe_path = root / "tiny.toml"
     recipe_path.write_text(TINY_RECIPE)
-    tok = target.tokenizer
     model = target.load_model("bfloat16")
-    cfg = GenConfig(max_new_tokens=MAX_NEW_TOKENS)
-    prompts = _two_turn_prompts()
-    convs = [{"id": p["id"], "split": "train", "messages": []} for p in prompts]
-    for turn in range(2):
-        for conv, p in zip(convs, prompts):
-            conv["messages"].append({"role": "user", "content": p["users"][turn]})
-        batch = [target.chat_ids(c["messages"], add_generation_prompt=True) for c in convs]
-        for conv, (ids, finish) in zip(convs, generate_batch(model, batch, target.eos_token_id,
-                                                             tok.pad_token_id, cfg)):
-            text_ids = ids[:-1] if finish == "stop" else ids
-            conv["messages"].append({"role": "assistant", "content": tok.decode(text_ids, skip_special_tokens=True),
-                                     "reasoning": "", "reasoning_source": "none", "token_ids": ids})
+    cfg = GenConfig(max_new_tokens=MAX_NEW_TOKENS, max_turns=2)
+    convs = []
+    for p in _two_turn_prompts():
+        first = [{"role": "user", "content": p["users"][0]}]
+        convs.append({"id": p["id"], "messages": first, "later_users": p["users"][1:],
+                      "prompt_ids": target.chat_ids(first, add_generation_prompt=True)})
+    answer_turns(model, target, convs, cfg, max_length=4096)
+    convs = [{"id": c["id"], "split": "train", "messages": c["messages"]} for c in convs]
     run_path = root / "run"
     run = Run(run_path)
     run.init(load_recipe(str(recipe_path)))

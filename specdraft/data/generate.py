@@ -162,8 +162,9 @@ def select_prompts(recipe: Recipe, target: Target, split: str, limit: int | None
         if len(ids) > d.max_prompt_tokens:
             too_long += 1
             continue
+        later = [m["content"] for m in conv["messages"][len(messages):] if m["role"] == "user"]
         chosen.append({"id": conv["id"], "messages": messages, "prompt_ids": ids,
-                       "source_answer": _source_answer(conv, len(messages))})
+                       "source_answer": _source_answer(conv, len(messages)), "later_users": later})
         if limit is not None and len(chosen) >= limit:
             break
     return chosen, too_long
@@ -209,6 +210,47 @@ def _assistant_message(target: Target, ids: list[int], finish: str) -> dict:
             "token_ids": ids}
 
 
+def answer_turns(model, target: Target, convs: list[dict], cfg, max_length: int, bar=None) -> tuple[int, float]:
+    """Answer each conversation's user turns in order, batched across conversations: turn k of every
+    conversation that still has one is one batched generate, its prompt the target's template over the
+    conversation so far (its own earlier answers as text, as a server would be sent them). A conversation
+    ends at `cfg.max_turns` (0: all), at its last user turn, or when the next prompt plus an answer would
+    pass `max_length` (render's cut: tokens beyond it never reach training). Appends each answer to
+    conv["messages"]; returns (generated tokens, seconds in generate)."""
+    import time as _time
+
+    tokens, seconds = 0, 0.0
+    for c in convs:
+        c["finish_reason"], c["turn_prompt_ids"] = None, c["prompt_ids"]
+    active = list(convs)
+    turn = 0
+    while active:
+        t0 = _time.time()
+        answers = generate_batch(model, [c["turn_prompt_ids"] for c in active], target.eos_token_id,
+                                 target.tokenizer.pad_token_id, cfg)
+        seconds += _time.time() - t0
+        still = []
+        for c, (ids, finish) in zip(active, answers):
+            c["messages"].append(_assistant_message(target, ids, finish))
+            c["finish_reason"] = finish
+            tokens += len(ids)
+            if turn < len(c["later_users"]) and (not cfg.max_turns or turn + 1 < cfg.max_turns):
+                nxt = c["messages"] + [{"role": "user", "content": c["later_users"][turn]}]
+                ids_next = target.chat_ids([_as_history(m) for m in nxt], add_generation_prompt=True)
+                if len(ids_next) + cfg.max_new_tokens <= max_length:
+                    c["messages"], c["turn_prompt_ids"] = nxt, ids_next
+                    still.append(c)
+        if bar is not None:
+            bar.update(len(active) - len(still))
+        active, turn = still, turn + 1
+    return tokens, seconds
+
+
+def _as_history(message: dict) -> dict:
+    """A message as the template is given it: an earlier answer's text, not its ids or bookkeeping."""
+    return {k: v for k, v in message.items() if k in ("role", "content")}
+
+
 def run_inprocess(recipe: Recipe, run: Run) -> dict:
     import torch
     from tqdm import tqdm
@@ -216,7 +258,6 @@ def run_inprocess(recipe: Recipe, run: Run) -> dict:
     cfg = recipe.gen
     t_start = time.time()
     target = Target(recipe.target.model, recipe.target.aux_layer_ids)
-    tok = target.tokenizer
     out_path = run.path / CONVERSATIONS
     done = finished_ids(out_path)
     chosen, too_long = select_prompts(recipe, target, "train", num_samples(recipe))
@@ -226,39 +267,41 @@ def run_inprocess(recipe: Recipe, run: Run) -> dict:
     counts = {"prompts": len(chosen), "skipped_too_long": too_long, "already_done": len(chosen) - len(pending)}
     generated_tokens = 0
     stopped = 0
+    turns = 0
     gen_seconds = 0.0
     sampling = {"temperature": cfg.temperature, "top_p": cfg.top_p, "max_new_tokens": cfg.max_new_tokens,
-                "seed": cfg.seed, "dtype": cfg.dtype}
+                "seed": cfg.seed, "dtype": cfg.dtype, "max_turns": cfg.max_turns}
     if pending:
         model = target.load_model(cfg.dtype, cfg.device)
         torch.manual_seed(cfg.seed)
         bar = tqdm(total=len(pending), desc="gen", unit="conv")
         with open(out_path, "a", encoding="utf-8") as f:
+            # A batch of conversations is saved once all its turns are answered: a cut run redoes at most
+            # one batch, and a saved conversation is always whole.
             for start in range(0, len(pending), cfg.batch_size):
                 batch = pending[start:start + cfg.batch_size]
-                t0 = time.time()
-                answers = generate_batch(model, [c["prompt_ids"] for c in batch], target.eos_token_id,
-                                         tok.pad_token_id, cfg)
-                gen_seconds += time.time() - t0
-                for conv, (ids, finish) in zip(batch, answers):
+                batch_tokens, batch_seconds = answer_turns(model, target, batch, cfg, recipe.render.max_length, bar)
+                generated_tokens += batch_tokens
+                gen_seconds += batch_seconds
+                for conv in batch:
+                    answers = [m for m in conv["messages"] if m["role"] == "assistant"]
                     record = {
                         "id": conv["id"],
                         "split": "train",
-                        "messages": conv["messages"] + [_assistant_message(target, ids, finish)],
-                        "finish_reason": finish,
+                        "messages": conv["messages"],
+                        "finish_reason": conv["finish_reason"],
                         "prompt_tokens": len(conv["prompt_ids"]),
                         "generator": {"kind": "inprocess", "target": target.describe()["fingerprint"],
                                       "sampling": sampling},
                     }
                     f.write(json.dumps(record, ensure_ascii=False) + "\n")
-                    generated_tokens += len(ids)
-                    stopped += finish == "stop"
+                    turns += len(answers)
+                    stopped += sum(m["token_ids"][-1:] == [target.eos_token_id] for m in answers)
                 f.flush()
                 os.fsync(f.fileno())
-                bar.update(len(batch))
                 bar.set_postfix(tok_s=f"{generated_tokens / max(gen_seconds, 1e-9):.0f}")
         bar.close()
-    counts.update({"generated": len(pending), "records": len(finished_ids(out_path)),
+    counts.update({"generated": len(pending), "turns": turns, "records": len(finished_ids(out_path)),
                    "generated_tokens": generated_tokens, "finished_with_eos": stopped})
     metrics = {"tokens_per_s": round(generated_tokens / gen_seconds, 1) if gen_seconds else None}
     return run.record("gen", state="done", config=cfg, counts=counts, metrics=metrics,
