@@ -12,7 +12,9 @@ DEADLINE=${1:-540}
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 M=${M:-/tmp/specdraft-gpu}; G=${G:-$M/SmolLM2-135M-Instruct.Q4_1.gguf}
 export PYTHONPATH=$PWD:$M/site SPECDRAFT_CACHE=$M/cache
-R=$M/runs/smollm2-h200; R8=$R-fp8; RS=$R-source; RES=$M/results; mkdir -p $RES $R
+# TURNS=N answers N user turns of each conversation (0: all, up to render.max_length) in a run of its own;
+# its CONV must be a carried conversations.jsonl.gz of the same TURNS.
+R=$M/runs/smollm2-h200${TURNS:+-turns$TURNS}; R8=$R-fp8; RS=$R-source; RES=$M/results; mkdir -p $RES $R
 LOG=$RES/h200.log
 S="python3 -m specdraft.cli"
 SOURCE_SAMPLES=${SOURCE_SAMPLES:-3300}  # >= 3,000 training samples after the 5 % held out
@@ -33,7 +35,7 @@ stage() {
 }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >> $LOG
 if [ -n "$CONV" ] && [ ! -f $R/conversations.jsonl ]; then gunzip -c $CONV > $R/conversations.jsonl; fi
-first="--recipe smollm2-h200 --set target.model=$G"
+first="--recipe smollm2-h200 --set target.model=$G ${TURNS:+--set gen.max_turns=$TURNS}"
 [ -f $R/manifest.json ] && first=""
 stage $R gen $first $EXTRA && stage $R render && stage $R extract && data=1
 # The fp8 copy reads RUN's tokens: only its extract runs.
