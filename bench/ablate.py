@@ -156,9 +156,12 @@ def train_all(jobs: list[tuple[Variant, Path, list[str]]], parallel: int, deadli
 
 class Scorer:
     """Scores checkpoints on the base run's held-out samples: the target's weights, the held-out rows and
-    the target's top tokens there are loaded once and shared by every variant."""
+    the target's top tokens there are loaded once and shared by every variant. With `decode_prompts`,
+    also by the reference decoder on that many held-out prompts (the eval stage's engine, chain and tree
+    shapes): the simulated τ ranks chains only, and a small draft vocabulary that wins it lost in the
+    tree on the real decoder (bench/ablations.md)."""
 
-    def __init__(self, base_run: Path, device):
+    def __init__(self, base_run: Path, device, decode_prompts: int = 0):
         from specdraft.hidden.store import HiddenStore
         from specdraft.targets import Target
         from specdraft.train import pack, split_holdout, target_top_tokens
@@ -173,6 +176,33 @@ class Scorer:
         lengths = [len(self.source.tokens(i)[0]) for i in range(len(self.source))]
         self.rows = pack(self.held, lengths, self.cfg.batch_tokens)
         self.device = device
+        self.prompts = []
+        if decode_prompts:
+            from specdraft.evaluate.speculate import decode_capacity, load_prompts, make_runner
+
+            self.eval_cfg = dataclasses.replace(recipe.eval, num_prompts=decode_prompts)
+            model = self.target.load_model(self.eval_cfg.dtype, device=str(device))
+            self.runner = make_runner(self.target, model, self.eval_cfg.engine)
+            self.prompts = load_prompts(dataclasses.replace(recipe, eval=self.eval_cfg), self.target)
+            self.runner.reserve(decode_capacity(self.prompts, self.eval_cfg))
+
+    def decode(self, drafter) -> dict:
+        """τ of the reference decoder, chain and tree, over the held-out prompts (greedy)."""
+        import torch
+
+        from specdraft.evaluate.speculate import Stats, TreeShape, speculative
+
+        c = self.eval_cfg
+        drafter = drafter.to(self.device, getattr(torch, c.dtype))
+        out = {"decode_prompts": len(self.prompts), "decode_new_tokens": c.max_new_tokens}
+        for name, shape in (("chain", TreeShape.chain(c.draft_tokens)), ("tree", TreeShape(c.tree_topk, c.tree_depth, c.tree_tokens))):
+            stats = Stats(shape.depth)
+            for p in self.prompts:
+                speculative(self.runner, drafter, p["prompt_ids"], c.max_new_tokens, self.target.eos_token_id, shape, stats)
+            summary = stats.summary()
+            out[f"decoded_tau_{name}"] = summary["tau"]
+            out[f"decoded_per_position_{name}"] = summary["per_position_acceptance"]
+        return out
 
     def __call__(self, v: Variant, folder: Path) -> dict:
         import math
@@ -215,6 +245,8 @@ class Scorer:
             # what this drafter trained with, so rows of tables with other defaults can still be told apart
             "train": dataclasses.asdict(cfg),
         })
+        if self.prompts:
+            row.update(self.decode(drafter))
         return row
 
 
@@ -229,6 +261,7 @@ def report(lines: list[dict], path: Path, hardware: str, parallel: int) -> None:
     readings = old[old.index(READINGS):] if READINGS in old else ""
     sets = lines[0].get("sets") if lines else None
     base = next((r for r in lines if r["name"] == "base" and key in r), None)
+    decoded = any("decoded_tau_chain" in r for r in lines)
     out = ["# Ablations of the smollm2-h200 recipe",
            "",
            "Written by `bench/ablate.py` from `bench/results/ablations-h200.jsonl`. Each row is the recipe "
@@ -244,8 +277,8 @@ def report(lines: list[dict], path: Path, hardware: str, parallel: int) -> None:
                f" Every variant but RUN's own drafter also had `{' '.join(sets)}`." if sets else ""),
            "",
            f"| factor | setting | τ K={SERVED_K} | τ K={EVAL_STEPS} | Δ τ{SERVED_K} vs base | cond. acceptance 0/1/2 "
-           "| held-out acc0 | train acc0 | samples | steps | train s | trainable M |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           "| held-out acc0 | train acc0 | samples | steps | train s | trainable M |" + (" decoded τ chain / tree |" if decoded else ""),
+           "|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if decoded else "")]
     groups: dict[str, list[dict]] = {}
     for r in lines:
         groups.setdefault(r["factor"], []).append(r)
@@ -265,9 +298,15 @@ def report(lines: list[dict], path: Path, hardware: str, parallel: int) -> None:
             secs = f"{r['train_seconds']:.0f}" if r["train_seconds"] else ""
             out.append(f"| {factor} | {r['label']}{done} | {cell} | {r[f'tau_{EVAL_STEPS}']:.3f} | {delta} | {cond} "
                        f"| {r['acc0']:.3f} | {train_acc} | {r['samples'] or ''} | {r['steps'] or ''} | {secs} "
-                       f"| {tp} |")
+                       f"| {tp} |" + (f" {r['decoded_tau_chain']:.3f} / {r['decoded_tau_tree']:.3f} |"
+                                     if "decoded_tau_chain" in r else " |" if decoded else ""))
     cut = [r for r in lines if r.get("state") != "done"]
     out += ["", "A bold τ is the best of its factor, the base (recipe defaults) included."]
+    if decoded:
+        d = next(r for r in lines if "decoded_tau_chain" in r)
+        out += ["", f"Decoded τ: the reference decoder (greedy, the eval stage's engine) on {d['decode_prompts']} held-out "
+                f"prompts × {d['decode_new_tokens']} tokens, chain of K = {SERVED_K} and the recipe's tree: what a served "
+                "drafter reaches, where the simulated τ only ranks chains."]
     if cut:
         out += ["", f"Partial: {len(cut)} of {len(lines)} variants did not finish (a setting marked with its state and "
                 "step was scored at that step; 'not trained' ones have no checkpoint). Compare partial rows only "
@@ -292,6 +331,8 @@ def main() -> int:
     p.add_argument("--skip", default="", help="comma-separated variant names left out (data-all: RUN's own "
                    "drafter, when it is already trained elsewhere)")
     p.add_argument("--set", action="append", default=[], help="SECTION.FIELD=VALUE for every variant")
+    p.add_argument("--decode-prompts", type=int, default=0, help="also decode this many held-out prompts "
+                   "with each drafter (reference decoder, chain and tree; ~15 s a variant for 16 on an H200)")
     p.add_argument("--out", type=Path, default=Path("bench/results/ablations-h200.jsonl"))
     p.add_argument("--markdown", type=Path, default=Path("bench/ablations.md"))
     p.add_argument("--report", type=Path, help="only rewrite the Markdown from this JSONL")
@@ -320,7 +361,7 @@ def main() -> int:
         jobs.append((v, folder, train_command(v, folder, 0 if v.all_samples else args.samples, args.set,
                                                loader_workers(args.parallel))))
     train_all(jobs, args.parallel, deadline)
-    scorer = Scorer(args.run, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    scorer = Scorer(args.run, torch.device("cuda" if torch.cuda.is_available() else "cpu"), args.decode_prompts)
     lines = []
     for v, folder, _ in jobs:
         row = scorer(v, folder)

@@ -114,3 +114,13 @@ def test_each_training_gets_its_share_of_loader_workers(tmp_path):
     assert all(module.loader_workers(p) >= 1 for p in (1, 2, 64, 1024))
     run_variant = next(v for v in module.variants(3000) if v.is_run)
     assert "--set" not in module.train_command(run_variant, tmp_path, 0, [], 8)
+
+
+def test_report_shows_the_decoded_tau_where_a_row_has_it(tmp_path):
+    decoded = {**row("base", "base", 2.0), "decoded_tau_chain": 1.9, "decoded_tau_tree": 3.1,
+               "decode_prompts": 16, "decode_new_tokens": 128}
+    md = tmp_path / "ablations.md"
+    ablate().report([decoded, row("ttt-1", "TTT steps", 1.7)], md, "test machine", 2)
+    text = md.read_text()
+    assert "| 1.900 / 3.100 |" in text and "16 held-out prompts × 128 tokens" in text
+    assert text.count("decoded τ chain / tree") == 1
