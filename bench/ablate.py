@@ -74,6 +74,8 @@ def variants(samples: int) -> list[Variant]:
         Variant("head-target-frozen", "lm_head init", "the target's, frozen", {"train.lm_head_init": "target-frozen"}),
         Variant("residual-normed", "residual", "after hidden_norm", {"train.norm_before_residual": True}),
         Variant("wd-0.1", "weight decay", "0.1", {"train.weight_decay": 0.1}),
+        Variant("muon", "optimizer", "Muon, weight decay 0.1 (speculators')",
+                {"train.optimizer": "muon", "train.weight_decay": 0.1}),
         # The issue's factors next, the defaults last flipped and those a served drafter hinges on most first.
         Variant("norms-off", "EAGLE-3.1 norms", "off",
                 {"train.fc_norm": False, "train.norm_output": False}),

@@ -137,6 +137,9 @@ class TrainConfig:
     epochs: int = 10
     lr: float = 1e-3
     weight_decay: float = 0.0
+    # "adamw", or "muon": torch's Muon on the layer's and fc's weight matrices (lr matched to AdamW's RMS,
+    # so the same lr), AdamW on lm_head and the norms; speculators 0.9.0 trains its drafters with Muon.
+    optimizer: str = "adamw"
     warmup_steps: int = 20
     grad_clip: float = 1.0
     batch_tokens: int = 8192

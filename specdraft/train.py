@@ -51,6 +51,7 @@ PAD_DOCUMENT = -1
 NO_DOCUMENT = -2
 LOSSES = ("soft_ce", "kl", "lk")
 HEAD_INITS = ("random", "target", "target-frozen")
+OPTIMIZERS = ("adamw", "muon")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -495,6 +496,11 @@ def run(recipe: Recipe, run: Run) -> dict:
         raise ValueError(f"train.loss = {cfg.loss!r}: expected one of {', '.join(LOSSES)}")
     if cfg.lm_head_init not in HEAD_INITS:
         raise ValueError(f"train.lm_head_init = {cfg.lm_head_init!r}: expected one of {', '.join(HEAD_INITS)}")
+    if cfg.optimizer not in OPTIMIZERS:
+        raise ValueError(f"train.optimizer = {cfg.optimizer!r}: expected one of {', '.join(OPTIMIZERS)}")
+    if cfg.optimizer == "muon" and cfg.parallel == "fsdp":
+        # Muon orthogonalises whole matrices; FSDP holds each rank's shard only.
+        raise ValueError("train.optimizer = 'muon' needs whole weight matrices: use train.parallel = 'ddp'")
     t_start = time.time()
     if cfg.hidden == "disk":
         run.require("extract")
@@ -541,10 +547,10 @@ def run(recipe: Recipe, run: Run) -> dict:
     wrapped = wrap(model, cfg.parallel, world, device)
     params = [p for p in wrapped.parameters() if p.requires_grad]
     n_trainable = sum(p.numel() for p in drafter.parameters() if p.requires_grad)
-    optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    optimizers = make_optimizers(wrapped, cfg)
     steps_per_epoch = epoch_steps(train_idx, lengths, cfg)
     total_steps = cfg.epochs * steps_per_epoch
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, total_steps, cfg))
+    schedulers = [torch.optim.lr_scheduler.LambdaLR(o, lambda s: lr_factor(s, total_steps, cfg)) for o in optimizers]
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.autocast_dtype == "bfloat16")
     held_rows = pack(held_idx, lengths, cfg.batch_tokens)
 
@@ -560,7 +566,7 @@ def run(recipe: Recipe, run: Run) -> dict:
     if world > 1:
         torch.distributed.barrier()  # every rank has decided before rank 0 rewrites the manifest
     if resumed:
-        resume_from(ckpt_dir / LATEST, cfg, wrapped, optimizer, scheduler, state)
+        resume_from(ckpt_dir / LATEST, cfg, wrapped, optimizers, schedulers, state)
     if rank == 0:
         if not resumed:
             shutil.rmtree(ckpt_dir, ignore_errors=True)
@@ -579,11 +585,11 @@ def run(recipe: Recipe, run: Run) -> dict:
 
         full = StateDictOptions(full_state_dict=True, cpu_offload=True)
         model_state = get_model_state_dict(wrapped, options=full)
-        optim_state = get_optimizer_state_dict(wrapped, optimizer, options=full)
+        optim_state = get_optimizer_state_dict(wrapped, optimizers, options=full)
         if rank != 0:
             return
         trainable = {k: v for k, v in model_state.items() if "embed_tokens" not in k}
-        extra = {"model": trainable, "optimizer": optim_state, "scheduler": scheduler.state_dict(),
+        extra = {"model": trainable, "optimizer": optim_state, "scheduler": [x.state_dict() for x in schedulers],
                  "state": dict(state), "rng": rng_state()}
         save = Eagle3Drafter(dcfg)
         save.load_state_dict({k.removeprefix("drafter."): v for k, v in model_state.items()})
@@ -607,9 +613,10 @@ def run(recipe: Recipe, run: Run) -> dict:
                 (loss / len(micro)).backward()
             step_stats += stats
         torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
+        for optimizer, scheduler in zip(optimizers, schedulers):
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
         step_tokens = all_sum(torch.tensor(float(tokens), device=device), world)
         all_sum(step_stats, world)
         state["step"] += 1
@@ -618,7 +625,7 @@ def run(recipe: Recipe, run: Run) -> dict:
         if rank == 0:
             s = summarize(step_stats.cpu())
             weighted = sum(cfg.step_weight_decay ** i * x for i, x in enumerate(s["loss"]))
-            record = {"kind": "train", "step": state["step"], "epoch": epoch, "lr": scheduler.get_last_lr()[0],
+            record = {"kind": "train", "step": state["step"], "epoch": epoch, "lr": schedulers[0].get_last_lr()[0],
                       "weighted_loss": round(weighted, 6), **s}
             with open(log_path, "a") as f:
                 f.write(json.dumps(record) + "\n")
@@ -693,10 +700,23 @@ def rng_state() -> dict:
 # Fields that fix the data order, the schedule or the shapes: a resumed run must keep them.
 RESUME_FIXED = ("seed", "batch_tokens", "micro_batches", "epochs", "holdout", "draft_vocab_size", "ttt_steps",
                 "lr", "warmup_steps", "schedule", "norm_before_fc", "fc_norm", "norm_output", "norm_before_residual",
-                "lm_head_init")
+                "lm_head_init", "optimizer")
 
 
-def resume_from(path: Path, cfg: TrainConfig, wrapped, optimizer, scheduler, state: dict) -> None:
+def make_optimizers(wrapped, cfg: TrainConfig) -> list:
+    """AdamW over every trainable parameter; or Muon over the weight matrices of fc and the layer with
+    AdamW over the rest (lm_head's rows are per-token classifiers, not a map Muon should orthogonalise,
+    and the norms are vectors)."""
+    named = [(n, p) for n, p in wrapped.named_parameters() if p.requires_grad]
+    if cfg.optimizer == "adamw":
+        return [torch.optim.AdamW([p for _, p in named], lr=cfg.lr, weight_decay=cfg.weight_decay)]
+    matrices = [p for n, p in named if p.ndim == 2 and "lm_head" not in n]
+    rest = [p for n, p in named if not (p.ndim == 2 and "lm_head" not in n)]
+    out = [torch.optim.Muon(matrices, lr=cfg.lr, weight_decay=cfg.weight_decay, adjust_lr_fn="match_rms_adamw")]
+    return out + ([torch.optim.AdamW(rest, lr=cfg.lr, weight_decay=cfg.weight_decay)] if rest else [])
+
+
+def resume_from(path: Path, cfg: TrainConfig, wrapped, optimizers: list, schedulers: list, state: dict) -> None:
     """Load model, optimizer, scheduler, data position and RNG from a complete checkpoint."""
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
                                                           set_optimizer_state_dict)
@@ -712,8 +732,10 @@ def resume_from(path: Path, cfg: TrainConfig, wrapped, optimizer, scheduler, sta
     extra = torch.load(path / "trainer.pt", weights_only=False)
     full = StateDictOptions(full_state_dict=True, strict=False)
     set_model_state_dict(wrapped, extra["model"], options=full)
-    set_optimizer_state_dict(wrapped, optimizer, extra["optimizer"], options=full)
-    scheduler.load_state_dict(extra["scheduler"])
+    set_optimizer_state_dict(wrapped, optimizers, extra["optimizer"], options=full)
+    saved_schedulers = extra["scheduler"] if isinstance(extra["scheduler"], list) else [extra["scheduler"]]
+    for scheduler, saved_state in zip(schedulers, saved_schedulers, strict=True):
+        scheduler.load_state_dict(saved_state)
     state.update(extra["state"])
     torch.set_rng_state(extra["rng"]["torch"])
     random.setstate(extra["rng"]["python"])

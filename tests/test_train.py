@@ -276,3 +276,42 @@ def test_every_epoch_has_its_steps_when_packing_differs():
     seen = [epoch for epoch, _ in step_batches(source, tops, idx, lengths, cfg, 0, per_epoch, 0, 1,
                                                torch.device("cpu"))]
     assert seen == [e for e in range(cfg.epochs) for _ in range(per_epoch)]
+
+
+@pytest.mark.slow
+def test_muon_trains_the_matrices_and_resumes(extracted_run, tmp_path, capsys):
+    """train.optimizer = "muon": Muon over fc's and the layer's matrices, AdamW over lm_head and the
+    norms; both optimizers' states and schedules are checkpointed, so a stopped run resumes."""
+    import dataclasses
+
+    from specdraft.config import TrainConfig
+    from specdraft.train import make_optimizers
+
+    drafter = Eagle3Drafter(DrafterConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                          intermediate_size=64, vocab_size=100, draft_vocab_size=50, target_hidden_size=32,
+                                          aux_layer_ids=[0, 1, 2]))
+    drafter.embed_tokens.weight.requires_grad_(False)
+    muon, adamw = make_optimizers(drafter, dataclasses.replace(TrainConfig(), optimizer="muon"))
+    names = {id(p): n for n, p in drafter.named_parameters()}
+    in_muon = {names[id(p)] for g in muon.param_groups for p in g["params"]}
+    in_adamw = {names[id(p)] for g in adamw.param_groups for p in g["params"]}
+    assert "fc.weight" in in_muon and any("q_proj" in n for n in in_muon) and "lm_head.weight" in in_adamw
+    assert not in_muon & in_adamw and all(drafter.get_parameter(n).ndim == 2 for n in in_muon)
+    assert any("norm" in n for n in in_adamw) and "embed_tokens.weight" not in in_muon | in_adamw
+
+    run = fresh_copy(extracted_run, tmp_path, "muon")
+    args = cli(run, extracted_run, "--set", "train.optimizer=muon", "--set", "train.weight_decay=0.1",
+               "--set", "train.epochs=2", "--set", "train.checkpoint_every=1")
+    assert main(args) == 0
+    manifest = json.loads((run / "manifest.json").read_text())
+    log = [json.loads(line) for line in (run / "checkpoints" / TRAIN_LOG).read_text().splitlines()]
+    first, last = log[0], [r for r in log if r["kind"] == "train"][-1]
+    assert last["weighted_loss"] < first["weighted_loss"]
+    # Stopped before it was recorded done: the next run resumes from `latest`, both optimizers included.
+    manifest["stages"]["train"]["state"] = "partial"
+    (run / "manifest.json").write_text(json.dumps(manifest))
+    capsys.readouterr()
+    assert main(args) == 0
+    assert f"resumed at step {last['step']}" in capsys.readouterr().out
+    log_after = [json.loads(line) for line in (run / "checkpoints" / TRAIN_LOG).read_text().splitlines()]
+    assert [r["step"] for r in log_after if r["kind"] == "train"] == [r["step"] for r in log if r["kind"] == "train"]
