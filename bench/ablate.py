@@ -35,7 +35,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from specdraft import environment  # noqa: E402
-from specdraft.run import Run  # noqa: E402
+from specdraft.run import Run, write_json  # noqa: E402
 
 # Every variant is scored by rolling its drafter out this many steps; tau at 3 is what vLLM serves
 # with 3 speculative tokens.
@@ -124,9 +124,10 @@ def train_done(folder: Path) -> bool:
     return m["stages"].get("train", {}).get("state") == "done"
 
 
-def train_all(jobs: list[tuple[Variant, Path, list[str]]], parallel: int, deadline: float) -> None:
+def train_all(jobs: list[tuple[Variant, Path, list[str]]], parallel: int, deadline: float, on_done=None) -> None:
     """Run the trainings, `parallel` at a time, until all are done or the deadline; cut ones are
-    stopped with SIGTERM (they resume from `latest` next time)."""
+    stopped with SIGTERM (they resume from `latest` next time). `on_done(variant, folder)` runs as each
+    finishes (the scoring, while the others train)."""
     pending = [(v, f, c) for v, f, c in jobs if not train_done(f)]
     running: list[tuple[Variant, subprocess.Popen, float]] = []
     while pending or running:
@@ -144,6 +145,8 @@ def train_all(jobs: list[tuple[Variant, Path, list[str]]], parallel: int, deadli
             if p.poll() is not None:
                 running.remove(item)
                 print(f"ablate: {v.name} exited {p.returncode} after {time.time() - t0:.0f} s", flush=True)
+                if p.returncode == 0 and on_done is not None:
+                    on_done(v, next(f for w, f, _ in jobs if w is v))
         if time.time() >= deadline:
             for v, p, _ in running:
                 os.killpg(p.pid, signal.SIGTERM)
@@ -252,6 +255,28 @@ class Scorer:
         return row
 
 
+SCORE_FILE = "ablation_score.json"
+
+
+def score_key(folder: Path, decode_prompts: int) -> dict:
+    """What a variant's score depends on: its train state, the checkpoint scored and its step."""
+    from specdraft.train import BEST, CHECKPOINTS, COMPLETE, FINAL, LATEST
+
+    ckpt = next((folder / CHECKPOINTS / n for n in (BEST, FINAL, LATEST)
+                 if (folder / CHECKPOINTS / n / COMPLETE).exists()), None)
+    step = json.loads((ckpt / "config.json").read_text()).get("step") if ckpt else None
+    return {"state": (Run(folder).stage("train") or {}).get("state"), "checkpoint": ckpt.name if ckpt else None,
+            "step": step, "decode_prompts": decode_prompts}
+
+
+def cached_score(folder: Path, key: dict) -> dict | None:
+    path = folder / SCORE_FILE
+    if not path.exists():
+        return None
+    saved = json.loads(path.read_text())
+    return saved["row"] if saved["key"] == key else None
+
+
 READINGS = "## Readings"
 
 
@@ -335,6 +360,8 @@ def main() -> int:
     p.add_argument("--set", action="append", default=[], help="SECTION.FIELD=VALUE for every variant")
     p.add_argument("--decode-prompts", type=int, default=0, help="also decode this many held-out prompts "
                    "with each drafter (reference decoder, chain and tree; ~15 s a variant for 16 on an H200)")
+    p.add_argument("--score-reserve", type=float, default=0, help="seconds before the deadline that training "
+                   "stops, left for scoring (rows scored before are reused)")
     p.add_argument("--out", type=Path, default=Path("bench/results/ablations-h200.jsonl"))
     p.add_argument("--markdown", type=Path, default=Path("bench/ablations.md"))
     p.add_argument("--report", type=Path, help="only rewrite the Markdown from this JSONL")
@@ -362,11 +389,29 @@ def main() -> int:
             Run(folder).share_data(data_runs[v.data], through="extract")
         jobs.append((v, folder, train_command(v, folder, 0 if v.all_samples else args.samples, args.set,
                                                loader_workers(args.parallel))))
-    train_all(jobs, args.parallel, deadline)
-    scorer = Scorer(args.run, torch.device("cuda" if torch.cuda.is_available() else "cpu"), args.decode_prompts)
+    scorer = None
+
+    def score(v: Variant, folder: Path) -> dict | None:
+        """The variant's row: kept beside its checkpoint, so a later call scores only what is new."""
+        nonlocal scorer
+        key = score_key(folder, args.decode_prompts)
+        row = cached_score(folder, key)
+        if row is None and time.time() < deadline:
+            scorer = scorer or Scorer(args.run, torch.device("cuda" if torch.cuda.is_available() else "cpu"),
+                                      args.decode_prompts)
+            row = scorer(v, folder)
+            write_json(folder / SCORE_FILE, {"key": key, "row": row})
+        return row
+
+    # Each variant is scored as it finishes; training stops `--score-reserve` seconds before the deadline,
+    # left for scoring the variants cut there.
+    train_all(jobs, args.parallel, deadline - args.score_reserve, on_done=score)
     lines = []
     for v, folder, _ in jobs:
-        row = scorer(v, folder)
+        row = score(v, folder)
+        if row is None:
+            row = {"name": v.name, "factor": v.factor, "label": v.label, "overrides": v.overrides, "data": v.data,
+                   "state": "not scored (deadline)"}
         row.update({"hardware": hardware, "parallel": args.parallel, "sets": args.set})
         lines.append(row)
         print(json.dumps(row), flush=True)

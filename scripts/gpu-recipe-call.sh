@@ -60,7 +60,7 @@ fi
 if [ -n "$ready" ] && [ $(left) -gt 60 ]; then
   echo "== ablate (budget $(left)s) $(date +%T)" >> $LOG
   python3 bench/ablate.py $R --fp8-run $R8 --source-run $RS --deadline $(( $(left) - 45 )) \
-    --parallel ${ABLATE_PARALLEL:-2} $SKIP --decode-prompts ${DECODE_PROMPTS:-16} --set train.eval_every=100000 --set train.checkpoint_every=150 \
+    --parallel ${ABLATE_PARALLEL:-2} $SKIP --decode-prompts ${DECODE_PROMPTS:-16} --score-reserve 60 --set train.eval_every=100000 --set train.checkpoint_every=150 \
     ${ABLATE_EXTRA---set train.epochs=5} \
     --out $RES/ablations-h200.jsonl --markdown $RES/ablations.md >> $LOG 2>&1
   echo "== ablate rc=$? $(date +%T)" >> $LOG

@@ -124,3 +124,26 @@ def test_report_shows_the_decoded_tau_where_a_row_has_it(tmp_path):
     text = md.read_text()
     assert "| 1.900 / 3.100 |" in text and "16 held-out prompts × 128 tokens" in text
     assert text.count("decoded τ chain / tree") == 1
+
+
+def test_a_score_is_reused_only_for_the_checkpoint_it_scored(tmp_path):
+    """Rows scored in an earlier device call are kept beside the checkpoint; a newer checkpoint (a cut
+    variant that trained on) or another decode setting is scored again."""
+    from specdraft.run import Run, write_json
+    from specdraft.train import BEST, CHECKPOINTS, COMPLETE
+
+    module = ablate()
+    folder = tmp_path / "variant"
+    Run(folder).save_manifest({"stages": {"train": {"state": "partial"}}})
+    best = folder / CHECKPOINTS / BEST
+    best.mkdir(parents=True)
+    (best / COMPLETE).write_text("")
+    write_json(best / "config.json", {"step": 150})
+    key = module.score_key(folder, 16)
+    assert key == {"state": "partial", "checkpoint": BEST, "step": 150, "decode_prompts": 16}
+    assert module.cached_score(folder, key) is None
+    write_json(folder / module.SCORE_FILE, {"key": key, "row": {"tau_3": 2.0}})
+    assert module.cached_score(folder, module.score_key(folder, 16)) == {"tau_3": 2.0}
+    assert module.cached_score(folder, module.score_key(folder, 0)) is None
+    write_json(best / "config.json", {"step": 300})
+    assert module.cached_score(folder, module.score_key(folder, 16)) is None
