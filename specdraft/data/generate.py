@@ -217,18 +217,16 @@ def answer_turns(model, target: Target, convs: list[dict], cfg, max_length: int,
     ends at `cfg.max_turns` (0: all), at its last user turn, or when the next prompt plus an answer would
     pass `max_length` (render's cut: tokens beyond it never reach training). Appends each answer to
     conv["messages"]; returns (generated tokens, seconds in generate)."""
-    import time as _time
-
     tokens, seconds = 0, 0.0
     for c in convs:
         c["finish_reason"], c["turn_prompt_ids"] = None, c["prompt_ids"]
     active = list(convs)
     turn = 0
     while active:
-        t0 = _time.time()
+        t0 = time.time()
         answers = generate_batch(model, [c["turn_prompt_ids"] for c in active], target.eos_token_id,
                                  target.tokenizer.pad_token_id, cfg)
-        seconds += _time.time() - t0
+        seconds += time.time() - t0
         still = []
         for c, (ids, finish) in zip(active, answers):
             c["messages"].append(_assistant_message(target, ids, finish))
