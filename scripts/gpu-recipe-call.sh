@@ -34,6 +34,11 @@ stage() {
   [ "$(state $run $st)" = done ]
 }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >> $LOG
+# fp8 hidden states are dequantised on the CPU (the loader, and the target's top tokens at start): how fast
+# this torch converts float8 there (2.13 on a 2-core CPU: ~0.3 G values/s per core) — a slow conversion
+# is one suspect for the fp8 ablation that logged no step in 130 s on 2026-12-03.
+python3 -c "import torch,time; q=torch.randn(10**8).to(torch.float8_e4m3fn); t=time.time(); q.float(); \
+print(f'fp8->float on CPU: {1e8/(time.time()-t)/1e9:.2f} G values/s, torch {torch.__version__}')" >> $LOG 2>&1
 if [ -n "$CONV" ] && [ ! -f $R/conversations.jsonl ]; then gunzip -c $CONV > $R/conversations.jsonl; fi
 first="--recipe smollm2-h200 --set target.model=$G ${TURNS:+--set gen.max_turns=$TURNS}"
 [ -f $R/manifest.json ] && first=""
