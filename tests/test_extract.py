@@ -177,6 +177,8 @@ def test_fp8_store_halves_the_disk_and_decodes_close(bf16_run, fp8_run):
             assert y[name].dtype == torch.bfloat16
             rel = ((y[name].float() - x[name].float()).norm() / x[name].float().norm()).item()
             assert rel < 0.05, (i, name, rel)
+        # the last layer alone (the target's top tokens) is the same tensor, read without the aux states
+        assert torch.equal(a.last(i), x["last"]) and torch.equal(b.last(i), y["last"])
 
 
 def test_disk_check_refuses_a_run_that_does_not_fit(rendered, tmp_path):
@@ -289,6 +291,9 @@ def test_online_gives_the_disk_tensors(bf16_run):
                     else:
                         rel = ((x.float() - y.float()).norm() / y.float().norm()).item()
                         assert rel < 0.01, (i, name, rel)  # bf16's unit roundoff is 0.4 %
+    for i in (0, len(disk) - 1):  # the last layer alone (the target's top tokens), the sample run by itself
+        alone, ref = online.last(i).float(), disk[i]["last"].float()
+        assert alone.shape == ref.shape and ((alone - ref).norm() / ref.norm()).item() < 0.01
     with pytest.raises(ValueError, match="num_workers"):
         online.loader(other, num_workers=2)
 

@@ -380,6 +380,9 @@ class OnlineHidden:
     def __len__(self) -> int:
         return len(self.samples)
 
+    def last(self, i: int):
+        return self[i]["last"]
+
     def tokens(self, i: int) -> tuple[list[int], list[int]]:
         return list(self.samples[i][0]), list(self.samples[i][1])
 

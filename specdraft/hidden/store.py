@@ -164,6 +164,13 @@ class HiddenStore:
                 out[name] = self._rows(i, name)
         return out
 
+    def last(self, i: int):
+        """Only sample i's last-layer states [T, H] bfloat16: what the target's top tokens need (fp8 stores
+        dequantise a quarter of what `self[i]` would)."""
+        if self.store_dtype == "fp8_e4m3":
+            return dequantize_fp8(self._rows(i, "last"), self._rows(i, "last_scale"))
+        return self._rows(i, "last")
+
     def tokens(self, i: int) -> tuple[list[int], list[int]]:
         """Only the token ids and loss mask of sample i (cheap: no hidden states are read)."""
         return self._rows(i, "input_ids").tolist(), self._rows(i, "loss_mask").tolist()
