@@ -129,29 +129,29 @@ def train_all(jobs: list[tuple[Variant, Path, list[str]]], parallel: int, deadli
     stopped with SIGTERM (they resume from `latest` next time). `on_done(variant, folder)` runs as each
     finishes (the scoring, while the others train)."""
     pending = [(v, f, c) for v, f, c in jobs if not train_done(f)]
-    running: list[tuple[Variant, subprocess.Popen, float]] = []
+    running: list[tuple[Variant, Path, subprocess.Popen, float]] = []
     while pending or running:
         while pending and len(running) < parallel and time.time() < deadline:
             v, folder, cmd = pending.pop(0)
             log = open(folder / "train.log", "a")
             print(f"ablate: start {v.name}: {' '.join(cmd[3:])}", flush=True)
-            running.append((v, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                                start_new_session=True), time.time()))
+            running.append((v, folder, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                                        start_new_session=True), time.time()))
         if not running:
             break
         time.sleep(POLL_S)
         for item in list(running):
-            v, p, t0 = item
+            v, folder, p, t0 = item
             if p.poll() is not None:
                 running.remove(item)
                 print(f"ablate: {v.name} exited {p.returncode} after {time.time() - t0:.0f} s", flush=True)
                 if p.returncode == 0 and on_done is not None:
-                    on_done(v, next(f for w, f, _ in jobs if w is v))
+                    on_done(v, folder)
         if time.time() >= deadline:
-            for v, p, _ in running:
+            for v, _, p, _ in running:
                 os.killpg(p.pid, signal.SIGTERM)
                 print(f"ablate: {v.name} cut at the deadline (resumes from latest)", flush=True)
-            for v, p, _ in running:
+            for v, _, p, _ in running:
                 try:
                     p.wait(STOP_GRACE_S)
                 except subprocess.TimeoutExpired:
@@ -214,13 +214,12 @@ class Scorer:
 
         import torch
 
-        from specdraft.train import BEST, CHECKPOINTS, COMPLETE, FINAL, LATEST, TTT, evaluate, load_checkpoint
+        from specdraft.train import CHECKPOINTS, TTT, evaluate, load_checkpoint
 
         run = Run(folder)
         cfg = run.recipe().train
-        ckpt = next((folder / CHECKPOINTS / n for n in (BEST, FINAL, LATEST)
-                     if (folder / CHECKPOINTS / n / COMPLETE).exists()), None)
-        row = {"name": v.name, "factor": v.factor, "label": v.label, "overrides": v.overrides, "data": v.data}
+        ckpt = chosen_checkpoint(folder)
+        row = row_head(v)
         stage = run.stage("train") or {}
         row["state"] = stage.get("state", "not started")
         if ckpt is None:
@@ -258,12 +257,22 @@ class Scorer:
 SCORE_FILE = "ablation_score.json"
 
 
-def score_key(folder: Path, decode_prompts: int) -> dict:
-    """What a variant's score depends on: its train state, the checkpoint scored and its step."""
+def row_head(v: Variant) -> dict:
+    """The fields of a variant's row that say what it is, scored or not."""
+    return {"name": v.name, "factor": v.factor, "label": v.label, "overrides": v.overrides, "data": v.data}
+
+
+def chosen_checkpoint(folder: Path) -> Path | None:
+    """The checkpoint a variant is scored by: best, else final, else latest (a cut one); None if none."""
     from specdraft.train import BEST, CHECKPOINTS, COMPLETE, FINAL, LATEST
 
-    ckpt = next((folder / CHECKPOINTS / n for n in (BEST, FINAL, LATEST)
+    return next((folder / CHECKPOINTS / n for n in (BEST, FINAL, LATEST)
                  if (folder / CHECKPOINTS / n / COMPLETE).exists()), None)
+
+
+def score_key(folder: Path, decode_prompts: int) -> dict:
+    """What a variant's score depends on: its train state, the checkpoint scored and its step."""
+    ckpt = chosen_checkpoint(folder)
     step = json.loads((ckpt / "config.json").read_text()).get("step") if ckpt else None
     return {"state": (Run(folder).stage("train") or {}).get("state"), "checkpoint": ckpt.name if ckpt else None,
             "step": step, "decode_prompts": decode_prompts}
@@ -410,8 +419,7 @@ def main() -> int:
     for v, folder, _ in jobs:
         row = score(v, folder)
         if row is None:
-            row = {"name": v.name, "factor": v.factor, "label": v.label, "overrides": v.overrides, "data": v.data,
-                   "state": "not scored (deadline)"}
+            row = {**row_head(v), "state": "not scored (deadline)"}
         row.update({"hardware": hardware, "parallel": args.parallel, "sets": args.set})
         lines.append(row)
         print(json.dumps(row), flush=True)

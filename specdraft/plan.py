@@ -288,10 +288,17 @@ def bytes_per_token(n_states: int, hidden_size: int, store_dtype: str) -> int:
     return n_states * (hidden_size * STORAGE_BYTES[store_dtype] + scale)
 
 
-def answer_turns(recipe: Recipe) -> int:
+def turns_answered(recipe: Recipe) -> int:
     """Answers gen writes per conversation at most: gen.max_turns (0: every user turn, bounded only by
     render.max_length); the source's own answers are first turns only."""
     return 1 if recipe.gen.answers == "source" else recipe.gen.max_turns
+
+
+def per_conversation(recipe: Recipe, per_turn: int) -> int:
+    """At most `per_turn` tokens a turn over the turns answered, never past render.max_length (gen stops
+    a conversation's turns before they pass it)."""
+    turns = turns_answered(recipe)
+    return min(recipe.render.max_length, per_turn * turns) if turns else recipe.render.max_length
 
 
 def expected_tokens(recipe: Recipe, run: Run | None, tokens_per_sample: int | None) -> dict:
@@ -318,9 +325,8 @@ def expected_tokens(recipe: Recipe, run: Run | None, tokens_per_sample: int | No
     else:
         # An upper bound: the longest prompt kept plus the longest answer, per turn, capped by the render
         # length (gen stops a conversation's turns before they pass it).
-        turns = answer_turns(recipe)
-        per_turn = recipe.data.max_prompt_tokens + recipe.gen.max_new_tokens
-        tokens_per_sample = min(recipe.render.max_length, per_turn * turns if turns else recipe.render.max_length)
+        turns = turns_answered(recipe)
+        tokens_per_sample = per_conversation(recipe, recipe.data.max_prompt_tokens + recipe.gen.max_new_tokens)
         per = "data.max_prompt_tokens + gen.max_new_tokens"
         if turns != 1:
             per = f"{turns or 'all'} turns x ({per})"
@@ -456,10 +462,8 @@ def time_table(recipe: Recipe, spec: TargetSpec, tokens: dict, parts: dict, stag
         rows.append({"phase": "gen", "work": 0, "unit": "answer tokens", "rate_per_s": None, "seconds": 0.0,
                      "source": "gen.answers = source: the source's own answers are copied, nothing is generated"})
     else:
-        turns = answer_turns(recipe)
-        per_sample = min(recipe.gen.max_new_tokens * turns, recipe.render.max_length) if turns else recipe.render.max_length
-        answer_tokens = tokens["samples"] * per_sample
-        what = "gen.max_new_tokens" if turns == 1 else "the answers of gen.max_turns turns, within render.max_length"
+        answer_tokens = tokens["samples"] * per_conversation(recipe, recipe.gen.max_new_tokens)
+        what = "gen.max_new_tokens" if turns_answered(recipe) == 1 else "the answers of gen.max_turns turns, within render.max_length"
         row("gen", answer_tokens, f"answer tokens (samples x {what}, an upper bound)", "gen",
             "tokens_per_s", target_scale, "forward FLOPs ratio")
     online = recipe.train.hidden == "online"

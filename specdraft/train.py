@@ -710,8 +710,9 @@ def make_optimizers(wrapped, cfg: TrainConfig) -> list:
     named = [(n, p) for n, p in wrapped.named_parameters() if p.requires_grad]
     if cfg.optimizer == "adamw":
         return [torch.optim.AdamW([p for _, p in named], lr=cfg.lr, weight_decay=cfg.weight_decay)]
-    matrices = [p for n, p in named if p.ndim == 2 and "lm_head" not in n]
-    rest = [p for n, p in named if not (p.ndim == 2 and "lm_head" not in n)]
+    to_muon = {n: p.ndim == 2 and "lm_head" not in n for n, p in named}
+    matrices = [p for n, p in named if to_muon[n]]
+    rest = [p for n, p in named if not to_muon[n]]
     out = [torch.optim.Muon(matrices, lr=cfg.lr, weight_decay=cfg.weight_decay, adjust_lr_fn="match_rms_adamw")]
     return out + ([torch.optim.AdamW(rest, lr=cfg.lr, weight_decay=cfg.weight_decay)] if rest else [])
 

@@ -158,18 +158,19 @@ class HiddenStore:
             raise IndexError(f"sample {i} outside 0..{len(self.samples) - 1}")
         out = {"input_ids": self._rows(i, "input_ids"), "loss_mask": self._rows(i, "loss_mask")}
         for name in ("aux", "last"):
-            if self.store_dtype == "fp8_e4m3":
-                out[name] = dequantize_fp8(self._rows(i, name), self._rows(i, f"{name}_scale"))
-            else:
-                out[name] = self._rows(i, name)
+            out[name] = self._states(i, name)
         return out
+
+    def _states(self, i: int, name: str):
+        """Sample i's `name` states ("aux" or "last") in bfloat16, dequantised when stored as fp8."""
+        if self.store_dtype == "fp8_e4m3":
+            return dequantize_fp8(self._rows(i, name), self._rows(i, f"{name}_scale"))
+        return self._rows(i, name)
 
     def last(self, i: int):
         """Only sample i's last-layer states [T, H] bfloat16: what the target's top tokens need (fp8 stores
         dequantise a quarter of what `self[i]` would)."""
-        if self.store_dtype == "fp8_e4m3":
-            return dequantize_fp8(self._rows(i, "last"), self._rows(i, "last_scale"))
-        return self._rows(i, "last")
+        return self._states(i, "last")
 
     def tokens(self, i: int) -> tuple[list[int], list[int]]:
         """Only the token ids and loss mask of sample i (cheap: no hidden states are read)."""
