@@ -123,7 +123,7 @@ def target_top_tokens(source, head: torch.Tensor, indices=None, device: torch.de
     indices = range(len(source)) if indices is None else indices
     tops = {}
     for i in tqdm(indices, desc="target top tokens", unit="sample", leave=False):
-        last = source.last(i).to(device, torch.bfloat16)
+        last = source.last(i, device).to(torch.bfloat16)
         tops[i] = torch.cat([(rows @ head.T).argmax(-1) for rows in last.split(LOGIT_CHUNK)]).cpu()
     return tops
 

@@ -179,6 +179,8 @@ def test_fp8_store_halves_the_disk_and_decodes_close(bf16_run, fp8_run):
             assert rel < 0.05, (i, name, rel)
         # the last layer alone (the target's top tokens) is the same tensor, read without the aux states
         assert torch.equal(a.last(i), x["last"]) and torch.equal(b.last(i), y["last"])
+        # given a device, the fp8 rows are copied first and dequantised there: the same values
+        assert torch.equal(b.last(i, torch.device("cpu")), y["last"])
 
 
 def test_disk_check_refuses_a_run_that_does_not_fit(rendered, tmp_path):

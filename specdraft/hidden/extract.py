@@ -380,8 +380,9 @@ class OnlineHidden:
     def __len__(self) -> int:
         return len(self.samples)
 
-    def last(self, i: int):
-        return self[i]["last"]
+    def last(self, i: int, device=None):
+        last = self[i]["last"]
+        return last.to(device) if device is not None else last
 
     def tokens(self, i: int) -> tuple[list[int], list[int]]:
         return list(self.samples[i][0]), list(self.samples[i][1])

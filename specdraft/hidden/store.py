@@ -161,16 +161,20 @@ class HiddenStore:
             out[name] = self._states(i, name)
         return out
 
-    def _states(self, i: int, name: str):
-        """Sample i's `name` states ("aux" or "last") in bfloat16, dequantised when stored as fp8."""
+    def _states(self, i: int, name: str, device=None):
+        """Sample i's `name` states ("aux" or "last") in bfloat16 on `device` (None: the CPU), dequantised
+        when stored as fp8 — on `device`, after the copy, so a GPU does the conversion and the copy moves
+        half the bytes."""
+        rows = self._rows(i, name)
         if self.store_dtype == "fp8_e4m3":
-            return dequantize_fp8(self._rows(i, name), self._rows(i, f"{name}_scale"))
-        return self._rows(i, name)
+            scale = self._rows(i, f"{name}_scale")
+            return dequantize_fp8(rows.to(device), scale.to(device)) if device is not None else dequantize_fp8(rows, scale)
+        return rows.to(device) if device is not None else rows
 
-    def last(self, i: int):
-        """Only sample i's last-layer states [T, H] bfloat16: what the target's top tokens need (fp8 stores
-        dequantise a quarter of what `self[i]` would)."""
-        return self._states(i, "last")
+    def last(self, i: int, device=None):
+        """Only sample i's last-layer states [T, H] bfloat16 on `device`: what the target's top tokens need
+        (fp8 stores dequantise a quarter of what `self[i]` would)."""
+        return self._states(i, "last", device)
 
     def tokens(self, i: int) -> tuple[list[int], list[int]]:
         """Only the token ids and loss mask of sample i (cheap: no hidden states are read)."""
