@@ -245,6 +245,7 @@ class Scorer:
             f"tau_{SERVED_K}": tau(SERVED_K), f"tau_{EVAL_STEPS}": tau(EVAL_STEPS), "cond_accept": alpha,
             "acc0": s["acc"][0], "train_acc0": (last_train.get("acc") or [None])[0],
             "train_seconds": round(stage.get("seconds") or 0, 1), "tokens_per_s": metrics.get("tokens_per_s"),
+            "phase_seconds": metrics.get("phase_seconds"),  # where train_seconds went (start-up, steps, ...)
             "trainable_params": counts.get("trainable_params"), "vocab_coverage": metrics.get("vocab_coverage"),
             # what this drafter trained with, so rows of tables with other defaults can still be told apart
             "train": dataclasses.asdict(cfg),
@@ -298,6 +299,10 @@ def report(lines: list[dict], path: Path, hardware: str, parallel: int) -> None:
     sets = lines[0].get("sets") if lines else None
     base = next((r for r in lines if r["name"] == "base" and key in r), None)
     decoded = any("decoded_tau_chain" in r for r in lines)
+    # Calls of one table may run different counts side by side (each row records its own).
+    counts = sorted({r["parallel"] for r in lines if r.get("parallel")}) or [parallel]
+    side = (f"{counts[0]} trainings side by side" if len(counts) == 1 else
+            f"{counts[0]} to {counts[-1]} trainings side by side (each row's count is `parallel` in the JSONL)")
     out = ["# Ablations of the smollm2-h200 recipe",
            "",
            "Written by `bench/ablate.py` from `bench/results/ablations-h200.jsonl`. Each row is the recipe "
@@ -308,7 +313,7 @@ def report(lines: list[dict], path: Path, hardware: str, parallel: int) -> None:
            "harder tokens); they rank the variants, and the recipe drafter's real τ is in "
            "`bench/results/speedup-h200.jsonl`.",
            "",
-           f"Hardware: {hardware}; {parallel} trainings side by side on the GPU, so seconds are shared-GPU "
+           f"Hardware: {hardware}; {side} on the GPU, so seconds are shared-GPU "
            "wall time (compare them within this table only)." + (
                f" Every variant but RUN's own drafter also had `{' '.join(sets)}`." if sets else ""),
            "",
@@ -323,7 +328,10 @@ def report(lines: list[dict], path: Path, hardware: str, parallel: int) -> None:
         best = max([r[key] for r in scored] + ([base[key]] if base and factor != "base" else []), default=None)
         for r in rows:
             if key not in r:
-                out.append(f"| {factor} | {r['label']} | not trained ({r['state']}) |  |  |  |  |  |  |  |  |  |")
+                # A variant trained to its end but cut before scoring is not "not trained".
+                why = r["state"] if r["state"].startswith("not scored") else f"not trained ({r['state']})"
+                out.append(f"| {factor} | {r['label']} | {why} |  |  |  |  |  |  |  |  |  |"
+                           + (" |" if decoded else ""))
                 continue
             cell = f"**{r[key]:.3f}**" if r[key] == best and factor != "base" else f"{r[key]:.3f}"
             delta = f"{r[key] - base[key]:+.3f}" if base else ""
@@ -345,8 +353,8 @@ def report(lines: list[dict], path: Path, hardware: str, parallel: int) -> None:
                 "drafter reaches, where the simulated τ only ranks chains."]
     if cut:
         out += ["", f"Partial: {len(cut)} of {len(lines)} variants did not finish (a setting marked with its state and "
-                "step was scored at that step; 'not trained' ones have no checkpoint). Compare partial rows only "
-                "with rows at the same step."]
+                "step was scored at that step; 'not trained' ones have no checkpoint; 'not scored' ones trained but "
+                "the deadline came before their score). Compare partial rows only with rows at the same step."]
     out.append("")
     if readings:
         out += [readings.rstrip(), ""]

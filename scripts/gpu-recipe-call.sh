@@ -9,7 +9,8 @@
 #   3. RUN: train (alone on the GPU), export, eval (reference decoder), bench/speedup.py (RUN_DRAFTER=0: none);
 #   4. bench/ablate.py: the ablations, two at a time (resumed when cut).
 DEADLINE=${1:-540}
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+# TQDM_MININTERVAL: a progress line every 5 s, so logs brought back hold more than redrawn bars.
+export PYTHONUNBUFFERED=1 TQDM_MININTERVAL=5 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 M=${M:-/tmp/specdraft-gpu}; G=${G:-$M/SmolLM2-135M-Instruct.Q4_1.gguf}
 export PYTHONPATH=$PWD:$M/site SPECDRAFT_CACHE=$M/cache
 # TURNS=N answers N user turns of each conversation (0: all, up to render.max_length) in a run of its own;
@@ -72,9 +73,12 @@ if [ -n "$ready" ] && [ $(left) -gt 60 ]; then
 fi
 tail -c 4000000 $LOG > $OUT/h200.log
 cp $RES/*.jsonl $RES/*.md $OUT/ 2>/dev/null
-# Each ablation's own log, so a variant that never reached a checkpoint can be told apart from a slow one
-# (the fp8 variant ran 130 s with no step logged on 2026-12-03 and nothing said why).
-for f in $R/ablations/*/train.log; do [ -f $f ] && tail -c 20000 $f > $OUT/train-$(basename $(dirname $f)).log; done
+# Each ablation's own log, its head (start-up) and tail (the end, and the phase line that says where the
+# wall time went), in one archive: a call brings back only a few files, and one per variant was too many.
+rm -rf $M/logs; mkdir -p $M/logs
+for f in $R/ablations/*/train.log; do [ -f $f ] && { head -c 6000 $f; printf '\n[...]\n'; tail -c 14000 $f; } \
+  > $M/logs/train-$(basename $(dirname $f)).log; done
+ls $M/logs/*.log > /dev/null 2>&1 && tar czf $OUT/train-logs.tgz -C $M/logs .
 [ -f $R/conversations.jsonl ] && gzip -c $R/conversations.jsonl > $OUT/conversations.jsonl.gz
 if [ -f $R/manifest.json ]; then
   (cd $R && tar czf $M/run.tgz manifest.json $(ls -d STATUS.md eval checkpoints/train_log.jsonl \

@@ -539,7 +539,11 @@ def run(recipe: Recipe, run: Run) -> dict:
         # Frozen, the head is the target's own reading of a hidden state: the one layer learns to write
         # states it reads right, rather than Vd x H more parameters from few answer tokens.
         drafter.lm_head.weight.requires_grad_(cfg.lm_head_init == "target")
+    # Where a run's wall time goes, printed at its end: the steps are not all of it (bench/ablations.md).
+    phase = {"start-up": time.time() - t_start}
+    t_phase = time.time()
     tops = target_top_tokens(source, head, train_idx + held_idx, device)
+    phase["top tokens"] = time.time() - t_phase
     model = TTT(drafter, head[t2d].float(), cfg.ttt_steps, cfg.step_weight_decay, cfg.loss,
                 cfg.gradient_checkpointing, cfg.hidden_noise).to(device)
     if cfg.compile:
@@ -597,6 +601,8 @@ def run(recipe: Recipe, run: Run) -> dict:
 
     bar = tqdm(total=total_steps, initial=state["step"], desc="train", unit="step", disable=rank != 0)
     last_eval = None
+    phase.update({"steps": 0.0, "held-out": 0.0, "checkpoints": 0.0})
+    t_loop = time.time()
     for epoch, micro in step_batches(source, tops, train_idx, lengths, cfg, state["step"], steps_per_epoch,
                                      rank, world, device):
         t0 = time.time()
@@ -622,6 +628,7 @@ def run(recipe: Recipe, run: Run) -> dict:
         state["step"] += 1
         state["tokens"] += int(step_tokens.item())
         state["seconds"] += time.time() - t0
+        phase["steps"] += time.time() - t0
         if rank == 0:
             s = summarize(step_stats.cpu())
             weighted = sum(cfg.step_weight_decay ** i * x for i, x in enumerate(s["loss"]))
@@ -640,6 +647,7 @@ def run(recipe: Recipe, run: Run) -> dict:
             bar.set_postfix(loss=f"{weighted:.3f}", acc0=f"{s['acc'][0]:.2f}",
                             tok_s=f"{state['tokens'] / max(state['seconds'], 1e-9):,.0f}")
         done = state["step"] == total_steps
+        t_phase = time.time()
         if held_rows and (state["step"] % cfg.eval_every == 0 or done):
             # `model` is the unwrapped module under DDP (no gradient hooks needed) and the sharded one under FSDP.
             last_eval = evaluate(model, source, held_rows, tops, cfg, device, autocast)
@@ -652,13 +660,20 @@ def run(recipe: Recipe, run: Run) -> dict:
                         writer.add_scalar(f"heldout/cond_accept_{i}", a, state["step"])
                 tqdm.write(f"step {state['step']}: held-out tau {last_eval['tau']:.3f}, conditional "
                            f"acceptance {' / '.join(f'{a:.3f}' for a in last_eval['cond_accept'])}")
+            phase["held-out"] += time.time() - t_phase
+            t_phase = time.time()
             if state["best_tau"] is None or last_eval["tau"] > state["best_tau"]:
                 state["best_tau"] = last_eval["tau"]
                 checkpoint(BEST, last_eval)
         if state["step"] % cfg.checkpoint_every == 0 or done:
             checkpoint(LATEST, last_eval)
+        phase["checkpoints"] += time.time() - t_phase
     bar.close()
+    t_phase = time.time()
     checkpoint(FINAL, last_eval)
+    phase["checkpoints"] += time.time() - t_phase
+    # What the loop spent neither stepping, scoring nor saving: waiting for the loader's next batch.
+    phase["data wait"] = time.time() - t_loop - phase["steps"] - phase["held-out"] - phase["checkpoints"]
     if writer:
         writer.close()
     if rank != 0:
@@ -671,6 +686,9 @@ def run(recipe: Recipe, run: Run) -> dict:
                "heldout": last_eval, "best_tau": state["best_tau"], "vocab_coverage": round(coverage, 4)}
     counts_out = {"steps": state["step"], "epochs": cfg.epochs, "samples": len(train_idx),
                   "heldout_samples": len(held_idx), "trainable_params": n_trainable, "processes": world}
+    phase = {k: round(v, 1) for k, v in phase.items()}
+    print(f"train: {time.time() - t_start:.0f} s: " + ", ".join(f"{k} {v:.0f} s" for k, v in phase.items()))
+    metrics["phase_seconds"] = phase
     print(f"next: specdraft export --run {run.path}")
     return run.record("train", state="done", config=cfg, counts=counts_out, metrics=metrics,
                       seconds=time.time() - t_start, extra={"checkpoint": str(Path(CHECKPOINTS) / chosen)})

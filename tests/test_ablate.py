@@ -124,6 +124,13 @@ def test_report_shows_the_decoded_tau_where_a_row_has_it(tmp_path):
     text = md.read_text()
     assert "| 1.900 / 3.100 |" in text and "16 held-out prompts × 128 tokens" in text
     assert text.count("decoded τ chain / tree") == 1
+    # rows from calls that ran different counts side by side say so; every row has the header's columns
+    lines = [dict(decoded, parallel=3), dict(row("ttt-1", "TTT steps", 1.7), parallel=5),
+             {"name": "lk", "factor": "loss", "label": "lk", "state": "not started"}]
+    ablate().report(lines, md, "test machine", 2)
+    table = [x for x in md.read_text().splitlines() if x.startswith("|")]
+    assert "3 to 5 trainings side by side" in md.read_text()
+    assert len({x.count("|") for x in table}) == 1, table
 
 
 def test_a_score_is_reused_only_for_the_checkpoint_it_scored(tmp_path):

@@ -72,6 +72,11 @@ def test_checkpoints_logs_and_manifest(uninterrupted):
     entry = json.loads((uninterrupted / "manifest.json").read_text())["stages"]["train"]
     assert entry["state"] == "done" and entry["checkpoint"] == "checkpoints/best"
     assert entry["counts"]["heldout_samples"] == 2 and entry["counts"]["samples"] == 6
+    # The wall time is broken down: every phase measured, none negative, together within the stage's time
+    phases = entry["metrics"]["phase_seconds"]
+    assert set(phases) == {"start-up", "top tokens", "steps", "held-out", "checkpoints", "data wait"}
+    assert min(phases.values()) >= -0.1 and phases["steps"] > 0 and phases["checkpoints"] > 0
+    assert sum(phases.values()) <= entry["seconds"] + 0.5
     # The first step's loss is the untrained drafter's; training lowers it.
     losses = [r["weighted_loss"] for r in train_log(uninterrupted)]
     assert losses[-1] < losses[0]
