@@ -7,7 +7,9 @@
 #   1. RUN: gen (all train-split first turns), render, extract (bf16);
 #   2. RUN-fp8: the same tokens extracted with fp8 storage; RUN-source: ShareGPT's own answers;
 #   3. RUN: train (alone on the GPU), export, eval (reference decoder), bench/speedup.py (RUN_DRAFTER=0: none);
-#   4. bench/ablate.py: the ablations, two at a time (resumed when cut).
+#   4. bench/ablate.py: the ablations, two at a time (resumed when cut; ABLATE=0: none, and no step 2).
+# EXTRA="--set SECTION.FIELD=VALUE ..." is recorded in a new run's recipe at its first stage, e.g. for all
+# turns: TURNS=0 ABLATE=0 EXTRA="--set extract.store_dtype=fp8_e4m3 --set train.epochs=10".
 DEADLINE=${1:-540}
 # TQDM_MININTERVAL: a progress line every 5 s, so logs brought back hold more than redrawn bars.
 export PYTHONUNBUFFERED=1 TQDM_MININTERVAL=5 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -44,11 +46,13 @@ if [ -n "$CONV" ] && [ ! -f $R/conversations.jsonl ]; then gunzip -c $CONV > $R/
 first="--recipe smollm2-h200 --set target.model=$G ${TURNS:+--set gen.max_turns=$TURNS}"
 [ -f $R/manifest.json ] && first=""
 stage $R gen $first $EXTRA && stage $R render && stage $R extract && data=1
+# ABLATE=0: the recipe's drafter only (e.g. a TURNS run), so neither the ablations' fp8 copy nor the source.
+[ "${ABLATE:-1}" = 0 ] && abl="" || abl=1
 # The fp8 copy reads RUN's tokens: only its extract runs.
-[ -n "$data" ] && python3 -c "from specdraft.run import Run; Run('$R8').share_data('$R', through='render')"
-[ -n "$data" ] && stage $R8 extract --set extract.store_dtype=fp8_e4m3
+[ -n "$data" ] && [ -n "$abl" ] && python3 -c "from specdraft.run import Run; Run('$R8').share_data('$R', through='render')"
+[ -n "$data" ] && [ -n "$abl" ] && stage $R8 extract --set extract.store_dtype=fp8_e4m3
 # SOURCE=0 leaves the source's answers out (only the "source" ablation reads them; ~1 min).
-[ -n "$data" ] && [ "${SOURCE:-1}" != 0 ] && stage $RS gen --recipe smollm2-h200 --set target.model=$G --set gen.answers=source \
+[ -n "$data" ] && [ -n "$abl" ] && [ "${SOURCE:-1}" != 0 ] && stage $RS gen --recipe smollm2-h200 --set target.model=$G --set gen.answers=source \
   --set data.num_train=$SOURCE_SAMPLES && stage $RS render && stage $RS extract
 # The recipe's own drafter first, alone on the GPU (side by side with 7 ablations it reached no
 # checkpoint in 13 minutes: bench/ablations.md); then its export, eval and the speedup bench.
@@ -63,7 +67,7 @@ if [ "${RUN_DRAFTER:-1}" != 0 ] && [ -n "$ready" ] && [ ! -s $RES/speedup-h200.j
   timeout $(( $(left) - 15 )) python3 bench/speedup.py $R --prompts $SPEEDUP_PROMPTS \
     --new-tokens $SPEEDUP_TOKENS > $RES/speedup-h200.jsonl 2>>$LOG
 fi
-if [ -n "$ready" ] && [ $(left) -gt 60 ]; then
+if [ -n "$ready" ] && [ -n "$abl" ] && [ $(left) -gt 60 ]; then
   echo "== ablate (budget $(left)s) $(date +%T)" >> $LOG
   python3 bench/ablate.py $R --fp8-run $R8 --source-run $RS --deadline $(( $(left) - 45 )) \
     --parallel ${ABLATE_PARALLEL:-2} $SKIP --decode-prompts ${DECODE_PROMPTS:-16} --score-reserve 60 --set train.eval_every=100000 --set train.checkpoint_every=150 \
