@@ -166,10 +166,12 @@ class HiddenStore:
         when stored as fp8 — on `device`, after the copy, so a GPU does the conversion and the copy moves
         half the bytes."""
         rows = self._rows(i, name)
+        if device is not None:
+            rows = rows.to(device)
         if self.store_dtype == "fp8_e4m3":
             scale = self._rows(i, f"{name}_scale")
-            return dequantize_fp8(rows.to(device), scale.to(device)) if device is not None else dequantize_fp8(rows, scale)
-        return rows.to(device) if device is not None else rows
+            return dequantize_fp8(rows, scale if device is None else scale.to(device))
+        return rows
 
     def last(self, i: int, device=None):
         """Only sample i's last-layer states [T, H] bfloat16 on `device`: what the target's top tokens need
