@@ -199,7 +199,9 @@ class Scorer:
 
         c = self.eval_cfg
         drafter = drafter.to(self.device, getattr(torch, c.dtype))
-        out = {"decode_prompts": len(self.prompts), "decode_new_tokens": c.max_new_tokens}
+        # The tree is the recipe's, which changes between tables: each row says which it was.
+        out = {"decode_prompts": len(self.prompts), "decode_new_tokens": c.max_new_tokens,
+               "decode_tree": [c.tree_topk, c.tree_depth, c.tree_tokens]}
         for name, shape in (("chain", TreeShape.chain(c.draft_tokens)), ("tree", TreeShape(c.tree_topk, c.tree_depth, c.tree_tokens))):
             stats = Stats(shape.depth)
             for p in self.prompts:
@@ -349,7 +351,8 @@ def report(lines: list[dict], path: Path, hardware: str, parallel: int) -> None:
     if decoded:
         d = next(r for r in lines if "decoded_tau_chain" in r)
         out += ["", f"Decoded τ: the reference decoder (greedy, the eval stage's engine) on {d['decode_prompts']} held-out "
-                f"prompts × {d['decode_new_tokens']} tokens, chain of K = {SERVED_K} and the recipe's tree: what a served "
+                f"prompts × {d['decode_new_tokens']} tokens, chain of K = {SERVED_K} and the recipe's tree"
+                + (" (top-{}, depth {}, {} tokens)".format(*d["decode_tree"]) if "decode_tree" in d else "") + ": what a served "
                 "drafter reaches, where the simulated τ only ranks chains."]
     if cut:
         out += ["", f"Partial: {len(cut)} of {len(lines)} variants did not finish (a setting marked with its state and "

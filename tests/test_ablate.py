@@ -118,11 +118,12 @@ def test_each_training_gets_its_share_of_loader_workers(tmp_path):
 
 def test_report_shows_the_decoded_tau_where_a_row_has_it(tmp_path):
     decoded = {**row("base", "base", 2.0), "decoded_tau_chain": 1.9, "decoded_tau_tree": 3.1,
-               "decode_prompts": 16, "decode_new_tokens": 128}
+               "decode_prompts": 16, "decode_new_tokens": 128, "decode_tree": [10, 8, 64]}
     md = tmp_path / "ablations.md"
     ablate().report([decoded, row("ttt-1", "TTT steps", 1.7)], md, "test machine", 2)
     text = md.read_text()
     assert "| 1.900 / 3.100 |" in text and "16 held-out prompts × 128 tokens" in text
+    assert "the recipe's tree (top-10, depth 8, 64 tokens)" in text
     assert text.count("decoded τ chain / tree") == 1
     # rows from calls that ran different counts side by side say so; every row has the header's columns
     lines = [dict(decoded, parallel=3), dict(row("ttt-1", "TTT steps", 1.7), parallel=5),
