@@ -48,12 +48,14 @@ first="--recipe smollm2-h200 --set target.model=$G ${TURNS:+--set gen.max_turns=
 stage $R gen $first $EXTRA && stage $R render && stage $R extract && data=1
 # ABLATE=0: the recipe's drafter only (e.g. a TURNS run), so neither the ablations' fp8 copy nor the source.
 [ "${ABLATE:-1}" = 0 ] && abl="" || abl=1
-# The fp8 copy reads RUN's tokens: only its extract runs.
-[ -n "$data" ] && [ -n "$abl" ] && python3 -c "from specdraft.run import Run; Run('$R8').share_data('$R', through='render')"
-[ -n "$data" ] && [ -n "$abl" ] && stage $R8 extract --set extract.store_dtype=fp8_e4m3
-# SOURCE=0 leaves the source's answers out (only the "source" ablation reads them; ~1 min).
-[ -n "$data" ] && [ -n "$abl" ] && [ "${SOURCE:-1}" != 0 ] && stage $RS gen --recipe smollm2-h200 --set target.model=$G --set gen.answers=source \
-  --set data.num_train=$SOURCE_SAMPLES && stage $RS render && stage $RS extract
+if [ -n "$data" ] && [ -n "$abl" ]; then
+  # The fp8 copy reads RUN's tokens: only its extract runs.
+  python3 -c "from specdraft.run import Run; Run('$R8').share_data('$R', through='render')"
+  stage $R8 extract --set extract.store_dtype=fp8_e4m3
+  # SOURCE=0 leaves the source's answers out (only the "source" ablation reads them; ~1 min).
+  [ "${SOURCE:-1}" != 0 ] && stage $RS gen --recipe smollm2-h200 --set target.model=$G --set gen.answers=source \
+    --set data.num_train=$SOURCE_SAMPLES && stage $RS render && stage $RS extract
+fi
 # The recipe's own drafter first, alone on the GPU (side by side with 7 ablations it reached no
 # checkpoint in 13 minutes: bench/ablations.md); then its export, eval and the speedup bench.
 # RUN_DRAFTER=0: the recipe's drafter is trained and measured already (an earlier session brought it

@@ -602,7 +602,7 @@ def run(recipe: Recipe, run: Run) -> dict:
     bar = tqdm(total=total_steps, initial=state["step"], desc="train", unit="step", disable=rank != 0)
     last_eval = None
     phase.update({"steps": 0.0, "held-out": 0.0, "checkpoints": 0.0})
-    t_loop = time.time()
+    t_loop, seconds_before = time.time(), state["seconds"]  # state["seconds"] sums the steps (from resume)
     for epoch, micro in step_batches(source, tops, train_idx, lengths, cfg, state["step"], steps_per_epoch,
                                      rank, world, device):
         t0 = time.time()
@@ -628,7 +628,6 @@ def run(recipe: Recipe, run: Run) -> dict:
         state["step"] += 1
         state["tokens"] += int(step_tokens.item())
         state["seconds"] += time.time() - t0
-        phase["steps"] += time.time() - t0
         if rank == 0:
             s = summarize(step_stats.cpu())
             weighted = sum(cfg.step_weight_decay ** i * x for i, x in enumerate(s["loss"]))
@@ -672,6 +671,7 @@ def run(recipe: Recipe, run: Run) -> dict:
     t_phase = time.time()
     checkpoint(FINAL, last_eval)
     phase["checkpoints"] += time.time() - t_phase
+    phase["steps"] = state["seconds"] - seconds_before
     # What the loop spent neither stepping, scoring nor saving: waiting for the loader's next batch.
     phase["data wait"] = time.time() - t_loop - phase["steps"] - phase["held-out"] - phase["checkpoints"]
     if writer:
