@@ -45,7 +45,17 @@ class DataConfig:
 
 @dataclass
 class GenConfig:
+    # In-process generate: rows per `generate` call at most, and rows x (longest prompt + max_new_tokens)
+    # at most batch_tokens (0: rows only), the KV cache's bound. Prompts are sorted by length first, so
+    # short ones share a call in large numbers and long ones in few. A call that runs out of GPU memory
+    # is split in two and retried (counted in the manifest as gen's oom_splits).
     batch_size: int = 16
+    batch_tokens: int = 0
+    # In-process: conversations answered together, turn by turn (turn k of all of them before turn k+1,
+    # so a turn costs as few generate calls as its rows need); 0 means all. Each finished conversation is
+    # saved after its turn; the unfinished ones are saved as they stand, so a cut run resumes them at the
+    # turn it reached.
+    group_size: int = 0
     max_new_tokens: int = 256
     # 0 means greedy decoding.
     temperature: float = 0.0

@@ -56,3 +56,62 @@ def test_every_turn_answered_in_order_and_none_past_renders_cut(target, tmp_path
     assert max(answered) == MAX_TURNS and cut >= 1, answered  # both ends of a conversation were reached
     counts = json.loads((run / "manifest.json").read_text())["stages"]["gen"]["counts"]
     assert counts["records"] == len(records) == 4 and counts["turns"] == sum(answered)
+
+
+def test_rows_are_cut_by_the_kv_budget_and_answered_in_the_order_given(target):
+    """generate_rows sorts prompts by length and packs calls within rows x (prompt + answer) tokens; each
+    answer is the one that prompt gets alone (greedy, float32), back in the caller's order."""
+    from collections import Counter
+
+    from specdraft.config import GenConfig
+    from specdraft.data.generate import generate_batch, generate_rows
+
+    model = target.load_model("float32")
+    lengths = [30, 5, 17, 9, 24]
+    rows = [target.tokenizer.encode("Tell me a story about a red fox " * 4)[:n] for n in lengths]
+    cfg = GenConfig(batch_size=2, batch_tokens=(17 + MAX_NEW_TOKENS) * 2, max_new_tokens=MAX_NEW_TOKENS)
+    stats = Counter()
+    answers = generate_rows(model, rows, target.eos_token_id, target.tokenizer.pad_token_id, cfg, stats)
+    # sorted 5, 9 | 17 (17 and 24 would pass the budget) | 24 | 30
+    assert stats["generate_calls"] == 4
+    alone = [generate_batch(model, [r], target.eos_token_id, target.tokenizer.pad_token_id, cfg)[0] for r in rows]
+    assert answers == alone
+
+
+def test_a_killed_multi_turn_gen_resumes_its_unfinished_conversations_at_the_turn_they_reached(tmp_path):
+    """kill -9 after a turn: the rerun keeps every saved conversation, goes on with the in-flight ones from
+    their saved turn (their earlier answers kept, not regenerated) and ends with each conversation once."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from specdraft.data.generate import IN_FLIGHT
+
+    recipe = RECIPE.replace("num_train = 4", "num_train = 8").replace(f"max_turns = {MAX_TURNS}", "max_turns = 0") \
+        .replace(f"max_length = {MAX_LENGTH}", "max_length = 512").replace("batch_size = 4", "batch_size = 3")
+    (tmp_path / "turns.toml").write_text(recipe)
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "specdraft.cli", "gen", "--recipe", str(tmp_path / "turns.toml"), "--run", str(run)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    flight = run / IN_FLIGHT
+    while proc.poll() is None and not (flight.exists() and flight.stat().st_size):
+        time.sleep(0.01)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert flight.exists() and flight.stat().st_size, "gen ended before a turn left conversations in flight"
+    in_flight = {r["id"]: r for r in map(json.loads, flight.read_text().splitlines())}
+    saved = (run / CONVERSATIONS).read_text().splitlines() if (run / CONVERSATIONS).exists() else []
+    assert main(["gen", "--recipe", str(tmp_path / "turns.toml"), "--run", str(run)]) == 0
+    records = [json.loads(line) for line in (run / CONVERSATIONS).read_text().splitlines()]
+    assert records[: len(saved)] == [json.loads(line) for line in saved]
+    assert len({r["id"] for r in records}) == len(records) == 8
+    for r in records:
+        if r["id"] in in_flight:
+            kept = in_flight[r["id"]]["messages"]
+            assert r["messages"][: len(kept)] == kept and len(r["messages"]) > len(kept)
+    counts = json.loads((run / "manifest.json").read_text())["stages"]["gen"]["counts"]
+    # (a kill between saving a turn's finished conversations and the in-flight file leaves them in both)
+    saved_ids = {json.loads(line)["id"] for line in saved}
+    assert counts["resumed_in_flight"] == len(in_flight.keys() - saved_ids) > 0 and not flight.exists()

@@ -210,38 +210,85 @@ def _assistant_message(target: Target, ids: list[int], finish: str) -> dict:
             "token_ids": ids}
 
 
-def answer_turns(model, target: Target, convs: list[dict], cfg, max_length: int, bar=None) -> tuple[int, float]:
-    """Answer each conversation's user turns in order, batched across conversations: turn k of every
-    conversation that still has one is one batched generate, its prompt the target's template over the
-    conversation so far (its own earlier answers as text, as a server would be sent them). A conversation
-    ends at `cfg.max_turns` (0: all), at its last user turn, or when the next prompt plus an answer would
-    pass `max_length` (render's cut: tokens beyond it never reach training). Appends each answer to
-    conv["messages"]; returns (generated tokens, seconds in generate)."""
-    tokens, seconds = 0, 0.0
+def generate_rows(model, rows: list[list[int]], eos_id: int, pad_id: int, cfg, stats: Counter) -> list[tuple[list[int], str]]:
+    """Every prompt answered, in the order given: sorted by length and cut into `generate` calls of at most
+    cfg.batch_size rows and cfg.batch_tokens rows x (longest prompt + max_new_tokens); a call that runs out
+    of GPU memory is halved and retried (stats["oom_splits"]), down to one row."""
+    import torch
+
+    order = sorted(range(len(rows)), key=lambda i: len(rows[i]))
+    results: list = [None] * len(rows)
+    pending: list[list[int]] = []
+    start = 0
+    while start < len(order):
+        n = 1
+        while start + n < len(order) and n < cfg.batch_size and (not cfg.batch_tokens or (n + 1) * (
+                len(rows[order[start + n]]) + cfg.max_new_tokens) <= cfg.batch_tokens):
+            n += 1
+        pending.append(order[start:start + n])
+        start += n
+    while pending:
+        call = pending.pop(0)
+        try:
+            answers = generate_batch(model, [rows[i] for i in call], eos_id, pad_id, cfg)
+        except torch.OutOfMemoryError:
+            if len(call) == 1:
+                raise
+            torch.cuda.empty_cache()
+            stats["oom_splits"] += 1
+            half = len(call) // 2
+            pending[:0] = [call[:half], call[half:]]
+            continue
+        stats["generate_calls"] += 1
+        for i, answer in zip(call, answers):
+            results[i] = answer
+    return results
+
+
+def answer_turns(model, target: Target, convs: list[dict], cfg, max_length: int, bar=None,
+                 after_turn=None, stats: Counter | None = None) -> Counter:
+    """Answer each conversation's user turns in order, batched across conversations: the next turn of
+    every conversation that still has one is answered together (generate_rows), its prompt the target's
+    template over the conversation so far (its own earlier answers as text, as a server would be sent
+    them). A conversation ends at `cfg.max_turns` (0: all), at its last user turn, or when the next prompt
+    plus an answer would pass `max_length` (render's cut: tokens beyond it never reach training).
+
+    Appends each answer to conv["messages"]; a conversation resumes from conv["turn"] (user turns answered
+    so far) and conv["turn_prompt_ids"] when it has them. After each turn, `after_turn(finished,
+    unfinished)` sees the conversations that just ended and those still going. Returns `stats` (a new
+    Counter when none is given) with generated_tokens, generate_seconds, generate_calls and oom_splits added."""
+    stats = Counter() if stats is None else stats
     for c in convs:
-        c["finish_reason"], c["turn_prompt_ids"] = None, c["prompt_ids"]
+        c.setdefault("turn", 0)
+        c.setdefault("turn_prompt_ids", c["prompt_ids"])
+        c.setdefault("finish_reason", None)
     active = list(convs)
-    turn = 0
     while active:
         t0 = time.time()
-        answers = generate_batch(model, [c["turn_prompt_ids"] for c in active], target.eos_token_id,
-                                 target.tokenizer.pad_token_id, cfg)
-        seconds += time.time() - t0
-        still = []
+        answers = generate_rows(model, [c["turn_prompt_ids"] for c in active], target.eos_token_id,
+                                target.tokenizer.pad_token_id, cfg, stats)
+        stats["generate_seconds"] += time.time() - t0
+        still, finished = [], []
         for c, (ids, finish) in zip(active, answers):
             c["messages"].append(_assistant_message(target, ids, finish))
             c["finish_reason"] = finish
-            tokens += len(ids)
+            stats["generated_tokens"] += len(ids)
+            turn = c["turn"]
+            c["turn"] = turn + 1
             if turn < len(c["later_users"]) and (not cfg.max_turns or turn + 1 < cfg.max_turns):
                 nxt = c["messages"] + [{"role": "user", "content": c["later_users"][turn]}]
                 ids_next = target.chat_ids([_as_history(m) for m in nxt], add_generation_prompt=True)
                 if len(ids_next) + cfg.max_new_tokens <= max_length:
                     c["messages"], c["turn_prompt_ids"] = nxt, ids_next
                     still.append(c)
+                    continue
+            finished.append(c)
+        if after_turn is not None:
+            after_turn(finished, still)
         if bar is not None:
-            bar.update(len(active) - len(still))
-        active, turn = still, turn + 1
-    return tokens, seconds
+            bar.update(len(finished))
+        active = still
+    return stats
 
 
 def _as_history(message: dict) -> dict:
@@ -249,39 +296,48 @@ def _as_history(message: dict) -> dict:
     return {k: v for k, v in message.items() if k in ("role", "content")}
 
 
+# Conversations of an in-process group not yet finished, as they stood after their last answered turn.
+IN_FLIGHT = "gen_in_flight.jsonl"
+_IN_FLIGHT_FIELDS = ("id", "messages", "prompt_ids", "later_users", "turn", "turn_prompt_ids", "finish_reason")
+
+
 def run_inprocess(recipe: Recipe, run: Run) -> dict:
     import torch
     from tqdm import tqdm
 
+    from ..run import atomic_path
+
     cfg = recipe.gen
     t_start = time.time()
     target = Target(recipe.target.model, recipe.target.aux_layer_ids)
-    out_path = run.path / CONVERSATIONS
+    out_path, flight_path = run.path / CONVERSATIONS, run.path / IN_FLIGHT
     done = finished_ids(out_path)
     chosen, too_long = select_prompts(recipe, target, "train", num_samples(recipe))
-    pending = [c for c in chosen if c["id"] not in done]
-    # Similar lengths in one batch waste less compute on padding.
-    pending.sort(key=lambda c: len(c["prompt_ids"]))
-    counts = {"prompts": len(chosen), "skipped_too_long": too_long, "already_done": len(chosen) - len(pending)}
-    generated_tokens = 0
-    stopped = 0
-    turns = 0
-    gen_seconds = 0.0
+    # A cut run's unfinished conversations go on from the turn they reached.
+    resumed = [c for c in _records(flight_path) if c["id"] not in done] if flight_path.exists() else []
+    resumed_ids = {c["id"] for c in resumed}
+    fresh = [c for c in chosen if c["id"] not in done and c["id"] not in resumed_ids]
+    # Similar lengths in one group keep its turns' prompts alike too.
+    fresh.sort(key=lambda c: len(c["prompt_ids"]))
+    pending = resumed + fresh
+    counts = {"prompts": len(chosen), "skipped_too_long": too_long,
+              "already_done": sum(c["id"] in done for c in chosen), "resumed_in_flight": len(resumed)}
+    stats: Counter = Counter()
+    stopped, turns = 0, 0
     sampling = {"temperature": cfg.temperature, "top_p": cfg.top_p, "max_new_tokens": cfg.max_new_tokens,
                 "seed": cfg.seed, "dtype": cfg.dtype, "max_turns": cfg.max_turns}
     if pending:
         model = target.load_model(cfg.dtype, cfg.device)
         torch.manual_seed(cfg.seed)
         bar = tqdm(total=len(pending), desc="gen", unit="conv")
+        group = cfg.group_size or len(pending)
         with open(out_path, "a", encoding="utf-8") as f:
-            # A batch of conversations is saved once all its turns are answered: a cut run redoes at most
-            # one batch, and a saved conversation is always whole.
-            for start in range(0, len(pending), cfg.batch_size):
-                batch = pending[start:start + cfg.batch_size]
-                batch_tokens, batch_seconds = answer_turns(model, target, batch, cfg, recipe.render.max_length, bar)
-                generated_tokens += batch_tokens
-                gen_seconds += batch_seconds
-                for conv in batch:
+
+            def after_turn(finished: list[dict], unfinished: list[dict]) -> None:
+                """Save the conversations that ended, then the rest as they stand; a cut run redoes at most
+                one turn, and a saved conversation is always whole."""
+                nonlocal turns, stopped
+                for conv in finished:
                     answers = [m for m in conv["messages"] if m["role"] == "assistant"]
                     record = {
                         "id": conv["id"],
@@ -297,11 +353,22 @@ def run_inprocess(recipe: Recipe, run: Run) -> dict:
                     stopped += sum(m["token_ids"][-1:] == [target.eos_token_id] for m in answers)
                 f.flush()
                 os.fsync(f.fileno())
-                bar.set_postfix(tok_s=f"{generated_tokens / max(gen_seconds, 1e-9):.0f}")
+                with atomic_path(flight_path) as tmp:
+                    tmp.write_text("".join(json.dumps({k: c[k] for k in _IN_FLIGHT_FIELDS}, ensure_ascii=False)
+                                           + "\n" for c in unfinished), encoding="utf-8")
+                bar.set_postfix(tok_s=f"{stats['generated_tokens'] / max(stats['generate_seconds'], 1e-9):.0f}",
+                                in_flight=len(unfinished))
+
+            for start in range(0, len(pending), group):
+                answer_turns(model, target, pending[start:start + group], cfg, recipe.render.max_length, bar,
+                             after_turn, stats)
         bar.close()
+    flight_path.unlink(missing_ok=True)
     counts.update({"generated": len(pending), "turns": turns, "records": len(finished_ids(out_path)),
-                   "generated_tokens": generated_tokens, "finished_with_eos": stopped})
-    metrics = {"tokens_per_s": round(generated_tokens / gen_seconds, 1) if gen_seconds else None}
+                   "generated_tokens": stats["generated_tokens"], "finished_with_eos": stopped,
+                   "generate_calls": stats["generate_calls"], "oom_splits": stats["oom_splits"]})
+    gen_seconds = stats["generate_seconds"]
+    metrics = {"tokens_per_s": round(stats["generated_tokens"] / gen_seconds, 1) if gen_seconds else None}
     return run.record("gen", state="done", config=cfg, counts=counts, metrics=metrics,
                       seconds=time.time() - t_start)
 
