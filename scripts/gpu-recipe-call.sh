@@ -16,7 +16,8 @@ export PYTHONUNBUFFERED=1 TQDM_MININTERVAL=5 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_D
 M=${M:-/tmp/specdraft-gpu}; G=${G:-$M/SmolLM2-135M-Instruct.Q4_1.gguf}
 export PYTHONPATH=$PWD:$M/site SPECDRAFT_CACHE=$M/cache
 # TURNS=N answers N user turns of each conversation (0: all, up to render.max_length) in a run of its own;
-# its CONV must be a carried conversations.jsonl.gz of the same TURNS.
+# its CONV is a carried conversations.jsonl.gz of as many turns or more (cut to TURNS by scripts/cut_turns.py;
+# bench/data/ holds SmolLM2's answers to 3 turns of every train-split conversation).
 R=$M/runs/smollm2-h200${TURNS:+-turns$TURNS}; R8=$R-fp8; RS=$R-source; RES=$M/results; mkdir -p $RES $R
 LOG=$RES/h200.log
 S="python3 -m specdraft.cli"
@@ -42,7 +43,9 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >>
 # is one suspect for the fp8 ablation that logged no step in 130 s on 2026-12-03.
 python3 -c "import torch,time; q=torch.randn(10**8).to(torch.float8_e4m3fn); t=time.time(); q.float(); \
 print(f'fp8->float on CPU: {1e8/(time.time()-t)/1e9:.2f} G values/s, torch {torch.__version__}')" >> $LOG 2>&1
-if [ -n "$CONV" ] && [ ! -f $R/conversations.jsonl ]; then gunzip -c $CONV > $R/conversations.jsonl; fi
+if [ -n "$CONV" ] && [ ! -f $R/conversations.jsonl ]; then
+  gunzip -c $CONV | python3 scripts/cut_turns.py ${TURNS:-1} $G > $R/conversations.tmp && mv $R/conversations.tmp $R/conversations.jsonl
+fi
 first="--recipe smollm2-h200 --set target.model=$G ${TURNS:+--set gen.max_turns=$TURNS}"
 [ -f $R/manifest.json ] && first=""
 stage $R gen $first $EXTRA && stage $R render && stage $R extract && data=1

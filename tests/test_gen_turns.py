@@ -115,3 +115,28 @@ def test_a_killed_multi_turn_gen_resumes_its_unfinished_conversations_at_the_tur
     # (a kill between saving a turn's finished conversations and the in-flight file leaves them in both)
     saved_ids = {json.loads(line)["id"] for line in saved}
     assert counts["resumed_in_flight"] == len(in_flight.keys() - saved_ids) > 0 and not flight.exists()
+
+
+def test_cut_turns_keeps_the_first_answers_of_the_carried_three_turn_answers(target, tmp_path):
+    """scripts/cut_turns.py turns bench/data's 3-turn answers into what a first-turns gen saves: the first
+    answer of each conversation, as generated, with its finish reason read from its last token."""
+    import gzip
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    with gzip.open(root / "bench/data/smollm2-h200-turns3.conversations.jsonl.gz", "rt") as f:
+        lines = f.readlines()
+    # the file holds single-turn conversations first (saved after turn 1), then the longer ones
+    originals = [json.loads(line) for line in lines[:25] + lines[-25:]]
+    text = "".join(json.dumps(r) + "\n" for r in originals)
+    cut = subprocess.run([sys.executable, str(root / "scripts/cut_turns.py"), "1", "smollm2"], input=text,
+                         capture_output=True, text=True, check=True).stdout.splitlines()
+    assert len(cut) == len(originals) and any(len(r["messages"]) > 2 for r in originals)
+    for line, original in zip(cut, originals):
+        r = json.loads(line)
+        assert r["messages"] == original["messages"][:2] and r["messages"][1]["role"] == "assistant"
+        stopped = r["messages"][1]["token_ids"][-1] == target.eos_token_id
+        assert r["finish_reason"] == ("stop" if stopped else "length")
+        assert r["generator"]["sampling"]["max_turns"] == 1
