@@ -18,7 +18,10 @@ export PYTHONPATH=$PWD:$M/site SPECDRAFT_CACHE=$M/cache
 # TURNS=N answers N user turns of each conversation (0: all, up to render.max_length) in a run of its own;
 # its CONV is a carried conversations.jsonl.gz of as many turns or more (cut to TURNS by scripts/cut_turns.py;
 # bench/data/ holds SmolLM2's answers to 3 turns of every train-split conversation).
-R=$M/runs/smollm2-h200${TURNS:+-turns$TURNS}; R8=$R-fp8; RS=$R-source; RES=$M/results; mkdir -p $RES $R
+# MAGPIE=N (with CONV): N more first turns, written and answered by SmolLM2 itself (in-process
+# self-instruct, a run of its own), join CONV's in a run of their own before its gen stage.
+R=$M/runs/smollm2-h200${TURNS:+-turns$TURNS}${MAGPIE:+-magpie$MAGPIE}; R8=$R-fp8; RS=$R-source; RES=$M/results
+RM=$M/runs/smollm2-h200-self$MAGPIE; mkdir -p $RES $R
 LOG=$RES/h200.log
 S="python3 -m specdraft.cli"
 SOURCE_SAMPLES=${SOURCE_SAMPLES:-3300}  # >= 3,000 training samples after the 5 % held out
@@ -43,12 +46,18 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >>
 # is one suspect for the fp8 ablation that logged no step in 130 s on 2026-12-03.
 python3 -c "import torch,time; q=torch.randn(10**8).to(torch.float8_e4m3fn); t=time.time(); q.float(); \
 print(f'fp8->float on CPU: {1e8/(time.time()-t)/1e9:.2f} G values/s, torch {torch.__version__}')" >> $LOG 2>&1
-if [ -n "$CONV" ] && [ ! -f $R/conversations.jsonl ]; then
-  gunzip -c $CONV | python3 scripts/cut_turns.py ${TURNS:-1} $G > $R/conversations.tmp && mv $R/conversations.tmp $R/conversations.jsonl
+if [ -n "$MAGPIE" ]; then
+  [ -n "$CONV" ] || { echo "MAGPIE needs CONV" >> $LOG; exit 1; }
+  stage $RM gen --recipe smollm2-h200 --set target.model=$G --set gen.self_instruct=true --set gen.num_samples=$MAGPIE
+fi
+if [ -n "$CONV" ] && [ ! -f $R/conversations.jsonl ] && { [ -z "$MAGPIE" ] || [ "$(state $RM gen)" = done ]; }; then
+  { gunzip -c $CONV | python3 scripts/cut_turns.py ${TURNS:-1} $G; [ -z "$MAGPIE" ] || cat $RM/conversations.jsonl; } \
+    > $R/conversations.tmp && mv $R/conversations.tmp $R/conversations.jsonl
 fi
 first="--recipe smollm2-h200 --set target.model=$G ${TURNS:+--set gen.max_turns=$TURNS}"
 [ -f $R/manifest.json ] && first=""
-stage $R gen $first $EXTRA && stage $R render && stage $R extract && data=1
+# (with MAGPIE, RUN's data waits for the self-instruct run)
+[ -n "$CONV" ] && [ ! -f $R/conversations.jsonl ] || { stage $R gen $first $EXTRA && stage $R render && stage $R extract && data=1; }
 # ABLATE=0: the recipe's drafter only (e.g. a TURNS run), so neither the ablations' fp8 copy nor the source.
 [ "${ABLATE:-1}" = 0 ] && abl="" || abl=1
 if [ -n "$data" ] && [ -n "$abl" ]; then

@@ -100,7 +100,8 @@ class GenConfig:
     # Passed through as-is when set (e.g. {enable_thinking = true}; "low"/"medium"/"high").
     chat_template_kwargs: dict = field(default_factory=dict)
     reasoning_effort: str = ""
-    # Magpie: the target writes the user turn from its template's user-turn prefix, then answers it.
+    # Magpie: the target writes the user turn from its template's user-turn prefix, then answers it
+    # (through a server's completions endpoint, or in-process); needs num_samples.
     self_instruct: bool = False
     # Ask the server for the ids it generated (vLLM's return_token_ids) so render stays on-policy.
     return_token_ids: bool = True

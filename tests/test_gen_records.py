@@ -101,12 +101,3 @@ def test_render_reads_the_fields_gen_wrote_on_each_message(tmp_path):
     (record,) = read_jsonl(path)
     assert record["messages"][1] == answer
 
-
-def test_self_instruct_without_a_server_is_a_clear_error(tmp_path):
-    from specdraft.data import generate
-    from specdraft.run import Run
-
-    recipe = Recipe()
-    recipe.gen.self_instruct = True
-    with pytest.raises(ConfigError, match="--endpoint"):
-        generate.run(recipe, Run(tmp_path))

@@ -90,7 +90,7 @@ def test_a_killed_multi_turn_gen_resumes_its_unfinished_conversations_at_the_tur
     from specdraft.data.generate import IN_FLIGHT
 
     recipe = RECIPE.replace("num_train = 4", "num_train = 8").replace(f"max_turns = {MAX_TURNS}", "max_turns = 0") \
-        .replace(f"max_length = {MAX_LENGTH}", "max_length = 512").replace("batch_size = 4", "batch_size = 3")
+        .replace(f"max_length = {MAX_LENGTH}", "max_length = 512").replace("batch_size = 4", "batch_size = 3\ndtype = \"float32\"")
     (tmp_path / "turns.toml").write_text(recipe)
     run = tmp_path / "run"
     cmd = [sys.executable, "-m", "specdraft.cli", "gen", "--recipe", str(tmp_path / "turns.toml"), "--run", str(run)]
@@ -140,3 +140,62 @@ def test_cut_turns_keeps_the_first_answers_of_the_carried_three_turn_answers(tar
         stopped = r["messages"][1]["token_ids"][-1] == target.eos_token_id
         assert r["finish_reason"] == ("stop" if stopped else "length")
         assert r["generator"]["sampling"]["max_turns"] == 1
+
+
+SELF_INSTRUCT = """
+name = "magpie"
+[data]
+max_prompt_tokens = 128
+[gen]
+self_instruct = true
+num_samples = 3
+batch_size = 6
+max_new_tokens = 40
+# bf16 matmuls run ~10x slower than float32 on this CPU (no bf16 units)
+dtype = "float32"
+"""
+
+
+def test_in_process_self_instruct_writes_new_user_turns_and_answers_them(target, tmp_path):
+    """Magpie without a server: the bundled target writes user turns from its own template's user-turn
+    prefix and answers each, greedily; every saved turn is whole, distinct, within max_prompt_tokens; a
+    rerun that wants more keeps those and writes only the rest."""
+    from specdraft.data.generate import magpie_id
+
+    (tmp_path / "m.toml").write_text(SELF_INSTRUCT)
+    run = tmp_path / "run"
+    assert main(["gen", "--recipe", str(tmp_path / "m.toml"), "--run", str(run)]) == 0
+    records = [json.loads(line) for line in (run / CONVERSATIONS).read_text().splitlines()]
+    assert len(records) == 3 and len({r["id"] for r in records}) == 3
+    for r in records:
+        user, answer = r["messages"][-2], r["messages"][-1]
+        assert user["role"] == "user" and user["content"].strip() and r["id"] == magpie_id(user["content"])
+        assert len(target.chat_ids(r["messages"][:-1], add_generation_prompt=True)) <= 128
+        assert answer["role"] == "assistant" and 0 < len(answer["token_ids"]) <= 40
+        assert r["generator"]["sampling"]["user_turn_temperature"] > 0
+    counts = json.loads((run / "manifest.json").read_text())["stages"]["gen"]["counts"]
+    assert counts["user_turns_written"] >= 3 + counts["unusable"] + counts["duplicate"] + counts["too_long"]
+    assert counts["records"] == 3
+    assert main(["gen", "--run", str(run), "--set", "gen.num_samples=4"]) == 0
+    again = [json.loads(line) for line in (run / CONVERSATIONS).read_text().splitlines()]
+    assert again[:3] == records and len({r["id"] for r in again}) == len(again) == 4
+
+
+def test_in_process_self_instruct_gives_up_when_no_user_turn_ends(tmp_path):
+    """Two tokens never finish a user turn: every one is unusable, and the run stops after its tries with
+    the reason in the manifest rather than saving prompts nobody ended."""
+    import pytest
+
+    from specdraft.config import load_recipe
+    from specdraft.data import generate
+    from specdraft.run import Run
+
+    (tmp_path / "m.toml").write_text(SELF_INSTRUCT.replace("max_new_tokens = 40", "max_new_tokens = 2"))
+    recipe = load_recipe(str(tmp_path / "m.toml"))
+    run = Run(tmp_path / "run")
+    run.init(recipe)
+    with pytest.raises(generate.GenStopped, match="self-instruct gave up: 12 unusable"):
+        generate.run(recipe, run)
+    entry = json.loads((run.path / "manifest.json").read_text())["stages"]["gen"]
+    assert entry["state"] == "failed" and entry["counts"]["records"] == 0
+    assert entry["counts"]["user_turns_written"] == 12  # 3 wanted x 4 tries

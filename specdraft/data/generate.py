@@ -170,6 +170,12 @@ def select_prompts(recipe: Recipe, target: Target, split: str, limit: int | None
     return chosen, too_long
 
 
+def magpie_id(text: str) -> str:
+    """A self-instruct conversation's id: its user turn's text, case and spacing aside, so a prompt the
+    target writes twice is one conversation."""
+    return "magpie-" + hashlib.sha256(" ".join(text.lower().split()).encode()).hexdigest()[:16]
+
+
 # ---------------------------------------------------------------------------------------------------------
 # in-process
 
@@ -296,6 +302,38 @@ def _as_history(message: dict) -> dict:
     return {k: v for k, v in message.items() if k in ("role", "content")}
 
 
+def write_user_turns(model, target: Target, cfg, rows: int, system: list[dict], max_prompt_tokens: int,
+                     claimed: set[str], stats: Counter) -> list[dict]:
+    """Magpie in-process: `rows` user turns sampled from the target's own user-turn prefix (at
+    SELF_INSTRUCT_TEMPERATURE, up to max_new_tokens each), as first-turn conversations for answer_turns.
+    Kept: whole turns (ended by the end-of-turn token), not empty, new (their magpie_id not in `claimed`,
+    which grows) and within max_prompt_tokens; the rest are counted in stats (unusable, duplicate,
+    too_long)."""
+    import dataclasses
+
+    prefix = user_turn_prefix(target, cfg.system_prompt)
+    sampled = generate_rows(model, [prefix] * rows, target.eos_token_id, target.tokenizer.pad_token_id,
+                            dataclasses.replace(cfg, temperature=SELF_INSTRUCT_TEMPERATURE), stats)
+    convs = []
+    for ids, finish in sampled:
+        text = target.tokenizer.decode(ids[:-1], skip_special_tokens=True).strip() if finish == "stop" else ""
+        if not text:
+            stats["unusable"] += 1
+            continue
+        conv_id = magpie_id(text)
+        if conv_id in claimed:
+            stats["duplicate"] += 1
+            continue
+        messages = system + [{"role": "user", "content": text}]
+        prompt_ids = target.chat_ids(messages, add_generation_prompt=True)
+        if len(prompt_ids) > max_prompt_tokens:
+            stats["too_long"] += 1
+            continue
+        claimed.add(conv_id)
+        convs.append({"id": conv_id, "messages": messages, "prompt_ids": prompt_ids, "later_users": []})
+    return convs
+
+
 # Conversations of an in-process group not yet finished, as they stood after their last answered turn.
 IN_FLIGHT = "gen_in_flight.jsonl"
 _IN_FLIGHT_FIELDS = ("id", "messages", "prompt_ids", "later_users", "turn", "turn_prompt_ids", "finish_reason")
@@ -312,25 +350,32 @@ def run_inprocess(recipe: Recipe, run: Run) -> dict:
     target = Target(recipe.target.model, recipe.target.aux_layer_ids)
     out_path, flight_path = run.path / CONVERSATIONS, run.path / IN_FLIGHT
     done = finished_ids(out_path)
-    chosen, too_long = select_prompts(recipe, target, "train", num_samples(recipe))
     # A cut run's unfinished conversations go on from the turn they reached.
     resumed = [c for c in _records(flight_path) if c["id"] not in done] if flight_path.exists() else []
     resumed_ids = {c["id"] for c in resumed}
-    fresh = [c for c in chosen if c["id"] not in done and c["id"] not in resumed_ids]
-    # Similar lengths in one group keep its turns' prompts alike too.
-    fresh.sort(key=lambda c: len(c["prompt_ids"]))
+    if cfg.self_instruct:  # the target writes the prompts below, round by round
+        wanted = max(0, num_samples(recipe) - len(done) - len(resumed))
+        fresh, counts = [], {"already_done": len(done), "resumed_in_flight": len(resumed)}
+    else:
+        chosen, too_long = select_prompts(recipe, target, "train", num_samples(recipe))
+        wanted = 0
+        fresh = [c for c in chosen if c["id"] not in done and c["id"] not in resumed_ids]
+        # Similar lengths in one group keep its turns' prompts alike too.
+        fresh.sort(key=lambda c: len(c["prompt_ids"]))
+        counts = {"prompts": len(chosen), "skipped_too_long": too_long,
+                  "already_done": sum(c["id"] in done for c in chosen), "resumed_in_flight": len(resumed)}
     pending = resumed + fresh
-    counts = {"prompts": len(chosen), "skipped_too_long": too_long,
-              "already_done": sum(c["id"] in done for c in chosen), "resumed_in_flight": len(resumed)}
     stats: Counter = Counter()
     stopped, turns = 0, 0
     sampling = {"temperature": cfg.temperature, "top_p": cfg.top_p, "max_new_tokens": cfg.max_new_tokens,
                 "seed": cfg.seed, "dtype": cfg.dtype, "max_turns": cfg.max_turns}
-    if pending:
+    if cfg.self_instruct:
+        sampling["user_turn_temperature"] = SELF_INSTRUCT_TEMPERATURE
+    if pending or wanted:
         model = target.load_model(cfg.dtype, cfg.device)
         torch.manual_seed(cfg.seed)
-        bar = tqdm(total=len(pending), desc="gen", unit="conv")
-        group = cfg.group_size or len(pending)
+        bar = tqdm(total=len(pending) + wanted, desc="gen", unit="conv")
+        group = cfg.group_size or max(1, len(pending))
         with open(out_path, "a", encoding="utf-8") as f:
 
             def after_turn(finished: list[dict], unfinished: list[dict]) -> None:
@@ -362,13 +407,37 @@ def run_inprocess(recipe: Recipe, run: Run) -> dict:
             for start in range(0, len(pending), group):
                 answer_turns(model, target, pending[start:start + group], cfg, recipe.render.max_length, bar,
                              after_turn, stats)
+            # Self-instruct: write user turns, answer the new ones, until `wanted` are saved or the attempts
+            # (SELF_INSTRUCT_ATTEMPTS_PER_SAMPLE per wanted conversation) run out.
+            attempts, claimed = wanted * SELF_INSTRUCT_ATTEMPTS_PER_SAMPLE, done | resumed_ids
+            system = [{"role": "system", "content": cfg.system_prompt}] if cfg.system_prompt else []
+            while wanted and attempts:
+                # twice the rows still wanted: some come back cut off or written before
+                rows = min(attempts, cfg.batch_size, 2 * wanted)
+                attempts -= rows
+                stats["user_turns_written"] += rows
+                # a seed of its own per round and per resumed run, so no round repeats an earlier one
+                torch.manual_seed(cfg.seed + len(claimed) + attempts)
+                convs = write_user_turns(model, target, cfg, rows, system, recipe.data.max_prompt_tokens,
+                                         claimed, stats)[:wanted]
+                answer_turns(model, target, convs, cfg, recipe.render.max_length, bar, after_turn, stats)
+                wanted -= len(convs)
+                pending += convs
         bar.close()
+    if cfg.self_instruct:
+        counts.update({k: stats[k] for k in ("user_turns_written", "unusable", "duplicate", "too_long")})
     flight_path.unlink(missing_ok=True)
     counts.update({"generated": len(pending), "turns": turns, "records": len(finished_ids(out_path)),
                    "generated_tokens": stats["generated_tokens"], "finished_with_eos": stopped,
                    "generate_calls": stats["generate_calls"], "oom_splits": stats["oom_splits"]})
     gen_seconds = stats["generate_seconds"]
     metrics = {"tokens_per_s": round(stats["generated_tokens"] / gen_seconds, 1) if gen_seconds else None}
+    if wanted:  # self-instruct ran out of attempts, as the server path stops
+        stop = (f"self-instruct gave up: {stats['unusable']} unusable, {stats['duplicate']} duplicate and "
+                f"{stats['too_long']} too long user turns, {wanted} conversations still wanted")
+        run.record("gen", state="failed", config=cfg, counts=counts, metrics=metrics,
+                   seconds=time.time() - t_start, extra={"stopped": stop})
+        raise GenStopped(f"gen stopped: {stop} ({counts['records']} saved in {out_path})")
     return run.record("gen", state="done", config=cfg, counts=counts, metrics=metrics,
                       seconds=time.time() - t_start)
 
@@ -527,7 +596,7 @@ class ServerGen:
                 text = await self._self_instruct_prompt(pool, item["attempt"], prefix)
                 if text is None:
                     return "skip", "unusable", item
-                conv_id = "magpie-" + hashlib.sha256(" ".join(text.lower().split()).encode()).hexdigest()[:16]
+                conv_id = magpie_id(text)
                 if conv_id in claimed:
                     return "skip", "duplicate", item
                 claimed.add(conv_id)
@@ -687,6 +756,4 @@ def run(recipe: Recipe, run: Run) -> dict:
         return run_source(recipe, run)
     if cfg.endpoints:
         return run_server(recipe, run)
-    if cfg.self_instruct:
-        raise ConfigError("gen.self_instruct asks a server's completions endpoint: give --endpoint URL")
     return run_inprocess(recipe, run)
