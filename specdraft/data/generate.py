@@ -371,6 +371,7 @@ def run_inprocess(recipe: Recipe, run: Run) -> dict:
                 "seed": cfg.seed, "dtype": cfg.dtype, "max_turns": cfg.max_turns}
     if cfg.self_instruct:
         sampling["user_turn_temperature"] = SELF_INSTRUCT_TEMPERATURE
+    generator = {"kind": "inprocess", "target": target.describe()["fingerprint"], "sampling": sampling}
     if pending or wanted:
         model = target.load_model(cfg.dtype, cfg.device)
         torch.manual_seed(cfg.seed)
@@ -390,8 +391,7 @@ def run_inprocess(recipe: Recipe, run: Run) -> dict:
                         "messages": conv["messages"],
                         "finish_reason": conv["finish_reason"],
                         "prompt_tokens": len(conv["prompt_ids"]),
-                        "generator": {"kind": "inprocess", "target": target.describe()["fingerprint"],
-                                      "sampling": sampling},
+                        "generator": generator,
                     }
                     f.write(json.dumps(record, ensure_ascii=False) + "\n")
                     turns += len(answers)
