@@ -77,7 +77,7 @@ def main() -> None:
         "vllm_per_position_acceptance": [round(a, 4) for a in acc["per_position_acceptance"]],
         "vllm_drafts": acc["drafts"], "vllm_single_stream_tokens_per_s": round(tokens / seconds, 2),
         "reference_tau_fp32": reference["tau"], "reference_per_position_acceptance": reference["per_position_acceptance"],
-        "server_ready_s": round(ready_s, 1), "hardware": environment.hardware_line(),
+        "server_ready_s": round(ready_s, 1), "vllm_dtype": server.dtype, "hardware": environment.hardware_line(),
     }))
 
 

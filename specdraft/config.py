@@ -61,7 +61,9 @@ class GenConfig:
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int = 0
-    dtype: str = "bfloat16"
+    # In-process generation. "auto": bfloat16 on a GPU and on a CPU with bf16 instructions, else float32
+    # (targets.resolve_dtype: emulated bf16 ran several times slower than float32).
+    dtype: str = "auto"
     # In-process generation: "auto" is the GPU when there is one, else the CPU; or any torch device.
     device: str = "auto"
     # OpenAI-compatible servers to ask (vLLM, SGLang, llama.cpp); none means in-process transformers.
@@ -117,7 +119,8 @@ class RenderConfig:
 
 @dataclass
 class ExtractConfig:
-    dtype: str = "bfloat16"
+    # What the target computes in; "auto" as gen.dtype's.
+    dtype: str = "auto"
     # Tokens per forward batch (padding included); bounds activation memory.
     batch_tokens: int = 4096
     shard_bytes: int = 256 * 2**20
@@ -155,8 +158,9 @@ class TrainConfig:
     grad_clip: float = 1.0
     batch_tokens: int = 8192
     seed: int = 0
-    # "bfloat16" runs matmuls under autocast (fp32 master weights); "float32" runs plain.
-    autocast_dtype: str = "bfloat16"
+    # "bfloat16" runs matmuls under autocast (fp32 master weights); "float32" runs plain; "auto" is
+    # bfloat16 where the device multiplies it in hardware (targets.resolve_dtype), else float32.
+    autocast_dtype: str = "auto"
     log_every: int = 10
     # Where the target's hidden states come from: "disk" reads the extract stage's shards; "online" runs
     # the target beside the trainer, batch by batch, and writes nothing.

@@ -30,8 +30,8 @@ from .run import Run
 GiB = 2**30
 TiB = 2**40
 
-# Bytes per stored value of each hidden-state storage dtype (`extract.store_dtype`, default the
-# extract dtype). fp8 keeps one float32 scale per stored row (one state of one token) beside the values.
+# Bytes per stored value of each hidden-state storage dtype (`extract.store_dtype`). fp8 keeps one
+# float32 scale per stored row (one state of one token) beside the values.
 STORAGE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "fp8_e4m3": 1}
 FP8_ROW_SCALE_BYTES = 4
 # What extract stores per token beside the states: input_ids (int32) + loss_mask (uint8).
@@ -520,9 +520,7 @@ def make_plan(recipe: Recipe, run: Run | None = None, *, target: str | None = No
     aux = sorted(set(recipe.target.aux_layer_ids)) or default_aux_layer_ids(L)
     if not all(1 <= k < L for k in aux):
         raise PlanError(f"aux layer ids {aux} outside 1..{L - 1} for {spec.source}")
-    # `extract.store_dtype` (bf16, or fp8 with a per-row scale) comes with the extract stage's fp8
-    # storage; until a recipe has it, hidden states are stored in the extract dtype.
-    store_dtype = getattr(recipe.extract, "store_dtype", None) or recipe.extract.dtype
+    store_dtype = recipe.extract.store_dtype  # bf16, or fp8 with a per-row scale
     n_states = len(aux) + 1
     per_token = bytes_per_token(n_states, spec.hidden_size, store_dtype)
     tokens = expected_tokens(recipe, run, tokens_per_sample)

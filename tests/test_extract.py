@@ -24,6 +24,7 @@ from specdraft.hidden import extract as ex
 from specdraft.hidden.store import (FP8_E4M3_MAX, HIDDEN_DIR, INDEX, HiddenStore, bytes_per_token, dequantize_fp8,
                                     quantize_fp8)
 from specdraft.run import Run
+from specdraft.targets import resolve_dtype
 
 pytestmark = pytest.mark.slow
 
@@ -133,7 +134,7 @@ def test_index_ties_samples_layers_and_target(bf16_run, target):
 
 def test_stored_states_are_vllms_layers_and_the_final_norm(bf16_run, target):
     """Aux id k = transformers' output_hidden_states[k] (vLLM's convention); last = final-norm output."""
-    model = target.load_model("bfloat16")
+    model = target.load_model(resolve_dtype("auto", "cpu"))  # as the stages compute here
     store = HiddenStore(bf16_run.path)
     item = store[3]
     with torch.inference_mode():

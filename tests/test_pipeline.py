@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from specdraft.cli import main
+from specdraft.targets import resolve_dtype
 
 pytestmark = pytest.mark.slow
 
@@ -71,7 +72,7 @@ def test_hidden_states_match_the_targets_own_layers(tiny_run, target):
     store = HiddenStore(tiny_run)
     assert store.aux_layer_ids == [2, 15, 27]
     sample = store[0]
-    model = target.load_model("bfloat16")
+    model = target.load_model(resolve_dtype("auto", "cpu"))  # as the stages compute here
     with torch.inference_mode():
         out = model(input_ids=sample["input_ids"].long()[None], output_hidden_states=True)
     hs = [h[0].float() for h in out.hidden_states]

@@ -10,6 +10,7 @@ import pytest
 
 from specdraft.cli import main
 from specdraft.data.render import ChatTemplate, load_tokens, verify_with_server
+from specdraft.targets import resolve_dtype
 
 pytestmark = pytest.mark.slow
 
@@ -45,7 +46,7 @@ def own_run(tmp_path_factory, target):
     root = tmp_path_factory.mktemp("render-stage")
     recipe_path = root / "tiny.toml"
     recipe_path.write_text(TINY_RECIPE)
-    model = target.load_model("bfloat16")
+    model = target.load_model(resolve_dtype("auto", "cpu"))  # as the stages compute here
     cfg = GenConfig(max_new_tokens=MAX_NEW_TOKENS, max_turns=2)
     convs = []
     for p in _two_turn_prompts():

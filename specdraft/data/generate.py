@@ -30,7 +30,7 @@ from pathlib import Path
 
 from ..config import ConfigError, Recipe
 from ..run import Run
-from ..targets import Target
+from ..targets import Target, resolve_device, resolve_dtype
 from .client import RequestFailed, ServerPool
 from .sources import DataError, prompts
 
@@ -367,13 +367,15 @@ def run_inprocess(recipe: Recipe, run: Run) -> dict:
     pending = resumed + fresh
     stats: Counter = Counter()
     stopped, turns = 0, 0
+    device = resolve_device(cfg.device)
+    dtype = resolve_dtype(cfg.dtype, device)
     sampling = {"temperature": cfg.temperature, "top_p": cfg.top_p, "max_new_tokens": cfg.max_new_tokens,
-                "seed": cfg.seed, "dtype": cfg.dtype, "max_turns": cfg.max_turns}
+                "seed": cfg.seed, "dtype": dtype, "max_turns": cfg.max_turns}
     if cfg.self_instruct:
         sampling["user_turn_temperature"] = SELF_INSTRUCT_TEMPERATURE
     generator = {"kind": "inprocess", "target": target.describe()["fingerprint"], "sampling": sampling}
     if pending or wanted:
-        model = target.load_model(cfg.dtype, cfg.device)
+        model = target.load_model(dtype, device)
         torch.manual_seed(cfg.seed)
         bar = tqdm(total=len(pending) + wanted, desc="gen", unit="conv")
         group = cfg.group_size or max(1, len(pending))

@@ -244,7 +244,7 @@ def compare(target_path: str, configs: list[tuple[str, dict | None]], prompts: l
                         ) as server:
             rows = sweep(server.url, prompts, concurrencies, **sweep_args)
         results.append({"name": name, "speculative": spec, "server_ready_s": round(server.ready_seconds, 1),
-                        "levels": rows})
+                        "dtype": server.dtype, "levels": rows})
     return results
 
 

@@ -14,6 +14,7 @@ a thread while the next shard computes.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import hashlib
 import json
@@ -25,7 +26,7 @@ from pathlib import Path
 from ..config import ExtractConfig, Recipe
 from ..data.render import load_tokens
 from ..run import Run, atomic_path, write_json
-from ..targets import Target, get_attr, tap_hidden_states
+from ..targets import Target, get_attr, resolve_device, resolve_dtype, tap_hidden_states
 from .store import (HIDDEN_DIR, INDEX, STORE_DTYPES, _read_ahead, bytes_per_token, disk_bytes_per_token,
                     encode_states, shard_header, shard_name, token_batches)
 
@@ -51,6 +52,12 @@ def plan_shards(lengths: list[int], bytes_per_token: int, shard_bytes: int) -> l
     if current:
         shards.append(current)
     return shards
+
+
+def resolved(cfg: ExtractConfig) -> ExtractConfig:
+    """`cfg` with dtype "auto" made the dtype of the machine the target runs on (a device_map: GPUs)."""
+    return dataclasses.replace(cfg, dtype=resolve_dtype(cfg.dtype, "cuda" if cfg.device_map else
+                                                        resolve_device(cfg.device)))
 
 
 def load_target_model(target: Target, cfg: ExtractConfig):
@@ -227,6 +234,7 @@ def check_disk(out: Path, need_bytes: int, margin: float, tokens: int, store_dty
 def extract(target: Target, samples: list[tuple[list[int], list[int]]], out: Path, cfg: ExtractConfig,
             model=None) -> dict:
     """Write the hidden states of `samples` as shards under `out` (resuming); return what it did."""
+    cfg = resolved(cfg)
     if cfg.store_dtype not in STORE_DTYPES:
         raise ValueError(f"extract.store_dtype = {cfg.store_dtype!r}: expected one of {list(STORE_DTYPES)}")
     lengths = [len(ids) for ids, _ in samples]
@@ -344,7 +352,7 @@ def _write_shards(forward, samples, lengths, shards, todo, plans, out: Path, cfg
 
 
 def run(recipe: Recipe, run: Run) -> dict:
-    cfg = recipe.extract
+    cfg = resolved(recipe.extract)
     t_start = time.time()
     run.require("render")
     target = Target(recipe.target.model, recipe.target.aux_layer_ids)
@@ -368,7 +376,7 @@ class OnlineHidden:
 
     def __init__(self, recipe: Recipe, run: Run):
         run.require("render")
-        cfg = recipe.extract
+        cfg = resolved(recipe.extract)
         self.target = Target(recipe.target.model, recipe.target.aux_layer_ids)
         _, self.samples = load_tokens(run.path)
         self.lengths = [len(ids) for ids, _ in self.samples]
