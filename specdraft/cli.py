@@ -18,6 +18,7 @@ import time
 import typing
 from pathlib import Path
 
+from . import environment
 from .config import ConfigError, apply_override, load_recipe, stage_fields
 from .run import Run
 
@@ -164,6 +165,7 @@ def demo(recipe, run) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    environment.reuse_freed_memory()  # large tensors come and go every step; page faults cost more
     try:
         if args.command == "doctor":
             from .export.doctor import run_doctor
