@@ -129,7 +129,7 @@ def resolve_device(name: str) -> str:
 
 def cpu_has_bf16() -> bool:
     """Whether this CPU multiplies bfloat16 in hardware (AVX512-BF16 or AMX). Without them torch emulates
-    it: a bf16 linear layer of SmolLM2's width ran 3-9x slower than float32 there, and 2.5x faster than
+    it: a bf16 linear layer of SmolLM2's width ran 2-4x slower than float32 there, and 2.5x faster than
     float32 where the instructions exist. SPECDRAFT_CPU_BF16=0 or 1 says it instead of the CPU."""
     forced = os.environ.get("SPECDRAFT_CPU_BF16")
     if forced in ("0", "1"):
