@@ -55,9 +55,12 @@ def plan_shards(lengths: list[int], bytes_per_token: int, shard_bytes: int) -> l
 
 
 def resolved(cfg: ExtractConfig) -> ExtractConfig:
-    """`cfg` with dtype "auto" made the dtype of the machine the target runs on (a device_map: GPUs)."""
-    return dataclasses.replace(cfg, dtype=resolve_dtype(cfg.dtype, "cuda" if cfg.device_map else
-                                                        resolve_device(cfg.device)))
+    """`cfg` with dtype "auto" made the dtype of the machine the target runs on (a device_map spreads
+    it over the GPUs where there are any)."""
+    import torch
+
+    where = "cuda" if cfg.device_map and torch.cuda.is_available() else resolve_device(cfg.device)
+    return dataclasses.replace(cfg, dtype=resolve_dtype(cfg.dtype, where))
 
 
 def load_target_model(target: Target, cfg: ExtractConfig):
