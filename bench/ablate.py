@@ -36,7 +36,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from specdraft import environment  # noqa: E402
 from specdraft.run import Run, write_json  # noqa: E402
-from specdraft.targets import resolve_dtype  # noqa: E402
 
 # Every variant is scored by rolling its drafter out this many steps; tau at 3 is what vLLM serves
 # with 3 speculative tokens.
@@ -215,9 +214,7 @@ class Scorer:
     def __call__(self, v: Variant, folder: Path) -> dict:
         import math
 
-        import torch
-
-        from specdraft.train import CHECKPOINTS, TTT, evaluate, load_checkpoint
+        from specdraft.train import CHECKPOINTS, TTT, autocast_for, evaluate, load_checkpoint
 
         run = Run(folder)
         cfg = run.recipe().train
@@ -231,8 +228,7 @@ class Scorer:
         model = TTT(drafter, self.head[drafter.t2d].float(), EVAL_STEPS, cfg.step_weight_decay,
                     cfg.loss).to(self.device)
         cfg_eval = dataclasses.replace(self.cfg, ttt_steps=EVAL_STEPS)
-        bf16 = resolve_dtype(cfg.autocast_dtype, self.device.type) == "bfloat16"
-        autocast = torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=bf16)
+        _, autocast = autocast_for(cfg, self.device)
         s = evaluate(model, self.source, self.rows, self.tops, cfg_eval, self.device, autocast)
         alpha = s["cond_accept"]
 

@@ -444,6 +444,14 @@ def step_batches(source, tops, train_idx, lengths, cfg: TrainConfig, step: int, 
             yield epoch, [next(it) for _ in range(cfg.micro_batches // world)]
 
 
+def autocast_for(cfg: TrainConfig, device: torch.device) -> tuple[str, torch.autocast]:
+    """The dtype train.autocast_dtype means on `device` ("auto" resolved) and its autocast context."""
+    from .targets import resolve_dtype
+
+    dtype = resolve_dtype(cfg.autocast_dtype, device.type)
+    return dtype, torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == "bfloat16")
+
+
 @torch.no_grad()
 def evaluate(model: TTT, source, rows, tops, cfg, device, autocast) -> dict:
     model.eval()
@@ -489,7 +497,7 @@ def run(recipe: Recipe, run: Run) -> dict:
     from tqdm import tqdm
 
     from .hidden.store import open_hidden
-    from .targets import Target, resolve_dtype
+    from .targets import Target
 
     cfg = recipe.train
     if cfg.loss not in LOSSES:
@@ -555,15 +563,13 @@ def run(recipe: Recipe, run: Run) -> dict:
     steps_per_epoch = epoch_steps(train_idx, lengths, cfg)
     total_steps = cfg.epochs * steps_per_epoch
     schedulers = [torch.optim.lr_scheduler.LambdaLR(o, lambda s: lr_factor(s, total_steps, cfg)) for o in optimizers]
-    autocast_dtype = resolve_dtype(cfg.autocast_dtype, device.type)
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast_dtype == "bfloat16")
+    autocast_dtype, autocast = autocast_for(cfg, device)
     held_rows = pack(held_idx, lengths, cfg.batch_tokens)
 
     ckpt_dir = run.path / CHECKPOINTS
     log_path = ckpt_dir / TRAIN_LOG
     meta = {"train": to_dict(cfg), "autocast": autocast_dtype, "aux_layer_ids": source.aux_layer_ids,
-            "target": target.describe(),
-            "vocab_coverage": round(coverage, 4), "holdout_samples": held_idx}
+            "target": target.describe(), "vocab_coverage": round(coverage, 4), "holdout_samples": held_idx}
     state = {"step": 0, "tokens": 0, "seconds": 0.0, "best_tau": None}
     # A stopped run (its stage not recorded done) continues from `latest`; a finished one is retrained.
     previous = run.stage("train")

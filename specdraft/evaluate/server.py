@@ -51,14 +51,12 @@ class VllmServer:
     def __init__(self, model: str | Path, *, log_path: Path, speculative: dict | None = None,
                  max_model_len: int = 2048, dtype: str = "auto", extra: list[str] | None = None,
                  python: Path = VLLM_PYTHON, port: int | None = None, env: dict | None = None):
-        import torch
-
-        from ..targets import resolve_dtype
+        from ..targets import resolve_device, resolve_dtype
 
         self.model = str(model)
         # "auto": bfloat16 where the machine multiplies it in hardware, else float32 (on a CPU without
         # bf16 instructions, vLLM's CPU backend in bf16 is several times slower than in float32).
-        self.dtype = resolve_dtype(dtype, "cuda" if torch.cuda.is_available() else "cpu")
+        self.dtype = resolve_dtype(dtype, resolve_device("auto"))
         self.args = serve_args(model, max_model_len=max_model_len, dtype=self.dtype, speculative=speculative,
                                extra=extra)
         self.python = Path(python)

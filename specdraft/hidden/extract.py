@@ -57,9 +57,7 @@ def plan_shards(lengths: list[int], bytes_per_token: int, shard_bytes: int) -> l
 def resolved(cfg: ExtractConfig) -> ExtractConfig:
     """`cfg` with dtype "auto" made the dtype of the machine the target runs on (a device_map spreads
     it over the GPUs where there are any)."""
-    import torch
-
-    where = "cuda" if cfg.device_map and torch.cuda.is_available() else resolve_device(cfg.device)
+    where = resolve_device("auto" if cfg.device_map else cfg.device)
     return dataclasses.replace(cfg, dtype=resolve_dtype(cfg.dtype, where))
 
 
