@@ -2,8 +2,8 @@
 # One time-boxed share of the smollm2-h200 recipe and its ablations on a GPU machine that is held for at
 # most 10 minutes a call: every call does what is not done yet, while DEADLINE seconds last, and
 # gathers the results into $OUT. Expects the model and the ShareGPT wheel under $M
-# (../shared/gpu/README.md: three carried parts and assemble.sh); CONV may name a carried
-# conversations.jsonl.gz of an earlier call, so gen only answers the prompts not yet answered.
+# (../shared/gpu/README.md: three carried parts and assemble.sh); CONV may name carried
+# conversations.jsonl(.xz/.gz) files of earlier calls, so gen only answers the prompts not yet answered.
 #   1. RUN: gen (all train-split first turns), render, extract (bf16);
 #   2. RUN-fp8: the same tokens extracted with fp8 storage; RUN-source: ShareGPT's own answers;
 #   3. RUN: train (alone on the GPU), export, eval (reference decoder), bench/speedup.py (RUN_DRAFTER=0: none);
@@ -16,12 +16,12 @@ export PYTHONUNBUFFERED=1 TQDM_MININTERVAL=5 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_D
 M=${M:-/tmp/specdraft-gpu}; G=${G:-$M/SmolLM2-135M-Instruct.Q4_1.gguf}
 export PYTHONPATH=$PWD:$M/site SPECDRAFT_CACHE=$M/cache
 # TURNS=N answers N user turns of each conversation (0: all, up to render.max_length) in a run of its own;
-# its CONV is a carried conversations.jsonl.gz of as many turns or more (cut to TURNS by scripts/cut_turns.py;
-# bench/data/ holds SmolLM2's answers to 3 turns of every train-split conversation).
-# MAGPIE=N (with CONV): N more first turns, written and answered by SmolLM2 itself (in-process
-# self-instruct, a run of its own), join CONV's in a run of their own before its gen stage.
+# its CONV holds carried conversations of as many turns or more (cut to TURNS by scripts/cut_turns.py;
+# bench/data/ holds SmolLM2's answers to 3 turns of every train-split conversation, and to the 12,000
+# first turns it wrote itself for the recipe's gen.self_instruct_samples).
+# MAGPIE=N sets gen.self_instruct_samples=N in a run of its own (the recipe's value otherwise).
 R=$M/runs/smollm2-h200${TURNS:+-turns$TURNS}${MAGPIE:+-magpie$MAGPIE}; R8=$R-fp8; RS=$R-source; RES=$M/results
-RM=$M/runs/smollm2-h200-self$MAGPIE; mkdir -p $RES $R
+mkdir -p $RES $R
 LOG=$RES/h200.log
 S="python3 -m specdraft.cli"
 SOURCE_SAMPLES=${SOURCE_SAMPLES:-3300}  # >= 3,000 training samples after the 5 % held out
@@ -46,18 +46,12 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >>
 # is one suspect for the fp8 ablation that logged no step in 130 s on 2026-12-03.
 python3 -c "import torch,time; q=torch.randn(10**8).to(torch.float8_e4m3fn); t=time.time(); q.float(); \
 print(f'fp8->float on CPU: {1e8/(time.time()-t)/1e9:.2f} G values/s, torch {torch.__version__}')" >> $LOG 2>&1
-if [ -n "$MAGPIE" ]; then
-  [ -n "$CONV" ] || { echo "MAGPIE needs CONV" >> $LOG; exit 1; }
-  stage $RM gen --recipe smollm2-h200 --set target.model=$G --set gen.self_instruct=true --set gen.num_samples=$MAGPIE
+if [ -n "$CONV" ] && [ ! -f $R/conversations.jsonl ]; then
+  python3 scripts/cut_turns.py ${TURNS:-1} $G $CONV > $R/conversations.tmp && mv $R/conversations.tmp $R/conversations.jsonl
 fi
-if [ -n "$CONV" ] && [ ! -f $R/conversations.jsonl ] && { [ -z "$MAGPIE" ] || [ "$(state $RM gen)" = done ]; }; then
-  { gunzip -c $CONV | python3 scripts/cut_turns.py ${TURNS:-1} $G; [ -z "$MAGPIE" ] || cat $RM/conversations.jsonl; } \
-    > $R/conversations.tmp && mv $R/conversations.tmp $R/conversations.jsonl
-fi
-first="--recipe smollm2-h200 --set target.model=$G ${TURNS:+--set gen.max_turns=$TURNS}"
+first="--recipe smollm2-h200 --set target.model=$G ${TURNS:+--set gen.max_turns=$TURNS} ${MAGPIE:+--set gen.self_instruct_samples=$MAGPIE}"
 [ -f $R/manifest.json ] && first=""
-# (with MAGPIE, RUN's data waits for the self-instruct run)
-[ -n "$CONV" ] && [ ! -f $R/conversations.jsonl ] || { stage $R gen $first $EXTRA && stage $R render && stage $R extract && data=1; }
+stage $R gen $first $EXTRA && stage $R render && stage $R extract && data=1
 # ABLATE=0: the recipe's drafter only (e.g. a TURNS run), so neither the ablations' fp8 copy nor the source.
 [ "${ABLATE:-1}" = 0 ] && abl="" || abl=1
 if [ -n "$data" ] && [ -n "$abl" ]; then
@@ -65,7 +59,7 @@ if [ -n "$data" ] && [ -n "$abl" ]; then
   python3 -c "from specdraft.run import Run; Run('$R8').share_data('$R', through='render')"
   stage $R8 extract --set extract.store_dtype=fp8_e4m3
   # SOURCE=0 leaves the source's answers out (only the "source" ablation reads them; ~1 min).
-  [ "${SOURCE:-1}" != 0 ] && stage $RS gen --recipe smollm2-h200 --set target.model=$G --set gen.answers=source \
+  [ "${SOURCE:-1}" != 0 ] && stage $RS gen --recipe smollm2-h200 --set target.model=$G --set gen.answers=source --set gen.self_instruct_samples=0 \
     --set data.num_train=$SOURCE_SAMPLES && stage $RS render && stage $RS extract
 fi
 # The recipe's own drafter first, alone on the GPU (side by side with 7 ablations it reached no
@@ -97,7 +91,7 @@ rm -rf $M/logs; mkdir -p $M/logs
 for f in $R/ablations/*/train.log; do [ -f $f ] && { head -c 6000 $f; printf '\n[...]\n'; tail -c 14000 $f; } \
   > $M/logs/train-$(basename $(dirname $f)).log; done
 ls $M/logs/*.log > /dev/null 2>&1 && tar czf $OUT/train-logs.tgz -C $M/logs .
-[ -f $R/conversations.jsonl ] && gzip -c $R/conversations.jsonl > $OUT/conversations.jsonl.gz
+[ -f $R/conversations.jsonl ] && xz -T0 -c $R/conversations.jsonl > $OUT/conversations.jsonl.xz
 if [ -f $R/manifest.json ]; then
   (cd $R && tar czf $M/run.tgz manifest.json $(ls -d STATUS.md eval checkpoints/train_log.jsonl \
     checkpoints/curves.png export/vllm ablations/*/checkpoints/train_log.jsonl 2>/dev/null))

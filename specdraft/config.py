@@ -105,6 +105,9 @@ class GenConfig:
     # Magpie: the target writes the user turn from its template's user-turn prefix, then answers it
     # (through a server's completions endpoint, or in-process); needs num_samples.
     self_instruct: bool = False
+    # Magpie on top of the source: once the source's prompts are answered, the target writes this many
+    # more first turns itself and answers them (more on-policy data where the source runs out).
+    self_instruct_samples: int = 0
     # Ask the server for the ids it generated (vLLM's return_token_ids) so render stays on-policy.
     return_token_ids: bool = True
 

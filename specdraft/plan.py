@@ -320,6 +320,10 @@ def expected_tokens(recipe: Recipe, run: Run | None, tokens_per_sample: int | No
         d = recipe.data
         samples = len(prompts(d.source, "train", d.eval_fraction, d.split_seed))
         counted = "; samples: every train conversation of data.source (data.num_train = 0), an upper bound"
+    extra = getattr(recipe.gen, "self_instruct_samples", 0)
+    if extra and not getattr(recipe.gen, "self_instruct", False):
+        samples += extra
+        counted += f" + gen.self_instruct_samples ({extra:,})"
     if tokens_per_sample is not None:
         source = "assumed: samples x --tokens-per-sample" + counted
     else:
@@ -355,10 +359,11 @@ def drafter_config(spec: TargetSpec, aux_layer_ids: list[int], draft_vocab_size:
     return replace(cfg, head_dim=head_dim)
 
 
-def drafter_parameters(cfg) -> dict:
+def drafter_parameters(cfg, frozen_head: bool = False) -> dict:
     """Trainable and frozen parameters by part, from the drafter itself built on the meta device.
 
-    Frozen: the embedding (the target's, copied) and the teacher — the draft vocab's rows of the
+    Frozen: the embedding (the target's, copied), the lm_head too where `frozen_head` (the target's own
+    rows, train.lm_head_init = "target-frozen"), and the teacher — the draft vocab's rows of the
     target's lm_head, which the trainer holds beside the drafter to compute the target distribution."""
     import torch
 
@@ -366,6 +371,7 @@ def drafter_parameters(cfg) -> dict:
 
     with torch.device("meta"):
         drafter = Eagle3Drafter(cfg)
+    drafter.lm_head.weight.requires_grad_(not frozen_head)
     parts: dict[str, dict] = {}
     for name, p in drafter.named_parameters():
         # "fc", "embed_tokens", "lm_head", "layers.0.self_attn", "layers.0.mlp"; every norm in "norms".
@@ -380,7 +386,8 @@ def drafter_parameters(cfg) -> dict:
 
 def _drafter_matmul_params(parts: dict) -> tuple[int, int]:
     """(fc, one drafting step's layer + lm_head) weights a token multiplies through."""
-    step = parts["lm_head"]["trainable"] + sum(v["trainable"] for k, v in parts.items() if k.startswith("layers."))
+    # a frozen lm_head (train.lm_head_init = "target-frozen") is multiplied through all the same
+    step = sum(parts["lm_head"].values()) + sum(v["trainable"] for k, v in parts.items() if k.startswith("layers."))
     return parts["fc"]["trainable"], step
 
 
@@ -526,7 +533,7 @@ def make_plan(recipe: Recipe, run: Run | None = None, *, target: str | None = No
     tokens = expected_tokens(recipe, run, tokens_per_sample)
     hidden_bytes = tokens["tokens"] * (per_token + TOKEN_RECORD_BYTES)
     dcfg = drafter_config(spec, aux, recipe.train.draft_vocab_size)
-    params = drafter_parameters(dcfg)
+    params = drafter_parameters(dcfg, frozen_head=recipe.train.lm_head_init == "target-frozen")
     mach = machine(run.path if run is not None else None, gpus, gpu_memory_gib)
     n_gpus = mach["gpus"]
     row_tokens = min(recipe.train.batch_tokens, math.ceil(tokens["tokens_per_sample"]))

@@ -205,3 +205,18 @@ def test_self_instruct_writes_distinct_prompts(vllm_target, tmp_path):
     users = [r["messages"][-2]["content"] for r in recs]
     assert all(r["id"].startswith("magpie-") for r in recs) and len(set(users)) == 4
     assert all(u.strip() and r["messages"][-1]["token_ids"] for u, r in zip(users, recs))
+
+
+def test_self_instruct_samples_follow_the_sources_conversations(vllm_target, tmp_path):
+    """gen.self_instruct_samples through a server: the source's conversations first, then as many the target
+    wrote itself, counted apart (a rerun asking one more writes one more, not one fewer)."""
+    recipe = make_recipe(tmp_path, vllm_target.url, num_samples=2, max_new_tokens=64,
+                         extra="self_instruct_samples = 2\ntemperature = 0.7")
+    run = gen_inline(tmp_path, recipe)
+    recs = records(run.path)
+    written = [r for r in recs if r["id"].startswith("magpie-")]
+    assert len(recs) == 4 and len(written) == 2 and len({r["id"] for r in recs}) == 4
+    assert all(r["messages"][-1]["token_ids"] for r in recs)
+    run = gen_inline(tmp_path, recipe, gen__self_instruct_samples=3)
+    again = records(run.path)
+    assert again[:4] == recs and len(again) == 5 and again[4]["id"].startswith("magpie-")

@@ -120,13 +120,13 @@ def test_a_killed_multi_turn_gen_resumes_its_unfinished_conversations_at_the_tur
 def test_cut_turns_keeps_the_first_answers_of_the_carried_three_turn_answers(target, tmp_path):
     """scripts/cut_turns.py turns bench/data's 3-turn answers into what a first-turns gen saves: the first
     answer of each conversation, as generated, with its finish reason read from its last token."""
-    import gzip
+    import lzma
     import subprocess
     import sys
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    with gzip.open(root / "bench/data/smollm2-h200-turns3.conversations.jsonl.gz", "rt") as f:
+    with lzma.open(root / "bench/data/smollm2-h200-turns3.conversations.jsonl.xz", "rt") as f:
         lines = f.readlines()
     # the file holds single-turn conversations first (saved after turn 1), then the longer ones
     originals = [json.loads(line) for line in lines[:25] + lines[-25:]]
@@ -199,3 +199,43 @@ def test_in_process_self_instruct_gives_up_when_no_user_turn_ends(tmp_path):
     entry = json.loads((run.path / "manifest.json").read_text())["stages"]["gen"]
     assert entry["state"] == "failed" and entry["counts"]["records"] == 0
     assert entry["counts"]["user_turns_written"] == 12  # 3 wanted x 4 tries
+
+
+def test_in_process_self_instruct_samples_come_after_the_sources_prompts(target, tmp_path):
+    """gen.self_instruct_samples: the source's prompts answered first, then as many first turns the target
+    wrote itself; a rerun that wants one more keeps every record and writes only that one."""
+    from specdraft.data.generate import MAGPIE_PREFIX, magpie_id
+
+    recipe = SELF_INSTRUCT.replace("self_instruct = true\nnum_samples = 3",
+                                   "self_instruct_samples = 2").replace("[data]", "[data]\nnum_train = 2")
+    (tmp_path / "m.toml").write_text(recipe)
+    run = tmp_path / "run"
+    assert main(["gen", "--recipe", str(tmp_path / "m.toml"), "--run", str(run)]) == 0
+    records = [json.loads(line) for line in (run / CONVERSATIONS).read_text().splitlines()]
+    written = [r for r in records if r["id"].startswith(MAGPIE_PREFIX)]
+    assert len(records) == 4 and len(written) == 2 and len({r["id"] for r in records}) == 4
+    # the source's first, as asked
+    assert all(not r["id"].startswith(MAGPIE_PREFIX) for r in records[:2])
+    for r in written:
+        assert r["id"] == magpie_id(r["messages"][-2]["content"]) and r["messages"][-1]["token_ids"]
+    counts = json.loads((run / "manifest.json").read_text())["stages"]["gen"]["counts"]
+    assert counts["prompts"] == 2 and counts["records"] == 4 and counts["user_turns_written"] >= 2
+    assert main(["gen", "--run", str(run), "--set", "gen.self_instruct_samples=3"]) == 0
+    again = [json.loads(line) for line in (run / CONVERSATIONS).read_text().splitlines()]
+    assert again[:4] == records and len(again) == 5 and again[4]["id"].startswith(MAGPIE_PREFIX)
+
+
+def test_self_instruct_samples_refuse_what_they_cannot_add_to(tmp_path):
+    import pytest
+
+    from specdraft.config import ConfigError, load_recipe
+    from specdraft.data import generate
+    from specdraft.run import Run
+
+    for extra in ("self_instruct = true\nnum_samples = 3", 'answers = "source"'):
+        (tmp_path / "m.toml").write_text(f'name = "m"\n[gen]\nself_instruct_samples = 2\n{extra}\n')
+        recipe = load_recipe(str(tmp_path / "m.toml"))
+        run = Run(tmp_path / "run")
+        run.init(recipe)
+        with pytest.raises(ConfigError, match="self_instruct_samples"):
+            generate.run(recipe, run)

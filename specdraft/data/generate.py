@@ -42,6 +42,8 @@ SELF_INSTRUCT_TEMPERATURE = 1.0
 # A self-instruct run gives up when this many user turns per wanted sample came back unusable (duplicate,
 # empty or cut off): the target keeps writing the same few prompts.
 SELF_INSTRUCT_ATTEMPTS_PER_SAMPLE = 4
+# The ids of conversations whose user turn the target wrote (magpie_id).
+MAGPIE_PREFIX = "magpie-"
 # gen.answers: ask the target, or keep the source's own answers.
 ANSWERS = ("target", "source")
 # Stands in for the user's text while finding where the template's user-turn prefix ends.
@@ -173,7 +175,7 @@ def select_prompts(recipe: Recipe, target: Target, split: str, limit: int | None
 def magpie_id(text: str) -> str:
     """A self-instruct conversation's id: its user turn's text, case and spacing aside, so a prompt the
     target writes twice is one conversation."""
-    return "magpie-" + hashlib.sha256(" ".join(text.lower().split()).encode()).hexdigest()[:16]
+    return MAGPIE_PREFIX + hashlib.sha256(" ".join(text.lower().split()).encode()).hexdigest()[:16]
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -358,12 +360,13 @@ def run_inprocess(recipe: Recipe, run: Run) -> dict:
         fresh, counts = [], {"already_done": len(done), "resumed_in_flight": len(resumed)}
     else:
         chosen, too_long = select_prompts(recipe, target, "train", num_samples(recipe))
-        wanted = 0
         fresh = [c for c in chosen if c["id"] not in done and c["id"] not in resumed_ids]
         # Similar lengths in one group keep its turns' prompts alike too.
         fresh.sort(key=lambda c: len(c["prompt_ids"]))
         counts = {"prompts": len(chosen), "skipped_too_long": too_long,
                   "already_done": sum(c["id"] in done for c in chosen), "resumed_in_flight": len(resumed)}
+        # gen.self_instruct_samples: written and answered below, once the source's prompts are.
+        wanted = max(0, cfg.self_instruct_samples - sum(i.startswith(MAGPIE_PREFIX) for i in done | resumed_ids))
     pending = resumed + fresh
     stats: Counter = Counter()
     stopped, turns = 0, 0
@@ -371,7 +374,7 @@ def run_inprocess(recipe: Recipe, run: Run) -> dict:
     dtype = resolve_dtype(cfg.dtype, device)
     sampling = {"temperature": cfg.temperature, "top_p": cfg.top_p, "max_new_tokens": cfg.max_new_tokens,
                 "seed": cfg.seed, "dtype": dtype, "max_turns": cfg.max_turns}
-    if cfg.self_instruct:
+    if cfg.self_instruct or cfg.self_instruct_samples:
         sampling["user_turn_temperature"] = SELF_INSTRUCT_TEMPERATURE
     generator = {"kind": "inprocess", "target": target.describe()["fingerprint"], "sampling": sampling}
     if pending or wanted:
@@ -426,7 +429,7 @@ def run_inprocess(recipe: Recipe, run: Run) -> dict:
                 wanted -= len(convs)
                 pending += convs
         bar.close()
-    if cfg.self_instruct:
+    if cfg.self_instruct or cfg.self_instruct_samples:
         counts.update({k: stats[k] for k in ("user_turns_written", "unusable", "duplicate", "too_long")})
     flight_path.unlink(missing_ok=True)
     counts.update({"generated": len(pending), "turns": turns, "records": len(finished_ids(out_path)),
@@ -629,16 +632,18 @@ class ServerGen:
                         f"(threshold {c.max_error_share:.0%}); see {self.err_path} for the reasons")
         return None
 
-    async def run(self, target_n: int, done: set[str], items=None) -> str | None:
+    async def run(self, target_n: int, done: set[str], items=None, self_instruct: bool | None = None) -> str | None:
         """Save conversations until `target_n` are on disk; return why it stopped early (None when complete).
 
-        `items` ({"id", "system", "users"} each) replaces the recipe's data source (benchmarks use it).
+        `items` ({"id", "system", "users"} each) replaces the recipe's data source (benchmarks use it);
+        `self_instruct` (default gen.self_instruct) has the target write the user turns instead.
         """
         from tqdm import tqdm
 
         cfg = self.cfg
+        self_instruct = cfg.self_instruct if self_instruct is None else self_instruct
         prefix = None
-        if cfg.self_instruct:
+        if self_instruct:
             prefix = user_turn_prefix(self.target, cfg.system_prompt)
             system = [{"role": "system", "content": cfg.system_prompt}] if cfg.system_prompt else []
             items = ({"attempt": a, "system": system} for a in range(target_n * SELF_INSTRUCT_ATTEMPTS_PER_SAMPLE))
@@ -667,7 +672,7 @@ class ServerGen:
                         in_flight.add(asyncio.create_task(self._task(pool, item, prefix, claimed)))
                     if not in_flight:
                         stop = (f"the source ran out: {saved} of {target_n} conversations saved"
-                                if not cfg.self_instruct else
+                                if not self_instruct else
                                 f"self-instruct gave up: {self.counts['duplicate'] + self.counts['unusable']} "
                                 f"unusable or duplicate user turns for {saved} saved")
                         break
@@ -709,7 +714,8 @@ def run_server(recipe: Recipe, run: Run) -> dict:
     cfg = recipe.gen
     t_start = time.time()
     target = Target(recipe.target.model, recipe.target.aux_layer_ids)
-    done = finished_ids(run.path / CONVERSATIONS)
+    # gen.self_instruct_samples' conversations come after the source's and count apart from them.
+    done = {i for i in finished_ids(run.path / CONVERSATIONS) if not i.startswith(MAGPIE_PREFIX)}
     target_n = num_samples(recipe)
     gen = ServerGen(recipe, run, target)
     items = None
@@ -721,6 +727,11 @@ def run_server(recipe: Recipe, run: Run) -> dict:
         raise DataError(f"{run.path / CONVERSATIONS} already holds {len(done)} conversations, more than "
                         f"gen.num_samples = {target_n}; raise it or use another run folder")
     stop = asyncio.run(gen.run(target_n, done, items))
+    if cfg.self_instruct_samples and stop is None:
+        done = finished_ids(run.path / CONVERSATIONS)
+        written = sum(i.startswith(MAGPIE_PREFIX) for i in done)
+        target_n = len(done) + max(0, cfg.self_instruct_samples - written)
+        stop = asyncio.run(gen.run(target_n, done, self_instruct=True))
     seconds = time.time() - t_start
     saved = len(finished_ids(run.path / CONVERSATIONS))
     counts = {"target": target_n, "records": saved, "already_done": len(done), **gen.counts,
@@ -730,6 +741,7 @@ def run_server(recipe: Recipe, run: Run) -> dict:
                "samples_per_s": round(new / seconds, 3) if seconds else None}
     requested = {"endpoints": cfg.endpoints, "model": gen.model, "sampling": gen.sampling(),
                  "system_prompt": cfg.system_prompt, "self_instruct": cfg.self_instruct,
+                 "self_instruct_samples": cfg.self_instruct_samples,
                  "expect_reasoning": gen.expect_reasoning, "thinking_markers": gen.markers}
     if stop is not None:
         run.record("gen", state="failed" if saved < target_n else "done", config=cfg, counts=counts,
@@ -749,6 +761,10 @@ def run(recipe: Recipe, run: Run) -> dict:
     if cfg.self_instruct and (cfg.answers == "source" or num_samples(recipe) is None):
         raise ConfigError("gen.self_instruct: the target writes the prompts, so there are no source answers "
                           "and no 'every conversation'; set gen.num_samples and gen.answers = \"target\"")
+    if cfg.self_instruct_samples and (cfg.self_instruct or cfg.answers == "source"):
+        raise ConfigError("gen.self_instruct_samples adds conversations the target writes to the source's; with "
+                          "gen.self_instruct (all of them written) or gen.answers = \"source\" (no target answers) "
+                          "there is nothing to add them to: set it to 0")
     # A resumed run that switched modes would mix both kinds of answers and spoil the ablation.
     other = answers_on_disk(run.path / CONVERSATIONS) - {cfg.answers}
     if other:
