@@ -44,6 +44,8 @@ DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 DISK_HEADROOM = 0.9
 # Share of a device's memory a training process can use (CUDA context, allocator fragmentation).
 MEMORY_HEADROOM = 0.9
+# A batch size the plan recommends is a multiple of this many tokens.
+BATCH_TOKENS_STEP = 256
 
 # The trainer keeps fp32 master weights (autocast runs the matmuls in bf16), fp32 gradients and
 # AdamW's two fp32 moments; the frozen embedding and the draft vocab's rows of the target's lm_head
@@ -418,6 +420,28 @@ def activation_bytes(cfg, batch_tokens: int, row_tokens: int, ttt_steps: int) ->
             "batch": batch_tokens * (ttt_steps * (per_step + attention) + once + transient)}
 
 
+def row_tokens_for(batch_tokens: int, tokens_per_sample: float, gpus: int) -> int:
+    """Keys each query's attention scores span. On a GPU, its own document: FlexAttention skips other
+    documents' blocks. On the CPU, the whole packed row: its dense mask has every pair, so activations grow
+    with batch_tokens squared there (the smollm2-h200 recipe's 8,192 took over 21 GB and was killed)."""
+    return min(batch_tokens, math.ceil(tokens_per_sample)) if gpus else batch_tokens
+
+
+def fitting_batch_tokens(cfg, params: dict, train, tokens_per_sample: float, gpus: int, limit: int,
+                         target_head_params: int = 0) -> int:
+    """The largest train.batch_tokens, a multiple of BATCH_TOKENS_STEP no larger than the recipe's, whose
+    training memory fits `limit` bytes per device (0: none does)."""
+    bt = train.batch_tokens // BATCH_TOKENS_STEP * BATCH_TOKENS_STEP
+    while bt > 0:
+        t = replace(train, batch_tokens=bt)
+        mem = training_memory(cfg, params, t, row_tokens_for(bt, tokens_per_sample, gpus), max(1, gpus), False,
+                              target_head_params=target_head_params)
+        if mem["total"] <= limit:
+            return bt
+        bt -= BATCH_TOKENS_STEP
+    return 0
+
+
 def training_memory(cfg, params: dict, train, row_tokens: int, gpus: int, fsdp: bool,
                     target_weight_bytes: int = 0, target_head_params: int = 0) -> dict:
     """Bytes per GPU to train the drafter: weights, grads, AdamW states, activations, and (online
@@ -536,7 +560,7 @@ def make_plan(recipe: Recipe, run: Run | None = None, *, target: str | None = No
     params = drafter_parameters(dcfg, frozen_head=recipe.train.lm_head_init == "target-frozen")
     mach = machine(run.path if run is not None else None, gpus, gpu_memory_gib)
     n_gpus = mach["gpus"]
-    row_tokens = min(recipe.train.batch_tokens, math.ceil(tokens["tokens_per_sample"]))
+    row_tokens = row_tokens_for(recipe.train.batch_tokens, tokens["tokens_per_sample"], n_gpus)
     online = recipe.train.hidden == "online"
 
     def memory(fsdp: bool) -> dict:
@@ -569,11 +593,17 @@ def make_plan(recipe: Recipe, run: Run | None = None, *, target: str | None = No
         "total_seconds": round(sum(r["seconds"] for r in times), 1),
         "machine": mach,
     }
-    plan["checks"], plan["recommendations"] = _check(plan, recipe, spec, tokens, per_token, memory)
+    def fit_batch_tokens(limit: int) -> int:
+        return fitting_batch_tokens(dcfg, params, recipe.train, tokens["tokens_per_sample"], n_gpus, limit,
+                                    spec.params["head"])
+
+    plan["checks"], plan["recommendations"] = _check(plan, recipe, spec, tokens, per_token, memory,
+                                                     fit_batch_tokens)
     return plan
 
 
-def _check(plan: dict, recipe: Recipe, spec: TargetSpec, tokens: dict, per_token: int, memory) -> tuple:
+def _check(plan: dict, recipe: Recipe, spec: TargetSpec, tokens: dict, per_token: int, memory,
+           fit_batch_tokens) -> tuple:
     mach = plan["machine"]
     checks, recs = [], []
     free = mach["disk_free_bytes"]
@@ -616,14 +646,12 @@ def _check(plan: dict, recipe: Recipe, spec: TargetSpec, tokens: dict, per_token
                             f"({'fits' if sharded['total'] <= limit else 'still over'} {human_bytes(limit)})",
                      "per_gpu_bytes": sharded["total"]})
     if mem["total"] > limit:
-        act = plan["train_memory"]["activation"]
-        per_token_act = act["batch"] / recipe.train.batch_tokens
-        room = limit - (mem["total"] - mem["activations"])
-        if room > 0:
-            fit = int(room // per_token_act)
+        fit = fit_batch_tokens(limit)
+        if fit:
             recs.append({"do": f"--batch-tokens {fit}",
-                         "why": f"activations take ~{human_bytes(int(per_token_act))} per token; {fit:,} tokens per "
-                                f"batch fit beside the weights"})
+                         "why": f"the largest batch whose training memory fits {human_bytes(limit)}"
+                                + ("" if n_gpus else "; on the CPU each token's attention spans the whole packed row, "
+                                   "so activations grow with batch_tokens squared")})
     return checks, recs
 
 
