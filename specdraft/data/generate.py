@@ -714,8 +714,9 @@ def run_server(recipe: Recipe, run: Run) -> dict:
     cfg = recipe.gen
     t_start = time.time()
     target = Target(recipe.target.model, recipe.target.aux_layer_ids)
+    already = finished_ids(run.path / CONVERSATIONS)
     # gen.self_instruct_samples' conversations come after the source's and count apart from them.
-    done = {i for i in finished_ids(run.path / CONVERSATIONS) if not i.startswith(MAGPIE_PREFIX)}
+    done = {i for i in already if not i.startswith(MAGPIE_PREFIX)}
     target_n = num_samples(recipe)
     gen = ServerGen(recipe, run, target)
     items = None
@@ -734,7 +735,7 @@ def run_server(recipe: Recipe, run: Run) -> dict:
         stop = asyncio.run(gen.run(target_n, done, self_instruct=True))
     seconds = time.time() - t_start
     saved = len(finished_ids(run.path / CONVERSATIONS))
-    counts = {"target": target_n, "records": saved, "already_done": len(done), **gen.counts,
+    counts = {"target": target_n, "records": saved, "already_done": len(already), **gen.counts,
               "retries": gen.retries, "generated_tokens": gen.tokens}
     new = gen.counts["saved_this_run"]
     metrics = {"tokens_per_s": round(gen.tokens / seconds, 1) if seconds else None,
