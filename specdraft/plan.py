@@ -420,11 +420,10 @@ def activation_bytes(cfg, batch_tokens: int, row_tokens: int, ttt_steps: int) ->
             "batch": batch_tokens * (ttt_steps * (per_step + attention) + once + transient)}
 
 
-def row_tokens_for(batch_tokens: int, tokens_per_sample: float, gpus: int) -> int:
-    """Keys each query's attention scores span. On a GPU, its own document: FlexAttention skips other
-    documents' blocks. On the CPU, the whole packed row: its dense mask has every pair, so activations grow
-    with batch_tokens squared there (the smollm2-h200 recipe's 8,192 took over 21 GB and was killed)."""
-    return min(batch_tokens, math.ceil(tokens_per_sample)) if gpus else batch_tokens
+def row_tokens_for(batch_tokens: int, tokens_per_sample: float) -> int:
+    """Keys each query's attention scores span: its own document's, on a GPU (FlexAttention skips other
+    documents' blocks) and on the CPU (one causal product per document, drafter.model.DocumentSpans)."""
+    return min(batch_tokens, math.ceil(tokens_per_sample))
 
 
 def fitting_batch_tokens(cfg, params: dict, train, tokens_per_sample: float, gpus: int, limit: int,
@@ -434,7 +433,7 @@ def fitting_batch_tokens(cfg, params: dict, train, tokens_per_sample: float, gpu
     bt = train.batch_tokens // BATCH_TOKENS_STEP * BATCH_TOKENS_STEP
     while bt > 0:
         t = replace(train, batch_tokens=bt)
-        mem = training_memory(cfg, params, t, row_tokens_for(bt, tokens_per_sample, gpus), max(1, gpus), False,
+        mem = training_memory(cfg, params, t, row_tokens_for(bt, tokens_per_sample), max(1, gpus), False,
                               target_head_params=target_head_params)
         if mem["total"] <= limit:
             return bt
@@ -560,7 +559,7 @@ def make_plan(recipe: Recipe, run: Run | None = None, *, target: str | None = No
     params = drafter_parameters(dcfg, frozen_head=recipe.train.lm_head_init == "target-frozen")
     mach = machine(run.path if run is not None else None, gpus, gpu_memory_gib)
     n_gpus = mach["gpus"]
-    row_tokens = row_tokens_for(recipe.train.batch_tokens, tokens["tokens_per_sample"], n_gpus)
+    row_tokens = row_tokens_for(recipe.train.batch_tokens, tokens["tokens_per_sample"])
     online = recipe.train.hidden == "online"
 
     def memory(fsdp: bool) -> dict:
@@ -649,9 +648,7 @@ def _check(plan: dict, recipe: Recipe, spec: TargetSpec, tokens: dict, per_token
         fit = fit_batch_tokens(limit)
         if fit:
             recs.append({"do": f"--batch-tokens {fit}",
-                         "why": f"the largest batch whose training memory fits {human_bytes(limit)}"
-                                + ("" if n_gpus else "; on the CPU each token's attention spans the whole packed row, "
-                                   "so activations grow with batch_tokens squared")})
+                         "why": f"the largest batch whose training memory fits {human_bytes(limit)}"})
     return checks, recs
 
 
