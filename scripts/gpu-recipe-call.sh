@@ -4,7 +4,7 @@
 # gathers the results into $OUT. Expects the model and the ShareGPT wheel under $M
 # (../shared/gpu/README.md: three carried parts and assemble.sh); CONV may name carried
 # conversations.jsonl(.xz/.gz) files of earlier calls, so gen only answers the prompts not yet answered.
-#   1. RUN: gen (all train-split first turns), render, extract (bf16);
+#   1. RUN: gen (all train-split first turns, then gen.self_instruct_samples written by the target), render, extract (bf16);
 #   2. RUN-fp8: the same tokens extracted with fp8 storage; RUN-source: ShareGPT's own answers;
 #   3. RUN: train (alone on the GPU), export, eval (reference decoder), bench/speedup.py (RUN_DRAFTER=0: none);
 #   4. bench/ablate.py: the ablations, two at a time (resumed when cut; ABLATE=0: none, and no step 2).

@@ -566,6 +566,10 @@ def make_plan(recipe: Recipe, run: Run | None = None, *, target: str | None = No
         return training_memory(dcfg, params, recipe.train, row_tokens, max(1, n_gpus), fsdp,
                                spec.weight_bytes() if online else 0, spec.params["head"])
 
+    def fit_batch_tokens(limit: int) -> int:
+        return fitting_batch_tokens(dcfg, params, recipe.train, tokens["tokens_per_sample"], n_gpus, limit,
+                                    spec.params["head"])
+
     mem = memory(fsdp=False)
     stages = run.manifest().get("stages", {}) if run is not None else {}
     times = time_table(recipe, spec, tokens, params["parts"], stages, n_gpus)
@@ -592,10 +596,6 @@ def make_plan(recipe: Recipe, run: Run | None = None, *, target: str | None = No
         "total_seconds": round(sum(r["seconds"] for r in times), 1),
         "machine": mach,
     }
-    def fit_batch_tokens(limit: int) -> int:
-        return fitting_batch_tokens(dcfg, params, recipe.train, tokens["tokens_per_sample"], n_gpus, limit,
-                                    spec.params["head"])
-
     plan["checks"], plan["recommendations"] = _check(plan, recipe, spec, tokens, per_token, memory,
                                                      fit_batch_tokens)
     return plan

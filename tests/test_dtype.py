@@ -61,7 +61,7 @@ from specdraft import environment
 from specdraft.drafter.model import attend, document_mask
 applied = environment.reuse_freed_memory()
 torch.set_num_threads(1)
-T = 1536  # SmolLM2's drafter heads over one packed row: scores of 9 x T x T float32 = 85 MB a step
+T = 1536  # SmolLM2's drafter heads over one document of T tokens: scores of 9 x T x T float32 = 85 MB a step
 mask = document_mask(torch.zeros(1, T, dtype=torch.long))  # one document: its scores span the whole row
 q = torch.randn(1, 9, T, 64, requires_grad=True)
 k, v = (torch.randn(1, 3, T, 64, requires_grad=True) for _ in range(2))
