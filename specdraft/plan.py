@@ -427,18 +427,22 @@ def row_tokens_for(batch_tokens: int, tokens_per_sample: float) -> int:
 
 
 def fitting_batch_tokens(cfg, params: dict, train, tokens_per_sample: float, gpus: int, limit: int,
-                         target_head_params: int = 0) -> int:
+                         target_head_params: int = 0, fsdp: bool = False) -> int:
     """The largest train.batch_tokens, a multiple of BATCH_TOKENS_STEP no larger than the recipe's, whose
     training memory fits `limit` bytes per device (0: none does)."""
-    bt = train.batch_tokens // BATCH_TOKENS_STEP * BATCH_TOKENS_STEP
-    while bt > 0:
-        t = replace(train, batch_tokens=bt)
-        mem = training_memory(cfg, params, t, row_tokens_for(bt, tokens_per_sample), max(1, gpus), False,
-                              target_head_params=target_head_params)
-        if mem["total"] <= limit:
-            return bt
-        bt -= BATCH_TOKENS_STEP
-    return 0
+    def fits(steps: int) -> bool:
+        bt = steps * BATCH_TOKENS_STEP
+        mem = training_memory(cfg, params, replace(train, batch_tokens=bt), row_tokens_for(bt, tokens_per_sample),
+                              max(1, gpus), fsdp, target_head_params=target_head_params)
+        return mem["total"] <= limit
+
+    # Memory grows with the batch, so the largest fitting one is found by bisection (a recipe's batch
+    # can be millions of tokens).
+    lo, hi = 0, train.batch_tokens // BATCH_TOKENS_STEP
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+    return lo * BATCH_TOKENS_STEP
 
 
 def training_memory(cfg, params: dict, train, row_tokens: int, gpus: int, fsdp: bool,
@@ -566,11 +570,14 @@ def make_plan(recipe: Recipe, run: Run | None = None, *, target: str | None = No
         return training_memory(dcfg, params, recipe.train, row_tokens, max(1, n_gpus), fsdp,
                                spec.weight_bytes() if online else 0, spec.params["head"])
 
+    # A recipe that shards over several GPUs is billed sharded; one that does not is told what sharding saves.
+    sharded = recipe.train.parallel == "fsdp" and n_gpus > 1
+
     def fit_batch_tokens(limit: int) -> int:
         return fitting_batch_tokens(dcfg, params, recipe.train, tokens["tokens_per_sample"], n_gpus, limit,
-                                    spec.params["head"])
+                                    spec.params["head"], fsdp=sharded)
 
-    mem = memory(fsdp=False)
+    mem = memory(fsdp=sharded)
     stages = run.manifest().get("stages", {}) if run is not None else {}
     times = time_table(recipe, spec, tokens, params["parts"], stages, n_gpus)
     plan = {
@@ -591,7 +598,7 @@ def make_plan(recipe: Recipe, run: Run | None = None, *, target: str | None = No
         "train_memory": {"per_gpu": mem, "row_tokens": row_tokens,
                          "activation": activation_bytes(dcfg, recipe.train.batch_tokens, row_tokens,
                                                         recipe.train.ttt_steps),
-                         "device": "gpu" if n_gpus else "cpu"},
+                         "device": "gpu" if n_gpus else "cpu", "fsdp": sharded},
         "time": times,
         "total_seconds": round(sum(r["seconds"] for r in times), 1),
         "machine": mach,
@@ -638,7 +645,7 @@ def _check(plan: dict, recipe: Recipe, spec: TargetSpec, tokens: dict, per_token
     checks.append({"check": "train memory", "ok": mem["total"] <= limit, "need_bytes": mem["total"],
                    "usable_bytes": limit,
                    "text": f"training {human_bytes(mem['total'])} per device vs {human_bytes(limit)} usable ({where})"})
-    if mem["total"] > limit and n_gpus > 1:
+    if mem["total"] > limit and n_gpus > 1 and not plan["train_memory"]["fsdp"]:
         sharded = memory(fsdp=True)
         recs.append({"do": f"FSDP over {n_gpus} GPUs (torchrun)",
                      "why": f"weights, grads and AdamW states sharded: {human_bytes(sharded['total'])} per GPU "
@@ -702,7 +709,8 @@ def render_text(plan: dict) -> str:
     for part, n in d["parts"].items():
         lines.append(f"  {part:18s} trainable {n['trainable'] / 1e6:10,.1f} M   frozen {n['frozen'] / 1e6:10,.1f} M")
     mem = plan["train_memory"]["per_gpu"]
-    lines += ["", f"training memory per {plan['train_memory']['device']}: {human_bytes(mem['total'])}"]
+    lines += ["", f"training memory per {plan['train_memory']['device']}: {human_bytes(mem['total'])}"
+              + (f" (FSDP over {plan['machine']['gpus']} GPUs)" if plan["train_memory"].get("fsdp") else "")]
     for k in ("weights", "grads", "optimizer", "activations", "target"):
         lines.append(f"  {k:12s} {human_bytes(mem[k])}")
     lines += ["", "time:"]

@@ -25,6 +25,7 @@ import math
 import os
 import random
 import shutil
+import sys
 import time
 from pathlib import Path
 
@@ -493,6 +494,33 @@ def plot_curves(log_path: Path, png: Path) -> None:
     plt.close(fig)
 
 
+class TrainMemoryError(RuntimeError):
+    """The plan's training memory does not fit the device at all."""
+
+
+def check_memory(recipe: Recipe, run: Run) -> None:
+    """Refuse a training that the plan's memory model puts over the device's whole memory: the
+    out-of-memory kill would come at the first long batch, lose the steps since the last checkpoint and
+    name no cause. Over the plan's headroom but within the memory, only a warning: the model is an
+    estimate. Either way the message names the batch that fits."""
+    from .plan import MEMORY_HEADROOM, make_plan
+
+    try:
+        plan = make_plan(recipe, run)
+    except Exception as e:  # noqa: BLE001 - a target the plan cannot read still trains, unchecked
+        print(f"train: warning: memory not checked ({type(e).__name__}: {e})", file=sys.stderr)
+        return
+    check = next(c for c in plan["checks"] if c["check"] == "train memory")
+    if check["ok"]:
+        return
+    fixes = [r["do"] for r in plan["recommendations"] if r["do"].startswith(("--batch-tokens", "FSDP"))]
+    text = (f"{check['text']} at train.batch_tokens = {recipe.train.batch_tokens:,}; "
+            + (f"fits with: {' or '.join(fixes)}" if fixes else "no batch size fits (specdraft plan)"))
+    if check["need_bytes"] > check["usable_bytes"] / MEMORY_HEADROOM:
+        raise TrainMemoryError(f"train: {text}")
+    print(f"train: warning: {text}", file=sys.stderr)
+
+
 def run(recipe: Recipe, run: Run) -> dict:
     from tqdm import tqdm
 
@@ -512,6 +540,7 @@ def run(recipe: Recipe, run: Run) -> dict:
     t_start = time.time()
     if cfg.hidden == "disk":
         run.require("extract")
+    check_memory(recipe, run)
     rank, world, device = distributed()
     if cfg.micro_batches % world:
         raise ValueError(f"train.micro_batches = {cfg.micro_batches} must be a multiple of the "

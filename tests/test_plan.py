@@ -55,6 +55,26 @@ def test_kimi_k25_reference_figures():
     assert 580e9 < read_target(str(CONFIGS / "kimi-k2.5.json")).weight_bytes() < 610e9
 
 
+def test_an_fsdp_recipe_is_billed_sharded_and_not_told_to_shard():
+    """train.parallel = "fsdp" over 8 GPUs: weights, grads and AdamW states are billed an eighth each
+    (activations whole), and FSDP is not recommended to a recipe that already shards."""
+    plans = [make_plan(_recipe(parallel=parallel, batch_tokens=16384), target=str(CONFIGS / "kimi-k2.5.json"),
+                       tokens_per_sample=4096, gpus=8, gpu_memory_gib=40) for parallel in ("ddp", "fsdp")]
+    ddp, fsdp = plans
+    whole, shard = ddp["train_memory"]["per_gpu"], fsdp["train_memory"]["per_gpu"]
+    assert not ddp["train_memory"]["fsdp"] and fsdp["train_memory"]["fsdp"]
+    for part in ("grads", "optimizer"):
+        assert shard[part] == whole[part] // 8
+    assert shard["activations"] == whole["activations"]
+    assert any(r["do"].startswith("FSDP") for r in ddp["recommendations"])
+    assert not any(r["do"].startswith("FSDP") for r in fsdp["recommendations"])
+    # The batch that fits is found for the sharded bill: larger than for the whole one.
+    fit = {p["train_memory"]["fsdp"]: int(next(r["do"] for r in p["recommendations"]
+                                              if r["do"].startswith("--batch-tokens")).split()[1])
+           for p in plans}
+    assert fit[True] > fit[False] > 0
+
+
 def test_fp8_storage_halves_the_disk_with_a_scale_per_row():
     plan = make_plan(_recipe(), target=str(CONFIGS / "kimi-k2.5.json"), tokens_per_sample=4096)
     recipe = _recipe()

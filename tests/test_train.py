@@ -218,6 +218,22 @@ def test_fewer_samples_same_holdout_and_head_from_target(extracted_run, tmp_path
     assert torch.allclose(state["norm.weight"].float(), target.final_norm_weight())
 
 
+def test_a_batch_past_the_memory_is_refused_before_training_with_the_batch_that_fits(extracted_run, tmp_path,
+                                                                                     capsys):
+    """A batch the plan's memory model puts past the whole device memory stops train at once, with the
+    batch that fits, and leaves no checkpoint behind; the same run then trains at that batch."""
+    import re
+
+    run = fresh_copy(extracted_run, tmp_path, "memory")
+    assert main(cli(run, extracted_run, "--set", "train.batch_tokens=100000000")) == 2
+    err = capsys.readouterr().err
+    assert "training" in err and "usable" in err and "train.batch_tokens = 100,000,000" in err, err
+    fit = int(re.search(r"--batch-tokens (\d+)", err).group(1))
+    assert not (run / "checkpoints").exists()
+    assert 0 < fit < 100_000_000
+    assert main(cli(run, extracted_run, "--set", "train.epochs=1", "--set", f"train.batch_tokens={min(fit, 4096)}")) == 0
+
+
 @pytest.mark.slow
 def test_frozen_target_head_stays_and_residual_flag_reaches_the_drafter(extracted_run, tmp_path):
     """lm_head_init "target-frozen": after training at a real lr the head is still the target's rows and
