@@ -426,22 +426,15 @@ def row_tokens_for(batch_tokens: int, tokens_per_sample: float) -> int:
     return min(batch_tokens, math.ceil(tokens_per_sample))
 
 
-def fitting_batch_tokens(cfg, params: dict, train, tokens_per_sample: float, gpus: int, limit: int,
-                         target_head_params: int = 0, fsdp: bool = False) -> int:
-    """The largest train.batch_tokens, a multiple of BATCH_TOKENS_STEP no larger than the recipe's, whose
-    training memory fits `limit` bytes per device (0: none does)."""
-    def fits(steps: int) -> bool:
-        bt = steps * BATCH_TOKENS_STEP
-        mem = training_memory(cfg, params, replace(train, batch_tokens=bt), row_tokens_for(bt, tokens_per_sample),
-                              max(1, gpus), fsdp, target_head_params=target_head_params)
-        return mem["total"] <= limit
-
+def fitting_batch_tokens(need, batch_tokens: int, limit: int) -> int:
+    """The largest batch, a multiple of BATCH_TOKENS_STEP no larger than `batch_tokens`, whose training
+    memory `need(batch)` (bytes per device) fits `limit` (0: none does)."""
     # Memory grows with the batch, so the largest fitting one is found by bisection (a recipe's batch
     # can be millions of tokens).
-    lo, hi = 0, train.batch_tokens // BATCH_TOKENS_STEP
+    lo, hi = 0, batch_tokens // BATCH_TOKENS_STEP
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+        lo, hi = (mid, hi) if need(mid * BATCH_TOKENS_STEP) <= limit else (lo, mid - 1)
     return lo * BATCH_TOKENS_STEP
 
 
@@ -566,16 +559,17 @@ def make_plan(recipe: Recipe, run: Run | None = None, *, target: str | None = No
     row_tokens = row_tokens_for(recipe.train.batch_tokens, tokens["tokens_per_sample"])
     online = recipe.train.hidden == "online"
 
-    def memory(fsdp: bool) -> dict:
-        return training_memory(dcfg, params, recipe.train, row_tokens, max(1, n_gpus), fsdp,
+    def memory(fsdp: bool, batch_tokens: int = recipe.train.batch_tokens) -> dict:
+        return training_memory(dcfg, params, replace(recipe.train, batch_tokens=batch_tokens),
+                               row_tokens_for(batch_tokens, tokens["tokens_per_sample"]), max(1, n_gpus), fsdp,
                                spec.weight_bytes() if online else 0, spec.params["head"])
 
     # A recipe that shards over several GPUs is billed sharded; one that does not is told what sharding saves.
     sharded = recipe.train.parallel == "fsdp" and n_gpus > 1
 
     def fit_batch_tokens(limit: int) -> int:
-        return fitting_batch_tokens(dcfg, params, recipe.train, tokens["tokens_per_sample"], n_gpus, limit,
-                                    spec.params["head"], fsdp=sharded)
+        # The same bill as the plan's own, the resident target of online hidden states included.
+        return fitting_batch_tokens(lambda bt: memory(sharded, bt)["total"], recipe.train.batch_tokens, limit)
 
     mem = memory(fsdp=sharded)
     stages = run.manifest().get("stages", {}) if run is not None else {}

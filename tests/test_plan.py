@@ -192,7 +192,7 @@ def test_rows_span_one_document_on_either_device_and_the_batch_that_fits_is_the_
                                False)["total"]
 
     limit = need(recipe.train.batch_tokens) // 3
-    fit = fitting_batch_tokens(dcfg, params, recipe.train, per_sample, 0, limit)
+    fit = fitting_batch_tokens(need, recipe.train.batch_tokens, limit)
     assert 0 < fit < recipe.train.batch_tokens and fit % BATCH_TOKENS_STEP == 0
     assert need(fit) <= limit < need(fit + BATCH_TOKENS_STEP)
 
