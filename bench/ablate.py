@@ -35,7 +35,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from specdraft import environment  # noqa: E402
-from specdraft.run import Run, write_json  # noqa: E402
+from specdraft.run import RunFolder, write_json  # noqa: E402
 
 # Every variant is scored by rolling its drafter out this many steps; tau at 3 is what vLLM serves
 # with 3 speculative tokens.
@@ -169,11 +169,11 @@ class Scorer:
     def __init__(self, base_run: Path, device, decode_prompts: int = 0):
         from specdraft.hidden.store import HiddenStore
         from specdraft.targets import Target
-        from specdraft.train import pack, split_holdout, target_top_tokens
+        from specdraft.stages.train import pack, split_holdout, target_top_tokens
 
-        recipe = Run(base_run).recipe()
+        recipe = RunFolder(base_run).recipe()
         self.cfg = recipe.train
-        self.source = HiddenStore(base_run)
+        self.source = HiddenStore(RunFolder(base_run).hidden)
         self.target = Target(recipe.target.model, self.source.aux_layer_ids)
         self.embed, self.head = self.target.embed_weight().float(), self.target.head_weight()
         _, self.held = split_holdout(len(self.source), self.cfg.holdout, self.cfg.seed)
@@ -183,7 +183,7 @@ class Scorer:
         self.device = device
         self.prompts = []
         if decode_prompts:
-            from specdraft.evaluate.speculate import decode_capacity, load_prompts, make_runner
+            from specdraft.stages.eval import decode_capacity, load_prompts, make_runner
 
             self.eval_cfg = dataclasses.replace(recipe.eval, num_prompts=decode_prompts)
             model = self.target.load_model(self.eval_cfg.dtype, device=str(device))
@@ -195,7 +195,7 @@ class Scorer:
         """τ of the reference decoder, chain and tree, over the held-out prompts (greedy)."""
         import torch
 
-        from specdraft.evaluate.speculate import Stats, TreeShape, speculative
+        from specdraft.stages.eval import Stats, TreeShape, speculative
 
         c = self.eval_cfg
         drafter = drafter.to(self.device, getattr(torch, c.dtype))
@@ -214,9 +214,10 @@ class Scorer:
     def __call__(self, v: Variant, folder: Path) -> dict:
         import math
 
-        from specdraft.train import CHECKPOINTS, TTT, autocast_for, evaluate, load_checkpoint
+        from specdraft.stages.train import TTT, autocast_for, evaluate
+        from specdraft.drafters.checkpoint import load_checkpoint
 
-        run = Run(folder)
+        run = RunFolder(folder)
         cfg = run.recipe().train
         ckpt = chosen_checkpoint(folder)
         row = row_head(v)
@@ -235,7 +236,7 @@ class Scorer:
         def tau(k: int) -> float:  # chain drafting of k tokens: 1 + sum over depths of P(accepted through it)
             return round(1 + sum(math.prod(alpha[:j + 1]) for j in range(k)), 4)
 
-        log = folder / CHECKPOINTS / "train_log.jsonl"
+        log = RunFolder(folder).train_log
         steps = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
         last_train = next((r for r in reversed(steps) if r["kind"] == "train"), {})
         metrics, counts = stage.get("metrics", {}), stage.get("counts", {})
@@ -265,17 +266,17 @@ def row_head(v: Variant) -> dict:
 
 def chosen_checkpoint(folder: Path) -> Path | None:
     """The checkpoint a variant is scored by: best, else final, else latest (a cut one); None if none."""
-    from specdraft.train import BEST, CHECKPOINTS, COMPLETE, FINAL, LATEST
+    from specdraft.stages.train import COMPLETE
 
-    return next((folder / CHECKPOINTS / n for n in (BEST, FINAL, LATEST)
-                 if (folder / CHECKPOINTS / n / COMPLETE).exists()), None)
+    return next((RunFolder(folder).checkpoint(n) for n in ("best", "final", "latest")
+                 if (RunFolder(folder).checkpoint(n) / COMPLETE).exists()), None)
 
 
 def score_key(folder: Path, decode_prompts: int) -> dict:
     """What a variant's score depends on: its train state, the checkpoint scored and its step."""
     ckpt = chosen_checkpoint(folder)
     step = json.loads((ckpt / "config.json").read_text()).get("step") if ckpt else None
-    return {"state": (Run(folder).stage("train") or {}).get("state"), "checkpoint": ckpt.name if ckpt else None,
+    return {"state": (RunFolder(folder).stage("train") or {}).get("state"), "checkpoint": ckpt.name if ckpt else None,
             "step": step, "decode_prompts": decode_prompts}
 
 
@@ -404,7 +405,7 @@ def main() -> int:
             continue
         folder = args.run if v.is_run else args.run / "ablations" / v.name
         if not v.is_run:
-            Run(folder).share_data(data_runs[v.data], through="extract")
+            RunFolder(folder).share_data(data_runs[v.data], through="extract")
         jobs.append((v, folder, train_command(v, folder, 0 if v.all_samples else args.samples, args.set,
                                                loader_workers(args.parallel))))
     scorer = None

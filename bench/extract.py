@@ -30,8 +30,8 @@ import torch  # noqa: E402
 
 from specdraft import environment  # noqa: E402
 from specdraft.config import ExtractConfig  # noqa: E402
-from specdraft.hidden.extract import (extract, forward_states, input_device, load_target_model,  # noqa: E402
-                                      padded_batch, plan_shards)
+from specdraft.stages.extract import extract, forward_states, load_target_model, plan_shards
+from specdraft.hidden.capture import input_device, padded_batch
 from specdraft.hidden.store import disk_bytes_per_token, token_batches  # noqa: E402
 from specdraft.targets import Target, get_attr, resolve_device  # noqa: E402
 
@@ -52,7 +52,7 @@ def _init_worker(model: str) -> None:
 
 
 def _render(args: tuple[dict, int]) -> tuple[list[int], list[int]] | None:
-    from specdraft.data.render import render_conversation
+    from specdraft.stages.render import render_conversation
     from specdraft.data.sources import DataError
 
     record, max_length = args

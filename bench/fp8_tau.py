@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from specdraft import environment  # noqa: E402
 from specdraft.config import Recipe  # noqa: E402
-from specdraft.run import Run  # noqa: E402
+from specdraft.run import RunFolder  # noqa: E402
 
 STORES = ("bfloat16", "fp8_e4m3")
 
@@ -42,11 +42,11 @@ def make_recipe(args) -> Recipe:
     return recipe
 
 
-def rendered_run(root: Path, recipe: Recipe, samples: int) -> Run:
-    from specdraft.data import render
+def rendered_run(root: Path, recipe: Recipe, samples: int) -> RunFolder:
+    from specdraft.stages import render
     from specdraft.data.sources import read_sharegpt, split_of
 
-    run = Run(root)
+    run = RunFolder(root)
     run.init(recipe)
     records = (r for r in read_sharegpt()
                if len(r["messages"]) >= 2 and r["messages"][0]["role"] == "user"
@@ -72,9 +72,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--out", type=Path, help="keep the runs here (default: a temporary folder, removed)")
     args = p.parse_args(argv)
 
-    from specdraft import train
-    from specdraft.evaluate import speculate
-    from specdraft.hidden import extract
+    from specdraft.stages import train
+    from specdraft.stages import eval as speculate
+    from specdraft.stages import extract
 
     root = args.out or Path(tempfile.mkdtemp(prefix="specdraft-fp8-tau-"))
     figures = {"bench": "fp8_tau", "hardware": environment.hardware_line(), "samples": args.samples,
@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> dict:
             recipe.extract.store_dtype = store
             path = root / store
             shutil.copytree(base.path, path)
-            run = Run(path)
+            run = RunFolder(path)
             run.init(recipe)
             ex = extract.run(recipe, run)
             tr = train.run(recipe, run)

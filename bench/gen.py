@@ -26,9 +26,9 @@ import httpx
 
 from specdraft import environment
 from specdraft.config import load_recipe
-from specdraft.data.generate import ServerGen, select_prompts
-from specdraft.evaluate.server import VllmServer
-from specdraft.run import Run
+from specdraft.stages.gen import ServerGen, select_prompts
+from specdraft.engines import VllmServer
+from specdraft.run import RunFolder
 from specdraft.targets import Target
 
 
@@ -71,7 +71,7 @@ def ours(recipe, target: Target, prompts: list[dict], concurrency: int) -> dict:
     recipe.gen.concurrency = concurrency
     items = [{"id": p["id"], "system": [], "users": [p["messages"][-1]["content"]]} for p in prompts]
     with tempfile.TemporaryDirectory() as tmp:
-        gen = ServerGen(recipe, Run(Path(tmp)), target)
+        gen = ServerGen(recipe, RunFolder(Path(tmp)), target)
         t0 = time.perf_counter()
         stop = asyncio.run(gen.run(len(items), set(), items=items))
         seconds = time.perf_counter() - t0
@@ -107,7 +107,7 @@ def main() -> None:
     def measure(url: str) -> dict:
         model = args.model or httpx.get(f"{url}/v1/models", timeout=60).json()["data"][0]["id"]
         recipe.gen.endpoints, recipe.gen.model = [url], model
-        body = ServerGen(recipe, Run(Path(tempfile.gettempdir())), target).sampling()
+        body = ServerGen(recipe, RunFolder(Path(tempfile.gettempdir())), target).sampling()
         asyncio.run(plain_loop(url, model, prompts, max(levels), body))  # warm the prefix cache for both
         rows = []
         for c in levels:

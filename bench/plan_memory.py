@@ -1,5 +1,5 @@
 """How close is plan's training-memory estimate to the trainer's real peak? One training step of the real
-TTT loss (specdraft.train.ttt_loss, backward, AdamW) on one packed batch of random target states, for the
+TTT loss (specdraft.stages.train.ttt_loss, backward, AdamW) on one packed batch of random target states, for the
 drafter plan builds for a target config; prints one JSON line: plan's bytes by part next to the measured
 peak (CUDA: torch.cuda.max_memory_allocated; CPU: the growth of the process's peak RSS, coarser).
 
@@ -17,9 +17,9 @@ import torch
 
 from specdraft import environment
 from specdraft.config import load_recipe
-from specdraft.drafter.model import Eagle3Drafter
-from specdraft.plan import drafter_config, drafter_parameters, read_target, training_memory
-from specdraft.train import ttt_loss
+from specdraft.drafters.eagle3 import Eagle3Drafter
+from specdraft.billing import drafter_config, drafter_parameters, read_target, training_memory
+from specdraft.stages.train import ttt_loss
 
 
 def peak_bytes(device: str) -> int:

@@ -15,7 +15,7 @@ import json
 import time
 
 from specdraft import environment
-from specdraft.data.render import ChatTemplate, render_conversation
+from specdraft.stages.render import ChatTemplate, render_conversation
 from specdraft.data.sources import read_sharegpt
 from specdraft.targets import Target
 

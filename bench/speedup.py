@@ -24,10 +24,11 @@ from pathlib import Path
 import torch
 
 from specdraft import environment
-from specdraft.evaluate import speculate as S
-from specdraft.run import Run
+from specdraft.decoding import runners, tree
+from specdraft.stages import eval as eval_stage
+from specdraft.run import RunFolder
 from specdraft.targets import resolve_device
-from specdraft.train import load_trained
+from specdraft.drafters.checkpoint import load_trained
 
 
 def main() -> None:
@@ -37,14 +38,14 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--dtype", default="float32", help="float32 keeps greedy speculation exact (FACTS.md)")
     ap.add_argument("--device", default="auto")
-    ap.add_argument("--engine", default=None, choices=S.ENGINES, help="default: the recipe's eval.engine (auto: "
+    ap.add_argument("--engine", default=None, choices=runners.ENGINES, help="default: the recipe's eval.engine (auto: "
                     "cuda-graphs on CUDA, eager elsewhere)")
     ap.add_argument("--K", type=int, default=None, help="chain length (default: the recipe's eval.draft_tokens)")
     ap.add_argument("--tree", default=None, metavar="TOPK,DEPTH,TOKENS", help="default: the recipe's eval.tree_*")
     ap.add_argument("--prompts-file", default=None, help="a JSONL of prompts instead of the run's held-out split")
     args = ap.parse_args()
 
-    run = Run(Path(args.run))
+    run = RunFolder(Path(args.run))
     recipe = run.recipe()
     cfg = recipe.eval
     cfg.num_prompts, cfg.max_new_tokens, cfg.dtype, cfg.device = args.prompts, args.new_tokens, args.dtype, args.device
@@ -59,14 +60,14 @@ def main() -> None:
     device = torch.device(resolve_device(cfg.device))
     drafter, target, _ = load_trained(recipe, run)
     drafter = drafter.to(device=device, dtype=getattr(torch, cfg.dtype))
-    runner = S.make_runner(target, target.load_model(cfg.dtype, device=str(device)), cfg.engine)
-    prompts = S.load_prompts(recipe, target)
-    runner.reserve(S.decode_capacity(prompts, cfg))  # the warm-up then captures the graphs the run replays
+    runner = runners.make_runner(target, target.load_model(cfg.dtype, device=str(device)), cfg.engine)
+    prompts = eval_stage.load_prompts(recipe, target)
+    runner.reserve(tree.decode_capacity(prompts, cfg))  # the warm-up then captures the graphs the run replays
 
     warm = type(cfg)(**{**vars(cfg), "max_new_tokens": min(cfg.max_new_tokens, 32)})
-    S.evaluate(runner, drafter, prompts[:1], warm, target.eos_token_id)
+    eval_stage.evaluate(runner, drafter, prompts[:1], warm, target.eos_token_id)
     t0 = time.time()
-    r = S.evaluate(runner, drafter, prompts, cfg, target.eos_token_id)
+    r = eval_stage.evaluate(runner, drafter, prompts, cfg, target.eos_token_id)
     chain, tree = r["chain"], r["tree"]
     print(json.dumps({
         "bench": "speedup", "run": str(run.path), "prompts": len(prompts), "max_new_tokens": cfg.max_new_tokens,

@@ -1,4 +1,4 @@
-"""Training speed of the EAGLE-3 trainer (specdraft.train.TTT): one JSON line per configuration.
+"""Training speed of the EAGLE-3 trainer (specdraft.stages.train.TTT): one JSON line per configuration.
 
     python bench/train.py [--configs smollm2,llama8b] [--compile off,on] [--steps 20] [--tiny]
 
@@ -21,8 +21,8 @@ import time
 import torch
 
 from specdraft import environment
-from specdraft.drafter.model import DrafterConfig, Eagle3Drafter
-from specdraft.train import PAD_DOCUMENT, TTT
+from specdraft.drafters.eagle3 import DrafterConfig, Eagle3Drafter
+from specdraft.stages.train import PAD_DOCUMENT, TTT
 
 # H200 bf16 dense matrix peak (measured 788 TFLOP/s on 8192^3 products on these machines).
 PEAK_TFLOPS = 790.0

@@ -22,14 +22,15 @@ from tqdm import tqdm
 
 from specdraft import environment
 from specdraft.config import load_recipe
-from specdraft.evaluate import speculate as S
-from specdraft.export.formats import read_drafter
+from specdraft.decoding import rounds, runners, tree
+from specdraft.stages import eval as eval_stage
+from specdraft.drafters.formats import read_drafter
 from specdraft.targets import Target, resolve_device
 
 
-def shape(text: str) -> S.TreeShape:
+def shape(text: str) -> tree.TreeShape:
     topk, depth, tokens = (int(x) for x in text.split(","))
-    return S.TreeShape(topk, depth, tokens)
+    return tree.TreeShape(topk, depth, tokens)
 
 
 def main() -> None:
@@ -52,16 +53,16 @@ def main() -> None:
     meta = json.loads((args.drafter / "config.json").read_text())
     target = Target(recipe.target.model, meta.get("eagle_aux_hidden_state_layer_ids"))
     drafter = read_drafter(args.drafter, target.embed_weight()).to(device=device, dtype=getattr(torch, args.dtype))
-    runner = S.make_runner(target, target.load_model(args.dtype, device=str(device)), recipe.eval.engine)
-    prompts = S.load_prompts(recipe, target)
+    runner = runners.make_runner(target, target.load_model(args.dtype, device=str(device)), recipe.eval.engine)
+    prompts = eval_stage.load_prompts(recipe, target)
     eos = target.eos_token_id
-    runner.reserve(max(S.cache_tokens(len(p["prompt_ids"]), args.new_tokens, s) for p in prompts for s in args.shapes))
-    refs = [S.greedy(runner, p["prompt_ids"], args.new_tokens, eos) for p in tqdm(prompts, desc="greedy", unit="prompt")]
+    runner.reserve(max(tree.cache_tokens(len(p["prompt_ids"]), args.new_tokens, s) for p in prompts for s in args.shapes))
+    refs = [rounds.greedy(runner, p["prompt_ids"], args.new_tokens, eos) for p in tqdm(prompts, desc="greedy", unit="prompt")]
     for sh in args.shapes:
-        stats, exact, t0 = S.Stats(sh.depth), 0, time.time()
+        stats, exact, t0 = rounds.Stats(sh.depth), 0, time.time()
         for p, (ref, gaps) in zip(tqdm(prompts, desc=f"tree {sh.topk},{sh.depth},{sh.tokens}", unit="prompt"), refs):
-            spec = S.speculative(runner, drafter, p["prompt_ids"], args.new_tokens, eos, sh, stats)
-            exact += S.check_exact(spec, ref, gaps, recipe.eval.tie_tolerance, p["id"])["exact"]
+            spec = rounds.speculative(runner, drafter, p["prompt_ids"], args.new_tokens, eos, sh, stats)
+            exact += rounds.check_exact(spec, ref, gaps, recipe.eval.tie_tolerance, p["id"])["exact"]
         s = stats.summary()
         print(json.dumps({
             "bench": "tree_shapes", "drafter": str(args.drafter), "prompts": len(prompts),

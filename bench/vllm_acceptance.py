@@ -18,10 +18,10 @@ from pathlib import Path
 import httpx
 
 from specdraft import environment
-from specdraft.data.generate import select_prompts
-from specdraft.evaluate.bench import acceptance, spec_decode_counters
-from specdraft.evaluate.server import VLLM_PYTHON, VllmServer
-from specdraft.run import Run
+from specdraft.stages.gen import select_prompts
+from specdraft.stages.bench import acceptance, spec_decode_counters
+from specdraft.engines import VLLM_PYTHON, VllmServer
+from specdraft.run import RunFolder
 from specdraft.targets import Target
 
 def speedup_line(path: Path, prompts: int, max_tokens: int) -> dict:
@@ -47,7 +47,7 @@ def main() -> None:
     ap.add_argument("--reference", default=None,
                     help="a bench/speedup.py JSON line measured on the same prompts, instead of eval/report.json")
     args = ap.parse_args()
-    run = Run(Path(args.run))
+    run = RunFolder(Path(args.run))
     recipe = run.recipe()
     target = Target(recipe.target.model, recipe.target.aux_layer_ids)
     prompts, _ = select_prompts(recipe, target, "eval", args.prompts or recipe.eval.num_prompts)

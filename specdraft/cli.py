@@ -16,23 +16,10 @@ import os
 import sys
 import time
 import typing
-from pathlib import Path
 
-from . import environment
-from .config import ConfigError, apply_override, load_recipe, stage_fields
-from .run import Run
-
-DEFAULT_RECIPE = "smollm2-cpu"
-# subcommand -> (module with run(recipe, run), recipe section whose fields become flags)
-STAGES = {
-    "gen": ("specdraft.data.generate", "gen"),
-    "render": ("specdraft.data.render", "render"),
-    "extract": ("specdraft.hidden.extract", "extract"),
-    "train": ("specdraft.train", "train"),
-    "export": ("specdraft.export.formats", "export"),
-    "eval": ("specdraft.evaluate.speculate", "eval"),
-}
-DEMO_ORDER = ["gen", "render", "extract", "train", "export", "eval"]
+from specdraft import environment
+from specdraft.config import apply_sets, load_recipe, stage_fields
+from specdraft.run import DEFAULT_RECIPE, PIPELINE, STAGES, open_run
 
 
 def _flag_help(tp) -> str:
@@ -55,7 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                        help="override any recipe field; repeatable")
 
-    for name, (_, section) in STAGES.items():
+    for stage in PIPELINE:
+        name, section = stage.name, stage.section
         p = sub.add_parser(name, help=f"run the {name} stage on a run folder")
         common(p)
         for field_name, tp in stage_fields(section):
@@ -110,51 +98,39 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _resolve(args) -> tuple:
-    recipe = load_recipe(args.recipe or DEFAULT_RECIPE)
-    run = Run(Path(args.run) if args.run else Path("runs") / recipe.name)
-    if not args.recipe and run.exists():
-        recipe = run.recipe()
-    for item in args.set:
-        if "=" not in item:
-            raise ConfigError(f"--set {item!r}: expected SECTION.FIELD=VALUE")
-        key, value = item.split("=", 1)
-        apply_override(recipe, key.strip(), value.strip())
-    for dest, value in vars(args).items():
-        if "." in dest and value is not None:
-            apply_override(recipe, dest, value)
-    run.init(recipe)
-    return recipe, run
+def _open(args):
+    flags = {dest: value for dest, value in vars(args).items() if "." in dest}
+    return open_run(args.recipe, args.run, args.set, flags)
 
 
-def _run_stage(name: str, recipe, run) -> dict:
-    module = importlib.import_module(STAGES[name][0])
+def _run_stage(name: str, recipe, folder) -> dict:
+    module = importlib.import_module(STAGES[name].module)
     try:
-        return module.run(recipe, run)
+        return module.run(recipe, folder)
     except BaseException as e:
-        run.record(name, state="failed", extra={"error": f"{type(e).__name__}: {e}"})
+        folder.record(name, state="failed", extra={"error": f"{type(e).__name__}: {e}"})
         raise
     finally:
-        from .status import after_stage
+        from specdraft.stages.status import after_stage
 
-        after_stage(name, recipe, run)
+        after_stage(name, recipe, folder)
 
 
-def demo(recipe, run) -> None:
+def demo(recipe, folder) -> None:
     times = {}
-    for name in DEMO_ORDER:
+    for name in (s.name for s in PIPELINE):
         print(f"\n== {name} ==", flush=True)
         t0 = time.time()
-        _run_stage(name, recipe, run)
+        _run_stage(name, recipe, folder)
         times[name] = time.time() - t0
         print(f"== {name} done in {times[name]:.0f} s", flush=True)
-    m = run.manifest()["stages"]
+    m = folder.manifest()["stages"]
     ev = m["eval"]["metrics"]
     print("\n== summary ==")
-    for name in DEMO_ORDER:
+    for name in times:
         print(f"  {name:8s} {times[name]:7.0f} s")
     print(f"  total    {sum(times.values()):7.0f} s")
-    print(f"  report:  {run.path / 'eval' / 'report.md'}")
+    print(f"  report:  {folder.eval / 'report.md'}")
     print(f"  per-position acceptance: {' / '.join(f'{a:.3f}' for a in ev['per_position_acceptance'])}")
     print(f"  tau (chain, K={recipe.eval.draft_tokens}, greedy, exact): {ev['tau']:.3f}")
     commands = m["export"].get("serve_commands") or {"vllm": m["export"]["serve_command"]}
@@ -168,43 +144,41 @@ def main(argv: list[str] | None = None) -> int:
     environment.reuse_freed_memory()  # large tensors come and go every step; page faults cost more
     try:
         if args.command == "doctor":
-            from .export.doctor import run_doctor
+            from specdraft.stages.doctor import run_doctor
 
             return run_doctor(args.folder, args.target, args.run, measured=not args.no_measure)
         if args.command == "import":
-            from .export.formats import run_import
+            from specdraft.stages.import_drafter import run_import
 
             if args.target:
                 args.set.append(f"target.model={args.target}")
             if args.out:
                 if args.run:
                     raise ValueError("import: give --run or --out, not both")
-                recipe = load_recipe(args.recipe or DEFAULT_RECIPE)
-                for item in args.set:
-                    apply_override(recipe, *(part.strip() for part in item.split("=", 1)))
+                recipe = apply_sets(load_recipe(args.recipe or DEFAULT_RECIPE), args.set)
                 run_import(args.folder, recipe, out=args.out)
             else:
-                run_import(args.folder, *_resolve(args))
+                run_import(args.folder, *_open(args))
             return 0
         if args.command == "plan":
-            from .plan import run_plan
+            from specdraft.stages.plan import run_plan
 
             return run_plan(args.spec, overrides=args.set, json_out=args.json, target=args.target,
                             tokens_per_sample=args.tokens_per_sample, gpus=args.gpus,
                             gpu_memory_gib=args.gpu_memory_gib)
         if args.command == "status":
-            from .status import run_status
+            from specdraft.stages.status import run_status
 
             return run_status(args.run, json_out=args.json)
         if args.command == "bench":
-            from .evaluate.bench import run_bench
+            from specdraft.stages.bench import run_bench
 
             return run_bench(args)
-        recipe, run = _resolve(args)
+        recipe, folder = _open(args)
         if args.command == "demo":
-            demo(recipe, run)
+            demo(recipe, folder)
         else:
-            _run_stage(args.command, recipe, run)
+            _run_stage(args.command, recipe, folder)
     except KeyboardInterrupt:
         print("specdraft: interrupted; rerun the same command to resume", file=sys.stderr)
         return 130

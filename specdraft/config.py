@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import tomllib
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import tomllib
 
 RECIPES_DIR = Path(__file__).parent / "recipes"
 
@@ -259,8 +260,6 @@ class Recipe:
     eval: EvalConfig = field(default_factory=EvalConfig)
 
 
-STAGE_SECTIONS = ("target", "data", "gen", "render", "extract", "train", "export", "eval")
-
 
 def _coerce(value, tp, where: str):
     """Check a TOML or flag value against a dataclass field type (str values come from flags)."""
@@ -353,6 +352,16 @@ def apply_override(recipe: Recipe, dotted: str, value) -> None:
     if key not in hints or dataclasses.is_dataclass(hints[key]):
         raise ConfigError(f"--set {dotted}: no field {key!r} in {type(obj).__name__}")
     setattr(obj, key, _coerce(value, hints[key], f"--set {dotted}"))
+
+
+def apply_sets(recipe: Recipe, items: list[str]) -> Recipe:
+    """Apply `--set SECTION.FIELD=VALUE` items, the one parser of them for every command."""
+    for item in items:
+        if "=" not in item:
+            raise ConfigError(f"--set {item!r}: expected SECTION.FIELD=VALUE")
+        key, value = item.split("=", 1)
+        apply_override(recipe, key.strip(), value.strip())
+    return recipe
 
 
 def to_dict(cfg) -> dict:

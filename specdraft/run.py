@@ -1,4 +1,15 @@
-"""The run folder and its manifest: the only place that keeps state between stages.
+"""The run folder: the one place that names a run's artifacts, keeps its manifest (the only hand-off
+between stages) and lists the stages in their order.
+
+    runs/<name>/
+      manifest.json          stages, their config, counts, measured figures, the machine
+      conversations.jsonl    gen (+ gen_errors.jsonl, gen_in_flight.jsonl)
+      tokens/                render
+      hidden/                extract
+      checkpoints/           train: latest/, best/, final/ (+ train_log.jsonl, tensorboard/, curves.png)
+      export/vllm/ export/sglang/   export
+      eval/                  eval: report.json, report.md, plots
+      STATUS.md              status
 
 Every file a stage produces is written under a temporary name and renamed into place, so an
 interrupted stage leaves either the old file or the new one, never half of one.
@@ -10,12 +21,24 @@ import contextlib
 import json
 import os
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
-from . import environment
-from .config import Recipe, recipe_from_dict, to_dict
+from specdraft import environment
+from specdraft.config import (
+    Recipe,
+    apply_override,
+    apply_sets,
+    load_recipe,
+    recipe_from_dict,
+    to_dict,
+)
 
 MANIFEST = "manifest.json"
+DEFAULT_RECIPE = "smollm2-cpu"
+CheckpointName = Literal["latest", "best", "final", "imported"]
 
 
 @contextlib.contextmanager
@@ -44,16 +67,76 @@ def write_json(path: Path, obj) -> None:
     write_text(path, json.dumps(obj, indent=2, sort_keys=False) + "\n")
 
 
-class Run:
-    """A run folder `runs/<name>/` and its manifest.json."""
+class RunFolder:
+    """A run folder `runs/<name>/`: the paths of its artifacts and its manifest.json."""
 
     def __init__(self, path: Path):
         self.path = Path(path)
 
+    # --- layout: every artifact of a run, named here and nowhere else ---------------------------
     @property
     def manifest_path(self) -> Path:
         return self.path / MANIFEST
 
+    @property
+    def conversations(self) -> Path:
+        return self.path / "conversations.jsonl"
+
+    @property
+    def gen_errors(self) -> Path:
+        return self.path / "gen_errors.jsonl"
+
+    @property
+    def gen_in_flight(self) -> Path:
+        return self.path / "gen_in_flight.jsonl"
+
+    @property
+    def tokens(self) -> Path:
+        return self.path / "tokens"
+
+    @property
+    def hidden(self) -> Path:
+        return self.path / "hidden"
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.path / "checkpoints"
+
+    def checkpoint(self, name: CheckpointName) -> Path:
+        return self.checkpoints / name
+
+    @property
+    def train_log(self) -> Path:
+        return self.checkpoints / "train_log.jsonl"
+
+    @property
+    def tensorboard(self) -> Path:
+        return self.checkpoints / "tensorboard"
+
+    @property
+    def curves(self) -> Path:
+        return self.checkpoints / "curves.png"
+
+    @property
+    def exports(self) -> Path:
+        return self.path / "export"
+
+    def export(self, fmt: str) -> Path:
+        return self.exports / fmt
+
+    @property
+    def eval(self) -> Path:
+        return self.path / "eval"
+
+    @property
+    def eval_report(self) -> Path:
+        return self.eval / "report.json"
+
+    @property
+    def status(self) -> Path:
+        return self.path / "STATUS.md"
+
+    # --- the manifest ---------------------------------------------------------------------------
     def exists(self) -> bool:
         return self.manifest_path.exists()
 
@@ -109,21 +192,19 @@ class Run:
         `through` ("gen", "render" or "extract") and links to the files they wrote, so only the later
         stages run here (a variant trained on the same hidden states; an fp8 extract of the same tokens).
         A folder that already has a manifest is left as it is."""
-        from .data.generate import CONVERSATIONS
-        from .data.render import TOKENS_DIR
-        from .hidden.store import HIDDEN_DIR
-
         if self.exists():
             return
-        outputs = {"gen": CONVERSATIONS, "render": TOKENS_DIR, "extract": HIDDEN_DIR}
-        shared = list(outputs)[: list(outputs).index(through) + 1]
-        source = Path(source)
-        manifest = Run(source).manifest()
+        names = [s.name for s in PIPELINE]
+        shared = names[: names.index(through) + 1]
+        source = RunFolder(source)
+        manifest = source.manifest()
         manifest["stages"] = {k: v for k, v in manifest["stages"].items() if k in shared}
         self.path.mkdir(parents=True, exist_ok=True)
         for stage in shared:
-            if (source / outputs[stage]).exists() and not (self.path / outputs[stage]).exists():
-                (self.path / outputs[stage]).symlink_to((source / outputs[stage]).resolve())
+            output = STAGES[stage].outputs[0]
+            theirs, ours = getattr(source, output), getattr(self, output)
+            if theirs.exists() and not ours.exists():
+                ours.symlink_to(theirs.resolve())
         self.save_manifest(manifest)
 
     def require(self, stage: str) -> dict:
@@ -132,3 +213,87 @@ class Run:
             state = "missing" if entry is None else entry["state"]
             raise RuntimeError(f"stage {stage!r} is {state} in {self.path}; run `specdraft {stage}` first")
         return entry
+
+
+# --- how far along a stage is that has not recorded itself done --------------------------------
+
+def _gen_progress(folder: RunFolder, recipe: dict) -> dict | None:
+    if not folder.conversations.exists():
+        return None
+    records = 0
+    with open(folder.conversations, encoding="utf-8") as f:
+        for line in f:
+            try:
+                records += "id" in json.loads(line)
+            except json.JSONDecodeError:
+                pass  # a torn last line: gen repairs it when it resumes
+    # gen.num_samples (when the recipe sets it) or data.num_train conversations make gen done; both 0
+    # means every usable one, a count gen alone knows (fraction None: started, share unknown).
+    of = recipe["gen"].get("num_samples") or recipe["data"]["num_train"]
+    fraction = min(1.0, records / of) if of else (None if records else 0.0)
+    return {"records": records, "of": of or "all", "unit": "conversations", "fraction": fraction,
+            "source": "conversations.jsonl lines, of gen.num_samples or data.num_train"}
+
+
+def _extract_progress(folder: RunFolder, recipe: dict) -> dict | None:
+    index_path = folder.hidden / "index.json"
+    if not index_path.exists():
+        return None
+    index = json.loads(index_path.read_text())
+    # A shard file that exists is whole: extract writes each under a temporary name, then renames it.
+    names = [s if isinstance(s, str) else s["name"] for s in index["shards"]]
+    written = {s for s in names if (folder.hidden / s).exists()}
+    done = [s for s in index["samples"] if s["shard"] in written]
+    total_tokens = sum(s["tokens"] for s in index["samples"])
+    tokens = sum(s["tokens"] for s in done)
+    return {"shards": len(written), "shards_of": len(names), "samples": len(done),
+            "samples_of": len(index["samples"]), "tokens": tokens, "tokens_of": total_tokens,
+            "fraction": tokens / max(1, total_tokens), "index_state": index.get("state"),
+            "source": "hidden/index.json and the shard files present"}
+
+
+def _train_progress(folder: RunFolder, recipe: dict) -> dict | None:
+    config = folder.checkpoint("latest") / "config.json"
+    if not (folder.checkpoint("latest") / "COMPLETE").exists() or not config.exists():
+        return None
+    step = json.loads(config.read_text()).get("step")
+    return {"latest_checkpoint_step": step, "source": "checkpoints/latest/config.json"}
+
+
+# --- the stages, in pipeline order ---------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Stage:
+    name: str
+    module: str  # holds run(recipe, folder)
+    section: str  # the recipe section whose fields become the subcommand's flags
+    outputs: tuple[str, ...]  # RunFolder attributes it writes; the first is what a later run can share
+    progress: Callable[[RunFolder, dict], dict | None] | None = None  # None: it writes its outputs whole
+
+
+PIPELINE = (
+    Stage("gen", "specdraft.stages.gen", "gen", ("conversations", "gen_errors"), _gen_progress),
+    Stage("render", "specdraft.stages.render", "render", ("tokens",)),
+    Stage("extract", "specdraft.stages.extract", "extract", ("hidden",), _extract_progress),
+    Stage("train", "specdraft.stages.train", "train", ("checkpoints",), _train_progress),
+    Stage("export", "specdraft.stages.export", "export", ("exports",)),
+    Stage("eval", "specdraft.stages.eval", "eval", ("eval",)),
+)
+STAGES = {s.name: s for s in PIPELINE}
+
+
+def open_run(recipe_name: str | None, run_dir: str | None, sets: list[str], flags: dict | None = None
+             ) -> tuple[Recipe, RunFolder]:
+    """The recipe and run folder a command works on: the run's recorded recipe when no recipe is named
+    and the run exists, else the named (or default) recipe; then `--set` items and stage flags
+    (`{"train.epochs": "3"}`) on top. The folder is created, with the recipe recorded."""
+    recipe = load_recipe(recipe_name or DEFAULT_RECIPE)
+    folder = RunFolder(Path(run_dir) if run_dir else Path("runs") / recipe.name)
+    if not recipe_name and folder.exists():
+        recipe = folder.recipe()
+    apply_sets(recipe, sets)
+    for dotted, value in (flags or {}).items():
+        if value is not None:
+            apply_override(recipe, dotted, value)
+    folder.init(recipe)
+    return recipe, folder

@@ -49,7 +49,7 @@ def _quiet_tqdm(monkeypatch):
 def vllm_target(target, tmp_path_factory):
     """A real vLLM server (CPU build) serving the bundled SmolLM2, shared by every test of the session
     that needs a plain target endpoint (~150 s to start; stopped by PID at the end)."""
-    from specdraft.evaluate.server import VLLM_PYTHON, VllmServer, vllm_available
+    from specdraft.engines import VLLM_PYTHON, VllmServer, vllm_available
 
     if not vllm_available():
         pytest.skip(f"no vLLM venv at {VLLM_PYTHON} (bash scripts/install_vllm.sh)")

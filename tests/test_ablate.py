@@ -33,7 +33,7 @@ def test_each_variant_changes_what_the_recipe_sets(target):
     """A variant equal to the recipe's own default would train the base again under another name; the
     full-vocabulary one (0) is the target's whole vocabulary."""
     from specdraft.config import load_recipe
-    from specdraft.drafter.model import DrafterConfig
+    from specdraft.drafters.eagle3 import DrafterConfig
 
     recipe = load_recipe("smollm2-h200")
     for v in ablate().variants(3000):
@@ -80,7 +80,7 @@ def test_report_keeps_the_readings_and_names_the_common_settings(tmp_path):
 def test_share_data_links_the_stages_through_one(tmp_path):
     """A run on another run's data: its manifest keeps the stages up to `through`, its data are links,
     and a folder that already has a manifest is left alone (a resumed variant keeps its own record)."""
-    from specdraft.run import Run
+    from specdraft.run import RunFolder
 
     source = tmp_path / "source"
     (source / "tokens").mkdir(parents=True)
@@ -88,12 +88,12 @@ def test_share_data_links_the_stages_through_one(tmp_path):
     (source / "conversations.jsonl").write_text("{}\n")
     stages = {name: {"state": "done"} for name in ("gen", "render", "extract", "train")}
     (source / "manifest.json").write_text(json.dumps({"name": "s", "stages": stages}))
-    fp8 = Run(tmp_path / "fp8")
+    fp8 = RunFolder(tmp_path / "fp8")
     fp8.share_data(source, through="render")
     assert list(fp8.manifest()["stages"]) == ["gen", "render"]
     assert (fp8.path / "tokens").resolve() == (source / "tokens").resolve()
     assert (fp8.path / "conversations.jsonl").is_symlink() and not (fp8.path / "hidden").exists()
-    variant = Run(tmp_path / "variant")
+    variant = RunFolder(tmp_path / "variant")
     variant.share_data(source, through="extract")
     assert list(variant.manifest()["stages"]) == ["gen", "render", "extract"]
     assert (variant.path / "hidden").resolve() == (source / "hidden").resolve()
@@ -137,18 +137,18 @@ def test_report_shows_the_decoded_tau_where_a_row_has_it(tmp_path):
 def test_a_score_is_reused_only_for_the_checkpoint_it_scored(tmp_path):
     """Rows scored in an earlier device call are kept beside the checkpoint; a newer checkpoint (a cut
     variant that trained on) or another decode setting is scored again."""
-    from specdraft.run import Run, write_json
-    from specdraft.train import BEST, CHECKPOINTS, COMPLETE
+    from specdraft.run import RunFolder, write_json
+    from specdraft.stages.train import COMPLETE
 
     module = ablate()
     folder = tmp_path / "variant"
-    Run(folder).save_manifest({"stages": {"train": {"state": "partial"}}})
-    best = folder / CHECKPOINTS / BEST
+    RunFolder(folder).save_manifest({"stages": {"train": {"state": "partial"}}})
+    best = RunFolder(folder).checkpoint("best")
     best.mkdir(parents=True)
     (best / COMPLETE).write_text("")
     write_json(best / "config.json", {"step": 150})
     key = module.score_key(folder, 16)
-    assert key == {"state": "partial", "checkpoint": BEST, "step": 150, "decode_prompts": 16}
+    assert key == {"state": "partial", "checkpoint": "best", "step": 150, "decode_prompts": 16}
     assert module.cached_score(folder, key) is None
     write_json(folder / module.SCORE_FILE, {"key": key, "row": {"tau_3": 2.0}})
     assert module.cached_score(folder, module.score_key(folder, 16)) == {"tau_3": 2.0}

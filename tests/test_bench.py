@@ -14,8 +14,8 @@ import re
 import pytest
 
 from specdraft.cli import main
-from specdraft.evaluate import bench
-from specdraft.evaluate.server import VLLM_PYTHON, vllm_available
+from specdraft.stages import bench
+from specdraft.engines import VLLM_PYTHON, vllm_available
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(
     not vllm_available(), reason=f"no vLLM venv at {VLLM_PYTHON} (bash scripts/install_vllm.sh)")]
@@ -89,10 +89,10 @@ def test_endpoint_bench_on_plain_target(vllm_target, drafter_run, tmp_path):
 
 
 def test_compare_ngram_and_eagle3_against_raw_counters(vllm_target, drafter_run, target, tmp_path):
-    from specdraft.data.generate import select_prompts
-    from specdraft.run import Run
+    from specdraft.stages.gen import select_prompts
+    from specdraft.run import RunFolder
 
-    recipe = Run(drafter_run).recipe()
+    recipe = RunFolder(drafter_run).recipe()
     prompts = [p["messages"] for p in select_prompts(recipe, target, "eval", 3)[0]]
     args = {"num_requests": REQUESTS, "max_seconds": 300.0, "max_tokens": MAX_TOKENS}
     baseline = {"name": "none", "speculative": None, "levels": bench.sweep(vllm_target.url, prompts, LEVELS, **args)}

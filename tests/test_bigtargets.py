@@ -17,6 +17,7 @@ import torch
 
 from specdraft.cli import main
 from specdraft.targets import FAMILIES, Target, get_attr
+from specdraft.run import RunFolder
 
 CONFIGS = Path(__file__).parent / "data" / "configs"
 FULL = ["deepseek-v3", "kimi-k2.5", "qwen3-moe", "gpt-oss"]
@@ -136,7 +137,7 @@ def test_full_size_configs_describe_the_published_models(full_size):
 def test_mla_drafter_takes_the_value_head_width(full_size):
     """A Llama-style drafter layer for an MLA target: 64 heads x 128 for Kimi (the published drafter's),
     not hidden/heads = 112, which no checkpoint of it has."""
-    from specdraft.drafter.model import DrafterConfig
+    from specdraft.drafters.eagle3 import DrafterConfig
 
     cfg = DrafterConfig.from_target(full_size["kimi-k2.5"], 32000)
     assert (cfg.num_attention_heads, cfg.head_dim, cfg.intermediate_size) == (64, 128, 18432)
@@ -147,7 +148,7 @@ def test_kimi_recipe_loads_and_names_the_published_drafter_layout(full_size):
     """recipes/kimi-k2.5-8gpu.toml loads (unknown keys would be errors) and, on the real config, gives the
     published Kimi-K2 drafter: aux [2, 30, 58], 64 heads x 128, 1,190.9 M trainable parameters (FACTS.md)."""
     from specdraft.config import load_recipe
-    from specdraft.drafter.model import DrafterConfig, Eagle3Drafter
+    from specdraft.drafters.eagle3 import DrafterConfig, Eagle3Drafter
 
     recipe = load_recipe(str(Path(__file__).parents[1] / "recipes" / "kimi-k2.5-8gpu.toml"))
     assert recipe.data.num_train == 10000 and recipe.train.hidden in ("disk", "online")
@@ -197,7 +198,7 @@ def test_every_stage_runs_on_a_big_architecture(name, tiny_models, tiny_root, ca
     # Stored states are this architecture's own: aux id k = output_hidden_states[k], last = final norm.
     from specdraft.hidden.store import HiddenStore
 
-    sample = HiddenStore(run)[0]
+    sample = HiddenStore(RunFolder(run).hidden)[0]
     with torch.inference_mode():
         out = get_attr(model, t.family.decoder)(input_ids=sample["input_ids"].long()[None],
                                                 output_hidden_states=True)
@@ -213,7 +214,7 @@ def test_every_stage_runs_on_a_big_architecture(name, tiny_models, tiny_root, ca
     # (aux ids, sizes, head dim, d2t, norm flags, template) are this architecture's. The drafter
     # implements plain RoPE only, so doctor flags targets that scale positions (yarn: DeepSeek-V3,
     # Kimi-K2.5, gpt-oss) -- a known limitation at long context, and the only failure allowed.
-    from specdraft.export.doctor import diagnose
+    from specdraft.stages.doctor import diagnose
 
     rope = getattr(t.text_config, "rope_parameters", None) or getattr(t.text_config, "rope_scaling", None) or {}
     scaled = rope.get("rope_type", rope.get("type", "default")) != "default"

@@ -7,14 +7,15 @@ import json
 import pytest
 import torch
 
-from specdraft.drafter import vocab
-from specdraft.drafter.model import DrafterConfig, Eagle3Drafter
-from specdraft.export.doctor import (
+from specdraft.drafters import vocab
+from specdraft.drafters.eagle3 import DrafterConfig, Eagle3Drafter
+from specdraft.stages.doctor import (
     diagnose,
     held_out_conversations,
     training_conversations,
 )
-from specdraft.export.formats import provenance, write_sglang, write_vllm
+from specdraft.stages.export import provenance
+from specdraft.drafters.formats import write_sglang, write_vllm
 
 pytestmark = pytest.mark.slow  # reads the real target's embedding
 
@@ -165,10 +166,10 @@ def test_norm_flag_the_flat_engines_read_differently(sound, target, tmp_path):
 def test_norm_flag_left_to_the_engine_against_what_was_trained(sound, target, tmp_path):
     """A speculators folder without the flag is served as norm_before_residual=True; the run's
     checkpoint says the drafter was trained with False."""
-    from specdraft.run import Run
+    from specdraft.run import RunFolder
 
     bad = edit_config(sound / "vllm", tmp_path / "bad", lambda c: c.pop("norm_before_residual"))
-    run = Run(tmp_path / "run")
+    run = RunFolder(tmp_path / "run")
     (run.path / "checkpoints" / "final").mkdir(parents=True)
     (run.path / "checkpoints" / "final" / "config.json").write_text(
         json.dumps({"drafter": DrafterConfig.from_target(target, 64).to_dict()}))

@@ -3,8 +3,9 @@
 import pytest
 import torch
 
-from specdraft.drafter.model import DrafterConfig, Eagle3Drafter, document_mask
-from specdraft.train import PAD_DOCUMENT, TTT, unroll
+from specdraft.drafters.eagle3 import DrafterConfig, Eagle3Drafter, document_mask
+from specdraft.stages.train import PAD_DOCUMENT, TTT
+from specdraft.drafters.ttt import unroll
 
 
 def small_config(**kw) -> DrafterConfig:
@@ -182,7 +183,7 @@ def test_gradient_checkpointing_changes_nothing_but_memory():
 
 
 def test_pack_fills_rows_up_to_the_budget():
-    from specdraft.train import pack
+    from specdraft.stages.train import pack
 
     lengths = [50, 30, 80, 10, 200, 40, 60]
     rows = pack(list(range(len(lengths))), lengths, 100)

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from specdraft.cli import main
-from specdraft.data.generate import CONVERSATIONS
 from specdraft.targets import cpu_has_bf16, resolve_dtype
+from specdraft.run import RunFolder
 
 
 def _kernel_flags() -> set[str]:
@@ -44,7 +44,7 @@ def test_gen_extract_and_train_record_the_dtype_they_ran_in(bf16, tmp_path, tiny
     run = tmp_path / "run"
     common = ["--recipe", str(tiny_recipe), "--run", str(run)]
     assert main(["gen", *common, "--set", "gen.num_samples=2", "--set", "gen.max_new_tokens=4"]) == 0
-    records = [json.loads(line) for line in (run / CONVERSATIONS).read_text().splitlines()]
+    records = [json.loads(line) for line in (RunFolder(run).conversations).read_text().splitlines()]
     assert {r["generator"]["sampling"]["dtype"] for r in records} == {want}
     assert main(["render", "--run", str(run)]) == 0
     assert main(["extract", "--run", str(run)]) == 0
@@ -58,7 +58,7 @@ def test_gen_extract_and_train_record_the_dtype_they_ran_in(bf16, tmp_path, tiny
 FAULTS_SCRIPT = """
 import resource, torch
 from specdraft import environment
-from specdraft.drafter.model import attend, document_mask
+from specdraft.drafters.eagle3 import attend, document_mask
 applied = environment.reuse_freed_memory()
 torch.set_num_threads(1)
 T = 1536  # SmolLM2's drafter heads over one document of T tokens: scores of 9 x T x T float32 = 85 MB a step

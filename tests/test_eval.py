@@ -17,7 +17,8 @@ import torch
 from scipy import stats as sps
 
 from specdraft.cli import main
-from specdraft.evaluate import speculate as S
+from specdraft.decoding import rounds, runners, tree
+from specdraft.stages import eval as eval_stage
 
 MEMORISE_RECIPE = """
 name = "memorise"
@@ -55,14 +56,14 @@ def memorised(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(memorised):
-    from specdraft.data.generate import select_prompts
-    from specdraft.run import Run
-    from specdraft.train import load_trained
+    from specdraft.stages.gen import select_prompts
+    from specdraft.run import RunFolder
+    from specdraft.drafters.checkpoint import load_trained
 
-    run = Run(memorised)
+    run = RunFolder(memorised)
     recipe = run.recipe()
     drafter, target, _ = load_trained(recipe, run)
-    runner = S.TargetRunner(target, target.load_model("float32"))
+    runner = runners.TargetRunner(target, target.load_model("float32"))
     train, _ = select_prompts(recipe, target, "train", 3)
     held_out, _ = select_prompts(recipe, target, "eval", 1)
     return runner, drafter.float(), target, recipe, train + held_out
@@ -84,8 +85,8 @@ def chi_square_p(counts: dict[int, int], probs: torch.Tensor, n: int) -> float:
 
 def test_tree_visibility_is_ancestors_and_self():
     # root -> 0 -> 2 ; root -> 1 -> 3 -> 4
-    tree = S.Tree(tokens=[10, 11, 12, 13, 14], parents=[-1, -1, 0, 1, 3], depths=[1, 1, 2, 2, 3])
-    vis = tree.visible().int().tolist()
+    t = tree.Tree(tokens=[10, 11, 12, 13, 14], parents=[-1, -1, 0, 1, 3], depths=[1, 1, 2, 2, 3])
+    vis = t.visible().int().tolist()
     assert vis[0] == [1, 0, 0, 0, 0, 0]
     assert vis[3] == [1, 1, 0, 1, 0, 0]  # node 2 sees root, node 0, itself
     assert vis[5] == [1, 0, 1, 0, 1, 1]  # node 4 sees root, 1, 3, itself
@@ -94,8 +95,8 @@ def test_tree_visibility_is_ancestors_and_self():
 def test_alpha_inverts_tau_and_bound_is_leviathan():
     for alpha, K in ((0.3, 1), (0.7, 3), (0.9, 7)):
         tau = (1 - alpha ** (K + 1)) / (1 - alpha)
-        assert S.alpha_from_tau(tau, K) == pytest.approx(alpha, abs=1e-9)
-        assert S.leviathan_bound(alpha, K, 0.05) == pytest.approx(tau / (K * 0.05 + 1))
+        assert rounds.alpha_from_tau(tau, K) == pytest.approx(alpha, abs=1e-9)
+        assert rounds.leviathan_bound(alpha, K, 0.05) == pytest.approx(tau / (K * 0.05 + 1))
 
 
 def test_rejection_sampling_joint_distribution_is_the_targets():
@@ -113,7 +114,7 @@ def test_rejection_sampling_joint_distribution_is_the_targets():
     for _ in range(n):
         d1 = int(torch.multinomial(q1, 1, generator=g))
         d2 = int(torch.multinomial(q2[d1], 1, generator=g))
-        a, nxt = S.rejection_sample(torch.stack([p1, p2[d1], p3[d1, d2]]), torch.stack([q1, q2[d1]]), [d1, d2], g)
+        a, nxt = rounds.rejection_sample(torch.stack([p1, p2[d1], p3[d1, d2]]), torch.stack([q1, q2[d1]]), [d1, d2], g)
         accepted[a] += 1
         out = [d1, d2][:a] + [nxt]
         if len(out) == 1:  # the next round starts from x1; its first token is the target's p2(. | x1)
@@ -135,18 +136,18 @@ def test_rejection_sampling_matches_target_on_real_distributions(engine):
     runner.reset()
     logits, aux = runner.forward(prompt)
     x1 = int(logits[-1].argmax())
-    state = S.DrafterState(drafter)
+    state = runners.DrafterState(drafter)
     state.advance(aux, prompt[1:] + [x1], 0)
     p_logits, _ = runner.forward([x1])
     p = torch.softmax(p_logits[-1], -1)
-    q = S.draft_probs(drafter, state.root_logits, 1.0, p.shape[0])
+    q = rounds.draft_probs(drafter, state.root_logits, 1.0, p.shape[0])
     g = torch.Generator().manual_seed(1)
     n = 20_000
     drafts = torch.multinomial(q, n, replacement=True, generator=g).tolist()
     counts, naive, kept = {}, {}, 0
     bonus = torch.full_like(p, 1.0 / p.shape[0])  # the token after an accepted draft is not looked at
     for d in drafts:
-        a, nxt = S.rejection_sample(torch.stack([p, bonus]), q[None], [d], g)
+        a, nxt = rounds.rejection_sample(torch.stack([p, bonus]), q[None], [d], g)
         tok = d if a else nxt
         kept += a
         counts[tok] = counts.get(tok, 0) + 1
@@ -161,7 +162,7 @@ def test_chain_and_tree_greedy_equal_target_greedy(engine):
     runner, drafter, target, recipe, prompts = engine
     cfg = recipe.eval
     cfg.max_new_tokens = 16
-    r = S.evaluate(runner, drafter, prompts, cfg, target.eos_token_id)
+    r = eval_stage.evaluate(runner, drafter, prompts, cfg, target.eos_token_id)
     for name in ("chain", "tree"):
         s = r[name]
         assert s["exact_prompts"] + s["numerical_ties"] == len(prompts)
@@ -181,20 +182,20 @@ def test_static_engine_decodes_as_the_eager_engine(engine):
     the GPU runs, less the CUDA graphs) gives the eager engine's tokens and accepted lengths, greedy and
     sampled, on a memorised prompt, where tree paths beyond the first child are accepted."""
     runner, drafter, target, recipe, prompts = engine
-    static = S.make_runner(target, runner.model, "static")
+    static = runners.make_runner(target, runner.model, "static")
     cfg, eos, ids = recipe.eval, target.eos_token_id, prompts[0]["prompt_ids"]
     cfg.max_new_tokens = 12
-    r = S.evaluate(static, drafter, prompts[:1], cfg, eos)  # raises if speculation differs from greedy
+    r = eval_stage.evaluate(static, drafter, prompts[:1], cfg, eos)  # raises if speculation differs from greedy
     assert r["engine"] == "static"
-    assert S.greedy(static, ids, cfg.max_new_tokens, eos)[0] == S.greedy(runner, ids, cfg.max_new_tokens, eos)[0]
-    for name, shape in (("chain", S.TreeShape.chain(cfg.draft_tokens)),
-                        ("tree", S.TreeShape(cfg.tree_topk, cfg.tree_depth, cfg.tree_tokens))):
-        stats = S.Stats(shape.depth)
-        S.speculative(runner, drafter, ids, cfg.max_new_tokens, eos, shape, stats)
+    assert rounds.greedy(static, ids, cfg.max_new_tokens, eos)[0] == rounds.greedy(runner, ids, cfg.max_new_tokens, eos)[0]
+    for name, shape in (("chain", tree.TreeShape.chain(cfg.draft_tokens)),
+                        ("tree", tree.TreeShape(cfg.tree_topk, cfg.tree_depth, cfg.tree_tokens))):
+        stats = rounds.Stats(shape.depth)
+        rounds.speculative(runner, drafter, ids, cfg.max_new_tokens, eos, shape, stats)
         assert r[name]["exact_prompts"] == 1
         assert r[name]["accepted_length_histogram"] == stats.accepted_hist
     assert sum(r["tree"]["accepted_length_histogram"][2:]) > 0
-    sampled = [S.speculative_sampled(rn, drafter, ids, 8, eos, 3, 1.0, S.Stats(3), torch.Generator().manual_seed(0))
+    sampled = [rounds.speculative_sampled(rn, drafter, ids, 8, eos, 3, 1.0, rounds.Stats(3), torch.Generator().manual_seed(0))
                for rn in (runner, static)]
     assert sampled[0] == sampled[1]
 
@@ -202,9 +203,9 @@ def test_static_engine_decodes_as_the_eager_engine(engine):
 @pytest.mark.slow
 def test_sampled_decoder_runs_and_counts(engine):
     runner, drafter, target, recipe, prompts = engine
-    stats = S.Stats(3)
+    stats = rounds.Stats(3)
     g = torch.Generator().manual_seed(0)
-    out = S.speculative_sampled(runner, drafter, prompts[0]["prompt_ids"], 10, target.eos_token_id, 3, 1.0,
+    out = rounds.speculative_sampled(runner, drafter, prompts[0]["prompt_ids"], 10, target.eos_token_id, 3, 1.0,
                                 stats, g)
     assert 1 <= len(out) <= 10 and all(0 <= t < target.vocab_size for t in out)
     assert stats.rounds > 0 and sum(stats.accepted_hist) == stats.rounds
@@ -236,13 +237,13 @@ def test_engine_choice(target):
     """auto is eager off CUDA; the static engines refuse what they cannot run exactly or at all."""
     model = torch.nn.Module()
     model.model = torch.nn.Linear(1, 1)  # where TargetRunner finds the decoder
-    assert type(S.make_runner(target, model, "auto")) is S.TargetRunner
+    assert type(runners.make_runner(target, model, "auto")) is runners.TargetRunner
     for engine, why in (("jit", "expected one of"), ("cuda-graphs", "CUDA device")):
         with pytest.raises(ValueError, match=why):
-            S.make_runner(target, model, engine)
+            runners.make_runner(target, model, engine)
     sliding = SimpleNamespace(family=dataclasses.replace(target.family, attention="gqa+sliding"))
     with pytest.raises(ValueError, match="needs the eager engine"):
-        S.make_runner(sliding, model, "static")
+        runners.make_runner(sliding, model, "static")
 
 
 @pytest.mark.slow
@@ -254,7 +255,7 @@ def test_steps_for_cuda_graphs_never_read_the_device_on_the_host(engine):
     from torch.overrides import TorchFunctionMode
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from specdraft.evaluate.engine import StepGraphs
+    from specdraft.decoding.static import StepGraphs
 
     # aten ops by name (or name.overload) that read values on the host, or make a tensor of host data.
     refused_ops = {"aten.item", "aten._local_scalar_dense", "aten.is_nonzero", "aten.equal", "aten.nonzero",
@@ -286,19 +287,19 @@ def test_steps_for_cuda_graphs_never_read_the_device_on_the_host(engine):
                 return super().__call__(key, fn, *inputs)
 
     runner, drafter, target, _, prompts = engine
-    static = S.make_runner(target, runner.model, "static")
+    static = runners.make_runner(target, runner.model, "static")
     static.graphs = Checked(static.device, enabled=False)
     ids, eos = prompts[0]["prompt_ids"], target.eos_token_id
-    S.greedy(static, ids, 4, eos)
-    for shape in (S.TreeShape.chain(3), S.TreeShape(4, 3, 8)):
-        S.speculative(static, drafter, ids, 6, eos, shape, S.Stats(shape.depth))
-    S.speculative_sampled(static, drafter, ids, 6, eos, 3, 1.0, S.Stats(3), torch.Generator().manual_seed(0))
+    rounds.greedy(static, ids, 4, eos)
+    for shape in (tree.TreeShape.chain(3), tree.TreeShape(4, 3, 8)):
+        rounds.speculative(static, drafter, ids, 6, eos, shape, rounds.Stats(shape.depth))
+    rounds.speculative_sampled(static, drafter, ids, 6, eos, 3, 1.0, rounds.Stats(3), torch.Generator().manual_seed(0))
     assert {k[0] for k in keys} == {"target", "draft", "advance", "step"}
 
 
 def test_failed_graph_capture_falls_back_loudly(capsys):
     """Where a capture fails (here: no CUDA at all) the step runs eagerly, now and after, and says why."""
-    from specdraft.evaluate.engine import StepGraphs
+    from specdraft.decoding.static import StepGraphs
 
     graphs = StepGraphs(torch.device("cpu"), enabled=True)
     for _ in range(2):
@@ -315,4 +316,4 @@ def test_bad_prompts_file_names_file_and_line(tmp_path, target):
     recipe = Recipe()
     recipe.eval.prompts_file = str(bad)
     with pytest.raises(ValueError, match=r"bad\.jsonl:2: not JSON"):
-        S.load_prompts(recipe, target)
+        eval_stage.load_prompts(recipe, target)

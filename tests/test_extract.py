@@ -20,10 +20,10 @@ import pytest
 import torch
 
 from specdraft.config import Recipe
-from specdraft.hidden import extract as ex
-from specdraft.hidden.store import (FP8_E4M3_MAX, HIDDEN_DIR, INDEX, HiddenStore, bytes_per_token, dequantize_fp8,
+from specdraft.stages import extract as ex
+from specdraft.hidden.store import (FP8_E4M3_MAX, INDEX, HiddenStore, bytes_per_token, dequantize_fp8,
                                     quantize_fp8)
-from specdraft.run import Run
+from specdraft.run import RunFolder
 from specdraft.targets import resolve_dtype
 
 pytestmark = pytest.mark.slow
@@ -43,12 +43,12 @@ def _recipe(**extract) -> Recipe:
     return recipe
 
 
-def _rendered_run(root: Path, recipe: Recipe) -> Run:
+def _rendered_run(root: Path, recipe: Recipe) -> RunFolder:
     """A run with real ShareGPT conversations rendered by the target's template (gen skipped)."""
-    from specdraft.data import render
+    from specdraft.stages import render
     from specdraft.data.sources import read_sharegpt
 
-    run = Run(root)
+    run = RunFolder(root)
     run.init(recipe)
     records = [r for r in islice(read_sharegpt(), 200)
                if len(r["messages"]) >= 2 and r["messages"][0]["role"] == "user"
@@ -68,11 +68,11 @@ def rendered(tmp_path_factory):
     return _rendered_run(tmp_path_factory.mktemp("rendered"), _recipe())
 
 
-def _copy_run(src: Run, dst: Path, recipe: Recipe) -> Run:
+def _copy_run(src: RunFolder, dst: Path, recipe: Recipe) -> RunFolder:
     import shutil
 
-    shutil.copytree(src.path, dst, ignore=shutil.ignore_patterns(HIDDEN_DIR))
-    run = Run(dst)
+    shutil.copytree(src.path, dst, ignore=shutil.ignore_patterns("hidden"))
+    run = RunFolder(dst)
     run.init(recipe)
     return run
 
@@ -106,10 +106,10 @@ def _assert_same_store(a: HiddenStore, b: HiddenStore, atol: float = 0.0) -> Non
 
 
 def test_index_ties_samples_layers_and_target(bf16_run, target):
-    from specdraft.data.render import load_tokens
+    from specdraft.data.tokens import load_tokens
 
-    index = json.loads((bf16_run.path / HIDDEN_DIR / INDEX).read_text())
-    _, samples = load_tokens(bf16_run.path)
+    index = json.loads((bf16_run.hidden / INDEX).read_text())
+    _, samples = load_tokens(bf16_run.tokens)
     assert index["state"] == "done" and index["store_dtype"] == "bfloat16"
     assert index["aux_layer_ids"] == [2, 15, 27] and index["last"] == "final_norm_output"
     assert index["target"]["fingerprint"] == target.fingerprint()
@@ -121,21 +121,21 @@ def test_index_ties_samples_layers_and_target(bf16_run, target):
     for shard in index["shards"]:
         members = sorted((s for s in index["samples"] if s["shard"] == shard["name"]), key=lambda s: s["offset"])
         assert [s["offset"] for s in members] == [sum(m["tokens"] for m in members[:k]) for k in range(len(members))]
-    store = HiddenStore(bf16_run.path)
+    store = HiddenStore(bf16_run.hidden)
     for i, (ids, mask) in enumerate(samples):
         assert store.tokens(i) == (ids, mask)
         item = store[i]
         assert item["aux"].shape == (len(ids), 3 * 576) and item["last"].shape == (len(ids), 576)
         assert item["aux"].dtype == item["last"].dtype == torch.bfloat16
     m = bf16_run.manifest()["stages"]["extract"]
-    assert m["counts"]["disk_bytes"] == sum((bf16_run.path / HIDDEN_DIR / s["name"]).stat().st_size
+    assert m["counts"]["disk_bytes"] == sum((bf16_run.hidden / s["name"]).stat().st_size
                                             for s in index["shards"])
 
 
 def test_stored_states_are_vllms_layers_and_the_final_norm(bf16_run, target):
     """Aux id k = transformers' output_hidden_states[k] (vLLM's convention); last = final-norm output."""
     model = target.load_model(resolve_dtype("auto", "cpu"))  # as the stages compute here
-    store = HiddenStore(bf16_run.path)
+    store = HiddenStore(bf16_run.hidden)
     item = store[3]
     with torch.inference_mode():
         out = model.model(input_ids=item["input_ids"].long()[None], output_hidden_states=True)
@@ -149,7 +149,7 @@ def test_fp8_round_trip_error_bound(bf16_run):
     (half a unit in the last place); below the smallest normal (2^-6 x scale) the error is at most
     half the subnormal step, 2^-10 x scale. The decode to bf16 (8 significant bits) adds at most half its
     unit in the last place, 2^-8 relative."""
-    store = HiddenStore(bf16_run.path)
+    store = HiddenStore(bf16_run.hidden)
     for i in (0, len(store) // 2, len(store) - 1):
         for name, rows in (("aux", 3), ("last", 1)):
             x = store[i][name].float()
@@ -167,7 +167,7 @@ def test_fp8_round_trip_error_bound(bf16_run):
 
 
 def test_fp8_store_halves_the_disk_and_decodes_close(bf16_run, fp8_run):
-    a, b = HiddenStore(bf16_run.path), HiddenStore(fp8_run.path)
+    a, b = HiddenStore(bf16_run.hidden), HiddenStore(fp8_run.hidden)
     assert b.store_dtype == "fp8_e4m3"
     bf16_bytes = bf16_run.manifest()["stages"]["extract"]["counts"]["disk_bytes"]
     fp8_bytes = fp8_run.manifest()["stages"]["extract"]["counts"]["disk_bytes"]
@@ -193,8 +193,8 @@ def test_disk_check_refuses_a_run_that_does_not_fit(rendered, tmp_path):
         ex.run(recipe, run)
     msg = str(err.value)
     assert "GB missing" in msg and "--store-dtype fp8_e4m3" in msg and "--hidden online" in msg
-    assert str(run.path / HIDDEN_DIR) in msg
-    assert not list((run.path / HIDDEN_DIR).glob("*.safetensors"))
+    assert str(run.hidden) in msg
+    assert not list((run.hidden).glob("*.safetensors"))
     # The CLI says it in one line and fails.
     from specdraft.cli import main
 
@@ -207,13 +207,13 @@ def test_torn_shard_is_detected_and_redone(bf16_run, tmp_path):
 
     recipe = _recipe()
     run = _copy_run(bf16_run, tmp_path / "run", recipe)
-    shutil.copytree(bf16_run.path / HIDDEN_DIR, run.path / HIDDEN_DIR)
-    shard = run.path / HIDDEN_DIR / json.loads((run.path / HIDDEN_DIR / INDEX).read_text())["shards"][1]["name"]
+    shutil.copytree(bf16_run.hidden, run.hidden)
+    shard = run.hidden / json.loads((run.hidden / INDEX).read_text())["shards"][1]["name"]
     with open(shard, "r+b") as f:
         f.truncate(shard.stat().st_size // 2)
     entry = ex.run(recipe, run)
     assert entry["counts"]["shards_written"] == 1
-    _assert_same_store(HiddenStore(run.path), HiddenStore(bf16_run.path))
+    _assert_same_store(HiddenStore(run.hidden), HiddenStore(bf16_run.hidden))
     # Nothing to redo: a rerun writes nothing.
     assert ex.run(recipe, run)["counts"]["shards_written"] == 0
 
@@ -222,7 +222,7 @@ def test_resume_after_a_kill_mid_shard(bf16_run, tmp_path):
     """Kill a real extract process once it has written a shard, resume, and get the same tensors."""
     recipe = _recipe()
     run = _copy_run(bf16_run, tmp_path / "run", recipe)
-    out = run.path / HIDDEN_DIR
+    out = run.hidden
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     proc = subprocess.Popen([sys.executable, "-m", "specdraft.cli", "extract", "--run", str(run.path)], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
@@ -244,11 +244,11 @@ def test_resume_after_a_kill_mid_shard(bf16_run, tmp_path):
     entry = ex.run(recipe, run)
     assert entry["counts"]["shards_written"] == len(index["shards"]) - len(written_before)
     assert not list(out.glob(".shard-*"))
-    _assert_same_store(HiddenStore(run.path), HiddenStore(bf16_run.path))
+    _assert_same_store(HiddenStore(run.hidden), HiddenStore(bf16_run.hidden))
 
 
 def test_reader_random_access_prefetch_and_dataloader_workers(bf16_run):
-    store = HiddenStore(bf16_run.path)
+    store = HiddenStore(bf16_run.hidden)
     direct = [store[i] for i in range(len(store))]
     batches = [[5, 0, 11], [3], [7, 8, 1, 2], [10, 9, 6, 4]]  # out of order, across shards
     for workers in (0, 2):
@@ -268,16 +268,17 @@ def test_online_gives_the_disk_tensors(bf16_run):
     """OnlineHidden runs the target on access. With extract's own batches it gives the stored tensors
     exactly; with other batches the padded width changes bf16 rounding only (measured: most samples
     identical, the worst 0.36 % relative error on `last`, 0.05 % on `aux`)."""
-    from specdraft.hidden.store import open_hidden, token_batches
+    from specdraft.hidden.online import OnlineHidden, open_hidden
+    from specdraft.hidden.store import token_batches
 
     recipe = _recipe()
     recipe.train.hidden = "online"
     online = open_hidden(recipe, bf16_run)
-    disk = HiddenStore(bf16_run.path)
-    assert isinstance(online, ex.OnlineHidden)
+    disk = HiddenStore(bf16_run.hidden)
+    assert isinstance(online, OnlineHidden)
     assert len(online) == len(disk) and online.aux_layer_ids == disk.aux_layer_ids
     assert online.hidden_size == disk.hidden_size and online.lengths == disk.lengths
-    index = json.loads((bf16_run.path / HIDDEN_DIR / INDEX).read_text())
+    index = json.loads((bf16_run.hidden / INDEX).read_text())
     shards = ex.plan_shards(disk.lengths, index["disk_bytes_per_token"], SHARD_BYTES)
     same = [b for m in shards for b in token_batches(m, disk.lengths, recipe.extract.batch_tokens)]
     other = [[0, 6, 11], [1, 2, 3, 4, 5], [7, 8, 9, 10]]
@@ -307,4 +308,4 @@ def test_device_map_path_gives_the_same_tensors(bf16_run, tmp_path):
     recipe = _recipe(device_map="cpu")
     run = _copy_run(bf16_run, tmp_path / "run", recipe)
     ex.run(recipe, run)
-    _assert_same_store(HiddenStore(run.path), HiddenStore(bf16_run.path))
+    _assert_same_store(HiddenStore(run.hidden), HiddenStore(bf16_run.hidden))

@@ -9,14 +9,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdraft.hidden import extract as ex
+from specdraft.stages import extract as ex
 from specdraft.hidden.store import HiddenStore
 
 pytestmark = pytest.mark.slow
 
 
 def test_vllm_backend_gives_the_transformers_tensors(bf16_run, target, tmp_path):
-    from specdraft.evaluate.server import vllm_available
+    from specdraft.engines import vllm_available
     from test_extract import _copy_run, _recipe
 
     if not vllm_available():
@@ -26,7 +26,7 @@ def test_vllm_backend_gives_the_transformers_tensors(bf16_run, target, tmp_path)
     entry = ex.run(recipe, run)
     assert entry["counts"]["shards_written"] == entry["counts"]["shards"]
     assert not list((run.path / "hidden" / ".vllm").glob("*.safetensors")), "vLLM's files are consumed"
-    vllm, hf = HiddenStore(run.path), HiddenStore(bf16_run.path)
+    vllm, hf = HiddenStore(run.hidden), HiddenStore(bf16_run.hidden)
     assert vllm.aux_layer_ids == hf.aux_layer_ids
     head = target.head_weight().float()  # [V, H]
     worst = {"aux": 0.0, "last": 0.0}

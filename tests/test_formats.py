@@ -8,11 +8,13 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from specdraft.drafter import vocab
-from specdraft.drafter.model import DrafterConfig, Eagle3Drafter
-from specdraft.export import formats
-from specdraft.export.formats import (read_drafter, read_sglang, read_vllm, resolve_formats,
-                                      sglang_serve_command, write_sglang, write_vllm)
+from specdraft.drafters import vocab
+from specdraft.drafters.eagle3 import DrafterConfig, Eagle3Drafter
+from specdraft.drafters import formats
+from specdraft.run import write_json
+from specdraft.stages import export as export_stage
+from specdraft.drafters.formats import read_drafter, read_sglang, read_vllm, write_sglang, write_vllm
+from specdraft.stages.export import resolve_formats, sglang_serve_command
 
 VOCAB, DRAFT_VOCAB, T = 50, 20, 7
 
@@ -296,18 +298,17 @@ def test_formats_and_serve_command():
 def test_export_stage_writes_both_folders_and_serve_commands(tmp_path, monkeypatch, capsys):
     from types import SimpleNamespace
 
-    import specdraft.train
     from specdraft.config import Recipe
-    from specdraft.run import Run
+    from specdraft.run import RunFolder
 
     d = tiny_drafter()
     target = SimpleNamespace(path=tmp_path / "target", config=SimpleNamespace(architectures=["LlamaForCausalLM"]))
-    monkeypatch.setattr(specdraft.train, "load_trained",
+    monkeypatch.setattr(export_stage, "load_trained",
                         lambda recipe, run: (d, target, d.embed_tokens.weight.detach().to(torch.bfloat16)))
     recipe = Recipe()
     recipe.export.formats = ["both"]
-    run = Run(tmp_path / "run")
-    entry = formats.run(recipe, run)
+    run = RunFolder(tmp_path / "run")
+    entry = export_stage.run(recipe, run)
     assert entry["folders"] == {"vllm": {"path": "export/vllm", "format": "speculators (Eagle3Speculator)"},
                                 "sglang": {"path": "export/sglang", "format": "flat (LlamaForCausalLMEagle3)"}}
     assert entry["embed_included"] is False
@@ -319,38 +320,37 @@ def test_export_stage_writes_both_folders_and_serve_commands(tmp_path, monkeypat
         assert_same_drafter(d, read_drafter(run.path / "export" / fmt, embed))
     recipe.export.formats = ["tensorrt"]
     with pytest.raises(ValueError, match="unknown format"):
-        formats.run(recipe, run)
+        export_stage.run(recipe, run)
 
 
 def test_expected_speedup_picks_the_best_chain_length():
     # The demo drafter's eval (stop 12): acceptance 0.292 / 0.091 / 0.028 at draft cost 0.040.
-    speedups = formats.expected_speedups([0.292, 0.091, 0.028], 0.040)
+    speedups = export_stage.expected_speedups([0.292, 0.091, 0.028], 0.040)
     assert speedups == pytest.approx({1: 1.292 / 1.04, 2: 1.383 / 1.08, 3: 1.411 / 1.12})
     assert max(speedups, key=speedups.get) == 2
     # Drafting for free, every accepted token is profit: the longest chain measured wins.
-    free = formats.expected_speedups([0.6, 0.4, 0.3], 0.0)
+    free = export_stage.expected_speedups([0.6, 0.4, 0.3], 0.0)
     assert max(free, key=free.get) == 3
 
 
 def test_export_takes_k_from_an_eval_newer_than_the_drafter(tmp_path, monkeypatch, capsys):
     from types import SimpleNamespace
 
-    import specdraft.train
     from specdraft.config import Recipe
-    from specdraft.run import Run
+    from specdraft.run import RunFolder
 
     d = tiny_drafter()
     target = SimpleNamespace(path=tmp_path / "target", config=SimpleNamespace(architectures=["LlamaForCausalLM"]))
-    monkeypatch.setattr(specdraft.train, "load_trained",
+    monkeypatch.setattr(export_stage, "load_trained",
                         lambda recipe, run: (d, target, d.embed_tokens.weight.detach().to(torch.bfloat16)))
     recipe = Recipe()
     recipe.export.formats = ["both"]
-    run = Run(tmp_path / "run")
+    run = RunFolder(tmp_path / "run")
     run.record("train", state="done", extra={"finished": "2026-12-01T10:00:00+0000"})
-    formats.write_json(run.path / "eval" / "report.json",
+    write_json(run.path / "eval" / "report.json",
                        {"per_position_acceptance": [0.292, 0.091, 0.028], "draft_to_target_cost": 0.04})
     run.record("eval", state="done", extra={"finished": "2026-12-01T11:00:00+0000"})
-    entry = formats.run(recipe, run)
+    entry = export_stage.run(recipe, run)
     assert entry["speculative_tokens"]["value"] == 2 and entry["speculative_tokens"]["source"] == "eval/report.json"
     assert '"num_speculative_tokens": 2' in entry["serve_commands"]["vllm"]
     assert "--speculative-num-steps 2" in entry["serve_commands"]["sglang"]
@@ -359,7 +359,7 @@ def test_export_takes_k_from_an_eval_newer_than_the_drafter(tmp_path, monkeypatc
     assert "K=2: 1.28x" in capsys.readouterr().out
     # A drafter trained after the eval was not measured by it: the recipe's K, said so.
     run.record("train", state="done", extra={"finished": "2026-12-01T12:00:00+0000"})
-    entry = formats.run(recipe, run)
+    entry = export_stage.run(recipe, run)
     assert entry["speculative_tokens"]["value"] == recipe.export.speculative_tokens == 3
     assert entry["speculative_tokens"]["source"].startswith("recipe")
 

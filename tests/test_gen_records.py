@@ -8,7 +8,7 @@ import pytest
 
 from specdraft.cli import build_parser
 from specdraft.config import ConfigError, GenConfig, Recipe, apply_override
-from specdraft.data.generate import expects_reasoning, finished_ids, split_reasoning
+from specdraft.stages.gen import expects_reasoning, finished_ids, split_reasoning
 from specdraft.data.sources import DataError
 
 

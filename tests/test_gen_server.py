@@ -18,9 +18,9 @@ import pytest
 from faultproxy import FaultProxy
 
 from specdraft.config import load_recipe
-from specdraft.data import generate
-from specdraft.data.generate import CONVERSATIONS, ERRORS, GenStopped
-from specdraft.run import Run
+from specdraft.stages import gen as generate
+from specdraft.stages.gen import GenStopped
+from specdraft.run import RunFolder
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
@@ -53,19 +53,19 @@ def make_recipe(tmp_path: Path, endpoint: str, *, num_samples: int, max_new_toke
     return path
 
 
-def gen_inline(tmp_path: Path, recipe_path: Path, **overrides) -> Run:
+def gen_inline(tmp_path: Path, recipe_path: Path, **overrides) -> RunFolder:
     recipe = load_recipe(str(recipe_path))
     for key, value in overrides.items():
         section, name = key.split("__")
         setattr(getattr(recipe, section), name, value)
-    run = Run(tmp_path / "run")
+    run = RunFolder(tmp_path / "run")
     run.init(recipe)
     generate.run(recipe, run)
     return run
 
 
 def records(run_path: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_path / CONVERSATIONS).read_text().splitlines()]
+    return [json.loads(line) for line in (RunFolder(run_path).conversations).read_text().splitlines()]
 
 
 def line_count(path: Path) -> int:
@@ -80,7 +80,7 @@ def test_faults_kill_and_resume_end_with_exactly_the_target(vllm_target, target,
         cmd = [sys.executable, "-m", "specdraft.cli", "gen", "--recipe", str(recipe), "--run", str(run_dir)]
         env = {**os.environ, "PYTHONPATH": str(ROOT), "TQDM_DISABLE": "1"}
         first = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        out = run_dir / CONVERSATIONS
+        out = RunFolder(run_dir).conversations
         deadline = time.time() + 600
         while line_count(out) < 60 and first.poll() is None and time.time() < deadline:
             time.sleep(0.2)
@@ -149,8 +149,8 @@ def test_expect_reasoning_stops_with_the_likely_cause(vllm_target, tmp_path):
     with pytest.raises(GenStopped, match="reasoning parser"):
         gen_inline(tmp_path, recipe)
     run_dir = tmp_path / "run"
-    assert line_count(run_dir / CONVERSATIONS) == 0
-    errors = [json.loads(line) for line in (run_dir / ERRORS).read_text().splitlines()]
+    assert line_count(RunFolder(run_dir).conversations) == 0
+    errors = [json.loads(line) for line in (RunFolder(run_dir).gen_errors).read_text().splitlines()]
     assert len(errors) >= 10 and all("empty reasoning" in e["reason"] for e in errors)
     stage = json.loads((run_dir / "manifest.json").read_text())["stages"]["gen"]
     assert stage["state"] == "failed" and "without reasoning" in stage["stopped"]
@@ -162,7 +162,7 @@ def test_4xx_is_not_retried(vllm_target, tmp_path):
     with pytest.raises(GenStopped, match="failed after retries"):
         gen_inline(tmp_path, recipe)
     run_dir = tmp_path / "run"
-    errors = [json.loads(line) for line in (run_dir / ERRORS).read_text().splitlines()]
+    errors = [json.loads(line) for line in (RunFolder(run_dir).gen_errors).read_text().splitlines()]
     assert len(errors) >= 5
     assert all(e["status"] == 404 and e["attempts"] == 1 for e in errors)
     stage = json.loads((run_dir / "manifest.json").read_text())["stages"]["gen"]

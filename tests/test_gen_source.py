@@ -10,17 +10,17 @@ import pytest
 
 from specdraft.cli import main
 from specdraft.config import ConfigError, load_recipe
-from specdraft.data import generate
-from specdraft.data.generate import CONVERSATIONS, num_samples, select_prompts
-from specdraft.data.render import load_tokens
+from specdraft.stages import gen as generate
+from specdraft.stages.gen import num_samples, select_prompts
+from specdraft.data.tokens import load_tokens
 from specdraft.data.sources import DataError, read_sharegpt
-from specdraft.run import Run
+from specdraft.run import RunFolder
 
 LONG_PROMPT_WORDS = 200  # far over the small-source recipe's max_prompt_tokens
 
 
 def _lines(run_dir: Path) -> list[str]:
-    return (run_dir / CONVERSATIONS).read_text(encoding="utf-8").splitlines(keepends=True)
+    return (RunFolder(run_dir).conversations).read_text(encoding="utf-8").splitlines(keepends=True)
 
 
 def _answer_after(messages: list[dict], n: int) -> str | None:
@@ -64,7 +64,7 @@ def test_source_answers_for_the_prompts_in_process_gen_asks_then_render(source_r
 
     # render takes them as they are: the trained tokens are the original answer through the template.
     assert main(["render", "--run", str(run_dir)]) == 0
-    index, samples = load_tokens(run_dir)
+    index, samples = load_tokens(RunFolder(run_dir).tokens)
     assert index["ids"] == [r["id"] for r in records]
     tok = target.tokenizer
     max_length = recipe.render.max_length
@@ -86,7 +86,7 @@ def test_resume_after_a_cut_ends_with_the_same_file_and_no_duplicates(source_run
     whole = _lines(run_dir)
     kept = len(whole) // 2
     # `kept` whole lines and a torn one, as kill -9 mid-write leaves them.
-    (run_dir / CONVERSATIONS).write_text("".join(whole[:kept]) + whole[kept][: len(whole[kept]) // 2])
+    (RunFolder(run_dir).conversations).write_text("".join(whole[:kept]) + whole[kept][: len(whole[kept]) // 2])
     assert main(["gen", "--recipe", str(recipe_path), "--run", str(run_dir), "--answers", "source"]) == 0
     assert _lines(run_dir) == whole
     counts = _gen_counts(run_dir)
@@ -97,10 +97,10 @@ def test_a_run_folder_keeps_one_kind_of_answers(source_run):
     recipe_path, run_dir = source_run
     recipe = load_recipe(str(recipe_path))  # gen.answers = "target"
     with pytest.raises(DataError, match="holds source answers"):
-        generate.run(recipe, Run(run_dir))
+        generate.run(recipe, RunFolder(run_dir))
     recipe.gen.answers = "original"
     with pytest.raises(ConfigError, match="gen.answers"):
-        generate.run(recipe, Run(run_dir))
+        generate.run(recipe, RunFolder(run_dir))
 
 
 SMALL_RECIPE = """
@@ -145,7 +145,7 @@ def test_num_train_0_selects_every_usable_conversation(small_source, target, tmp
     counts = _gen_counts(run_dir)
     assert (counts["prompts"], counts["skipped_no_answer"], counts["skipped_too_long"]) == (4, 2, 1)
 
-    from specdraft.plan import expected_tokens
+    from specdraft.billing import expected_tokens
 
     # The plan counts without the tokenizer: the too-long prompt is in its upper bound.
     assert expected_tokens(recipe, None, 1)["samples"] == 5
@@ -163,7 +163,7 @@ def test_num_train_0_asks_the_servers_for_every_usable_conversation(small_source
     monkeypatch.setattr(generate.ServerGen, "run", ask_nobody)
     recipe = load_recipe(str(small_source))
     recipe.gen.endpoints = ["http://127.0.0.1:9"]  # never reached: ServerGen.run is replaced
-    run = Run(tmp_path / "run")
+    run = RunFolder(tmp_path / "run")
     run.init(recipe)
     generate.run(recipe, run)
     assert asked == {"target_n": 4, "ids": ["answered", "system", "unanswered", "second-user"]}
@@ -171,14 +171,14 @@ def test_num_train_0_asks_the_servers_for_every_usable_conversation(small_source
 
 
 def test_plan_and_status_of_every_conversation_with_source_answers(small_source, tmp_path):
-    from specdraft.status import collect, render_markdown
+    from specdraft.stages.status import collect, render_markdown
 
     recipe = load_recipe(str(small_source))
     recipe.gen.answers = "source"
-    run = Run(tmp_path / "run")
+    run = RunFolder(tmp_path / "run")
     run.init(recipe)
     # gen cut off after one record: how many make it done is known only to gen.
-    (run.path / CONVERSATIONS).write_text(json.dumps({"id": "answered"}) + "\n")
+    (run.conversations).write_text(json.dumps({"id": "answered"}) + "\n")
     assert main(["plan", str(run.path)]) == 0
     gen_time = next(r for r in run.manifest()["plan"]["time"] if r["phase"] == "gen")
     assert gen_time["seconds"] == 0.0  # nothing is generated

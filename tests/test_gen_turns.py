@@ -7,8 +7,8 @@ import json
 
 from specdraft.cli import main
 from specdraft.config import load_recipe
-from specdraft.data.generate import CONVERSATIONS
 from specdraft.data.sources import prompts
+from specdraft.run import RunFolder
 
 MAX_TURNS = 3
 MAX_NEW_TOKENS = 8
@@ -31,7 +31,7 @@ def test_every_turn_answered_in_order_and_none_past_renders_cut(target, tmp_path
     (tmp_path / "turns.toml").write_text(RECIPE)
     run = tmp_path / "run"
     assert main(["gen", "--recipe", str(tmp_path / "turns.toml"), "--run", str(run)]) == 0
-    records = [json.loads(line) for line in (run / CONVERSATIONS).read_text().splitlines()]
+    records = [json.loads(line) for line in (RunFolder(run).conversations).read_text().splitlines()]
     recipe = load_recipe(str(tmp_path / "turns.toml"))
     d = recipe.data
     source = {c["id"]: [m["content"] for m in c["messages"] if m["role"] == "user"]
@@ -64,7 +64,7 @@ def test_rows_are_cut_by_the_kv_budget_and_answered_in_the_order_given(target):
     from collections import Counter
 
     from specdraft.config import GenConfig
-    from specdraft.data.generate import generate_batch, generate_rows
+    from specdraft.stages.gen import generate_batch, generate_rows
 
     model = target.load_model("float32")
     lengths = [30, 5, 17, 9, 24]
@@ -87,24 +87,22 @@ def test_a_killed_multi_turn_gen_resumes_its_unfinished_conversations_at_the_tur
     import sys
     import time
 
-    from specdraft.data.generate import IN_FLIGHT
-
     recipe = RECIPE.replace("num_train = 4", "num_train = 8").replace(f"max_turns = {MAX_TURNS}", "max_turns = 0") \
         .replace(f"max_length = {MAX_LENGTH}", "max_length = 512").replace("batch_size = 4", "batch_size = 3\ndtype = \"float32\"")
     (tmp_path / "turns.toml").write_text(recipe)
     run = tmp_path / "run"
     cmd = [sys.executable, "-m", "specdraft.cli", "gen", "--recipe", str(tmp_path / "turns.toml"), "--run", str(run)]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    flight = run / IN_FLIGHT
+    flight = RunFolder(run).gen_in_flight
     while proc.poll() is None and not (flight.exists() and flight.stat().st_size):
         time.sleep(0.01)
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     assert flight.exists() and flight.stat().st_size, "gen ended before a turn left conversations in flight"
     in_flight = {r["id"]: r for r in map(json.loads, flight.read_text().splitlines())}
-    saved = (run / CONVERSATIONS).read_text().splitlines() if (run / CONVERSATIONS).exists() else []
+    saved = (RunFolder(run).conversations).read_text().splitlines() if (RunFolder(run).conversations).exists() else []
     assert main(["gen", "--recipe", str(tmp_path / "turns.toml"), "--run", str(run)]) == 0
-    records = [json.loads(line) for line in (run / CONVERSATIONS).read_text().splitlines()]
+    records = [json.loads(line) for line in (RunFolder(run).conversations).read_text().splitlines()]
     assert records[: len(saved)] == [json.loads(line) for line in saved]
     assert len({r["id"] for r in records}) == len(records) == 8
     for r in records:
@@ -160,12 +158,12 @@ def test_in_process_self_instruct_writes_new_user_turns_and_answers_them(target,
     """Magpie without a server: the bundled target writes user turns from its own template's user-turn
     prefix and answers each, greedily; every saved turn is whole, distinct, within max_prompt_tokens; a
     rerun that wants more keeps those and writes only the rest."""
-    from specdraft.data.generate import magpie_id
+    from specdraft.stages.gen import magpie_id
 
     (tmp_path / "m.toml").write_text(SELF_INSTRUCT)
     run = tmp_path / "run"
     assert main(["gen", "--recipe", str(tmp_path / "m.toml"), "--run", str(run)]) == 0
-    records = [json.loads(line) for line in (run / CONVERSATIONS).read_text().splitlines()]
+    records = [json.loads(line) for line in (RunFolder(run).conversations).read_text().splitlines()]
     assert len(records) == 3 and len({r["id"] for r in records}) == 3
     for r in records:
         user, answer = r["messages"][-2], r["messages"][-1]
@@ -177,7 +175,7 @@ def test_in_process_self_instruct_writes_new_user_turns_and_answers_them(target,
     assert counts["user_turns_written"] >= 3 + counts["unusable"] + counts["duplicate"] + counts["too_long"]
     assert counts["records"] == 3
     assert main(["gen", "--run", str(run), "--set", "gen.num_samples=4"]) == 0
-    again = [json.loads(line) for line in (run / CONVERSATIONS).read_text().splitlines()]
+    again = [json.loads(line) for line in (RunFolder(run).conversations).read_text().splitlines()]
     assert again[:3] == records and len({r["id"] for r in again}) == len(again) == 4
 
 
@@ -187,12 +185,12 @@ def test_in_process_self_instruct_gives_up_when_no_user_turn_ends(tmp_path):
     import pytest
 
     from specdraft.config import load_recipe
-    from specdraft.data import generate
-    from specdraft.run import Run
+    from specdraft.stages import gen as generate
+    from specdraft.run import RunFolder
 
     (tmp_path / "m.toml").write_text(SELF_INSTRUCT.replace("max_new_tokens = 40", "max_new_tokens = 2"))
     recipe = load_recipe(str(tmp_path / "m.toml"))
-    run = Run(tmp_path / "run")
+    run = RunFolder(tmp_path / "run")
     run.init(recipe)
     with pytest.raises(generate.GenStopped, match="self-instruct gave up: 12 unusable"):
         generate.run(recipe, run)
@@ -204,14 +202,14 @@ def test_in_process_self_instruct_gives_up_when_no_user_turn_ends(tmp_path):
 def test_in_process_self_instruct_samples_come_after_the_sources_prompts(target, tmp_path):
     """gen.self_instruct_samples: the source's prompts answered first, then as many first turns the target
     wrote itself; a rerun that wants one more keeps every record and writes only that one."""
-    from specdraft.data.generate import MAGPIE_PREFIX, magpie_id
+    from specdraft.stages.gen import MAGPIE_PREFIX, magpie_id
 
     recipe = SELF_INSTRUCT.replace("self_instruct = true\nnum_samples = 3",
                                    "self_instruct_samples = 2").replace("[data]", "[data]\nnum_train = 2")
     (tmp_path / "m.toml").write_text(recipe)
     run = tmp_path / "run"
     assert main(["gen", "--recipe", str(tmp_path / "m.toml"), "--run", str(run)]) == 0
-    records = [json.loads(line) for line in (run / CONVERSATIONS).read_text().splitlines()]
+    records = [json.loads(line) for line in (RunFolder(run).conversations).read_text().splitlines()]
     written = [r for r in records if r["id"].startswith(MAGPIE_PREFIX)]
     assert len(records) == 4 and len(written) == 2 and len({r["id"] for r in records}) == 4
     # the source's first, as asked
@@ -221,7 +219,7 @@ def test_in_process_self_instruct_samples_come_after_the_sources_prompts(target,
     counts = json.loads((run / "manifest.json").read_text())["stages"]["gen"]["counts"]
     assert counts["prompts"] == 2 and counts["records"] == 4 and counts["user_turns_written"] >= 2
     assert main(["gen", "--run", str(run), "--set", "gen.self_instruct_samples=3"]) == 0
-    again = [json.loads(line) for line in (run / CONVERSATIONS).read_text().splitlines()]
+    again = [json.loads(line) for line in (RunFolder(run).conversations).read_text().splitlines()]
     assert again[:4] == records and len(again) == 5 and again[4]["id"].startswith(MAGPIE_PREFIX)
 
 
@@ -229,13 +227,13 @@ def test_self_instruct_samples_refuse_what_they_cannot_add_to(tmp_path):
     import pytest
 
     from specdraft.config import ConfigError, load_recipe
-    from specdraft.data import generate
-    from specdraft.run import Run
+    from specdraft.stages import gen as generate
+    from specdraft.run import RunFolder
 
     for extra in ("self_instruct = true\nnum_samples = 3", 'answers = "source"'):
         (tmp_path / "m.toml").write_text(f'name = "m"\n[gen]\nself_instruct_samples = 2\n{extra}\n')
         recipe = load_recipe(str(tmp_path / "m.toml"))
-        run = Run(tmp_path / "run")
+        run = RunFolder(tmp_path / "run")
         run.init(recipe)
         with pytest.raises(ConfigError, match="self_instruct_samples"):
             generate.run(recipe, run)

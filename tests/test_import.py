@@ -11,10 +11,10 @@ import torch
 from safetensors.torch import save_file
 
 from specdraft.cli import main
-from specdraft.drafter import vocab
-from specdraft.drafter.model import DrafterConfig, Eagle3Drafter
-from specdraft.export.formats import write_sglang, write_vllm
-from specdraft.train import load_checkpoint
+from specdraft.drafters import vocab
+from specdraft.drafters.eagle3 import DrafterConfig, Eagle3Drafter
+from specdraft.drafters.formats import write_sglang, write_vllm
+from specdraft.drafters.checkpoint import load_checkpoint
 
 pytestmark = pytest.mark.slow  # reads the real target's config and embedding
 
@@ -78,11 +78,11 @@ def test_export_import_gives_identical_logits(fmt, drafter, target, tmp_path, ca
 
 
 def test_import_into_a_run_is_what_eval_and_export_load(drafter, target, tmp_path):
-    from specdraft.run import Run
-    from specdraft.train import load_trained
+    from specdraft.run import RunFolder
+    from specdraft.drafters.checkpoint import load_trained
 
     folder = export("sglang", drafter, tmp_path / "sglang")
-    run = Run(tmp_path / "run")
+    run = RunFolder(tmp_path / "run")
     assert main(["import", str(folder), "--run", str(run.path)]) == 0
     assert run.stage("import")["layout"] == "flat (LlamaForCausalLMEagle3, midlayer.*)"
     assert run.recipe().target.aux_layer_ids == [2, 15, 27]

@@ -9,6 +9,7 @@ import torch
 
 from specdraft.cli import main
 from specdraft.targets import resolve_dtype
+from specdraft.run import RunFolder
 
 pytestmark = pytest.mark.slow
 
@@ -53,9 +54,9 @@ def test_gen_kept_the_targets_own_token_ids(tiny_run, target):
 
 
 def test_render_masks_only_the_answer(tiny_run, target):
-    from specdraft.data.render import load_tokens
+    from specdraft.data.tokens import load_tokens
 
-    index, samples = load_tokens(tiny_run)
+    index, samples = load_tokens(RunFolder(tiny_run).tokens)
     records = [json.loads(line) for line in (tiny_run / "conversations.jsonl").read_text().splitlines()]
     assert index["ids"] == [r["id"] for r in records]
     for (ids, mask), r in zip(samples, records):
@@ -69,7 +70,7 @@ def test_hidden_states_match_the_targets_own_layers(tiny_run, target):
     """Stored aux id k equals transformers' output_hidden_states[k]; `last` is the final-norm output."""
     from specdraft.hidden.store import HiddenStore
 
-    store = HiddenStore(tiny_run)
+    store = HiddenStore(RunFolder(tiny_run).hidden)
     assert store.aux_layer_ids == [2, 15, 27]
     sample = store[0]
     model = target.load_model(resolve_dtype("auto", "cpu"))  # as the stages compute here
@@ -108,8 +109,8 @@ def test_eval_is_exact_and_reports_acceptance(tiny_run):
 
 
 def test_export_round_trip_gives_identical_logits(tiny_run, target):
-    from specdraft.export.formats import read_vllm
-    from specdraft.train import load_checkpoint
+    from specdraft.drafters.formats import read_vllm
+    from specdraft.drafters.checkpoint import load_checkpoint
 
     embed = target.embed_weight()
     trained, _ = load_checkpoint(tiny_run / "checkpoints" / "final", embed)
@@ -134,7 +135,7 @@ def test_gen_resumes_without_duplicates(tiny_run, tmp_path):
     """A torn last line (an interrupted append) is repaired, and finished ids are not redone."""
     import shutil
 
-    from specdraft.data.generate import finished_ids
+    from specdraft.stages.gen import finished_ids
 
     run = tmp_path / "resumed"
     shutil.copytree(tiny_run, run)

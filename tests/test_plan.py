@@ -14,7 +14,7 @@ import pytest
 
 from specdraft.cli import main
 from specdraft.config import load_recipe
-from specdraft.plan import PlanError, make_plan, read_target
+from specdraft.billing import PlanError, make_plan, read_target
 
 CONFIGS = Path(__file__).parent / "data" / "configs"
 TiB = 2**40
@@ -118,7 +118,7 @@ def test_published_checkpoint_sizes_from_quantization_configs():
 def test_smollm2_plan_is_the_trainers_drafter(target):
     """The bundled target: 4 bf16 states x 576, aux (2, 15, 27), and the drafter's parameters equal those of
     the drafter the trainer instantiates for real."""
-    from specdraft.drafter.model import DrafterConfig, Eagle3Drafter
+    from specdraft.drafters.eagle3 import DrafterConfig, Eagle3Drafter
 
     recipe = load_recipe("smollm2-cpu")
     plan = make_plan(recipe)
@@ -174,8 +174,8 @@ def test_rows_span_one_document_on_either_device_and_the_batch_that_fits_is_the_
     and the next step up does not."""
     from dataclasses import replace
 
-    from specdraft.drafter.model import DrafterConfig
-    from specdraft.plan import BATCH_TOKENS_STEP, drafter_parameters, fitting_batch_tokens, training_memory
+    from specdraft.drafters.eagle3 import DrafterConfig
+    from specdraft.billing import BATCH_TOKENS_STEP, drafter_parameters, fitting_batch_tokens, training_memory
     from specdraft.targets import Target
 
     recipe = load_recipe("smollm2-h200")
@@ -209,7 +209,7 @@ def test_bad_config_names_the_file_and_line(tmp_path):
 def test_every_turn_raises_the_token_bound_to_the_render_cut():
     """gen.max_turns = 0 replays every user turn until render.max_length: the disk bill must say so."""
     from specdraft.config import Recipe
-    from specdraft.plan import expected_tokens
+    from specdraft.billing import expected_tokens
 
     recipe = Recipe()
     recipe.data.num_train, recipe.data.max_prompt_tokens, recipe.gen.max_new_tokens = 100, 512, 256

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from specdraft.data.render import ChatTemplate, RenderError, TemplateMismatch, render_conversation
+from specdraft.stages.render import ChatTemplate, RenderError, TemplateMismatch, render_conversation
 
 TEMPLATES = Path(__file__).parent / "data" / "templates"
 # Each thinking template: its file, the special tokens its format needs, its end-of-turn token (the
@@ -238,9 +238,9 @@ def test_sources_keep_the_gen_fields_and_name_a_bad_line(tmp_path):
 def test_the_stage_names_the_file_and_conversation_it_cannot_render(tmp_path, tiny_recipe, capsys):
     from specdraft.cli import main
     from specdraft.config import load_recipe
-    from specdraft.run import Run
+    from specdraft.run import RunFolder
 
-    run = Run(tmp_path / "run")
+    run = RunFolder(tmp_path / "run")
     run.init(load_recipe(str(tiny_recipe)))
     run.record("gen", state="done")
     plain = {"id": "plain", "messages": [{"role": "user", "content": "Hi"},

@@ -9,8 +9,10 @@ import json
 import pytest
 
 from specdraft.cli import main
-from specdraft.data.render import ChatTemplate, load_tokens, verify_with_server
+from specdraft.stages.render import ChatTemplate, verify_with_server
+from specdraft.data.tokens import load_tokens
 from specdraft.targets import resolve_dtype
+from specdraft.run import RunFolder
 
 pytestmark = pytest.mark.slow
 
@@ -40,8 +42,8 @@ def own_run(tmp_path_factory, target):
     by turn (the second answer given its own first one), each turn with the ids it generated."""
     from conftest import TINY_RECIPE
     from specdraft.config import GenConfig, load_recipe
-    from specdraft.data.generate import answer_turns
-    from specdraft.run import Run
+    from specdraft.stages.gen import answer_turns
+    from specdraft.run import RunFolder
 
     root = tmp_path_factory.mktemp("render-stage")
     recipe_path = root / "tiny.toml"
@@ -56,7 +58,7 @@ def own_run(tmp_path_factory, target):
     answer_turns(model, target, convs, cfg, max_length=4096)
     convs = [{"id": c["id"], "split": "train", "messages": c["messages"]} for c in convs]
     run_path = root / "run"
-    run = Run(run_path)
+    run = RunFolder(run_path)
     run.init(load_recipe(str(recipe_path)))
     (run_path / "conversations.jsonl").write_text("".join(json.dumps(c) + "\n" for c in convs))
     run.record("gen", state="done")
@@ -87,7 +89,7 @@ def test_render_trains_the_targets_own_ids_and_reports_the_retokenized_share(own
     assert entry["counts"]["retokenized_differs"] == differs
     assert entry["metrics"]["retokenized_differs_share"] == round(differs / turns, 4)
     assert entry["counts"]["template_mismatches"] == 0
-    index, samples = load_tokens(run_path)
+    index, samples = load_tokens(RunFolder(run_path).tokens)
     assert len(samples) == expected_samples == index["num_samples"]
     # Each conversation's masked tokens, over its samples, are exactly the ids the target generated.
     for conv in convs:

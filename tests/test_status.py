@@ -11,8 +11,8 @@ import shutil
 import pytest
 
 from specdraft.cli import main
-from specdraft.run import Run
-from specdraft.status import collect
+from specdraft.run import RunFolder
+from specdraft.stages.status import collect
 
 pytestmark = pytest.mark.slow
 
@@ -91,7 +91,7 @@ def test_interrupted_extraction_shows_progress_and_resumes(tiny_run, tmp_path):
     # Interrupted by Ctrl-C instead: the manifest says failed, the shards say how far it got.
     m["stages"]["extract"] = {"state": "failed", "error": "KeyboardInterrupt: "}
     (run / "manifest.json").write_text(json.dumps(m))
-    status = collect(Run(run))
+    status = collect(RunFolder(run))
     extract = next(r for r in status["stages"] if r["stage"] == "extract")
     assert extract["icon"] == "🔄" and extract["progress"]["shards"] == n - SHARDS_LOST
     assert extract["error"] == "KeyboardInterrupt: "
@@ -108,7 +108,7 @@ def test_interrupted_extraction_shows_progress_and_resumes(tiny_run, tmp_path):
 def test_every_figure_comes_from_the_manifest(tiny_run):
     run, _ = tiny_run
     assert main(["status", str(run), "--json"]) == 0
-    status = collect(Run(run))
+    status = collect(RunFolder(run))
     m = json.loads((run / "manifest.json").read_text())
     # Measured figures: each equals the manifest value it names, with a unit and the machine.
     names = set()
@@ -155,6 +155,6 @@ def test_plan_of_the_run_uses_its_measurements(tiny_run):
         assert rows[phase]["source"].startswith(f"measured: stages.{phase}.metrics.tokens_per_s"), rows[phase]
         assert rows[phase]["rate_per_s"] == pytest.approx(stages[phase]["metrics"]["tokens_per_s"])
     assert rows["eval"]["source"].startswith("default:")
-    status = collect(Run(run))
+    status = collect(RunFolder(run))
     assert status["remaining"]["rows"][-1]["phase"] == "eval"
     assert status["remaining"]["seconds"] == pytest.approx(rows["eval"]["seconds"], abs=0.1)

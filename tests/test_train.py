@@ -16,8 +16,9 @@ import pytest
 import torch
 
 from specdraft.cli import main
-from specdraft.drafter.model import DrafterConfig, Eagle3Drafter
-from specdraft.train import COMPLETE, TRAIN_LOG, TTT
+from specdraft.drafters.eagle3 import DrafterConfig, Eagle3Drafter
+from specdraft.stages.train import COMPLETE, TTT
+from specdraft.run import RunFolder
 
 REPO = Path(__file__).resolve().parents[1]
 # Small rows so the tiny recipe's 8 samples make several optimizer steps per epoch.
@@ -32,7 +33,7 @@ def fresh_copy(extracted_run: Path, tmp_path: Path, name: str) -> Path:
 
 
 def train_log(run: Path, kind: str = "train") -> list[dict]:
-    lines = (run / "checkpoints" / TRAIN_LOG).read_text().splitlines()
+    lines = (RunFolder(run).train_log).read_text().splitlines()
     return [r for r in map(json.loads, lines) if r["kind"] == kind]
 
 
@@ -89,7 +90,7 @@ def test_killed_run_resumes_on_the_uninterrupted_curve(extracted_run, uninterrup
     run = fresh_copy(extracted_run, tmp_path, "killed")
     proc = subprocess.Popen([sys.executable, "-m", "specdraft.cli", *cli(run, extracted_run)], env=env(),
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    log = run / "checkpoints" / TRAIN_LOG
+    log = RunFolder(run).train_log
     deadline = time.time() + 600
     while time.time() < deadline and proc.poll() is None:
         if log.exists() and any(r["step"] >= 3 for r in train_log(run)):
@@ -149,11 +150,11 @@ def test_torchrun_two_processes_equal_one(extracted_run, single_two_rows, tmp_pa
 def test_init_from_names_what_does_not_fit(tmp_path):
     """Starting from a published drafter checks every shape against the target's drafter; a drafter
     for another target is refused with each tensor that does not fit."""
-    from specdraft.export.formats import write_sglang
-    from specdraft.train import init_from
+    from specdraft.drafters.formats import write_sglang
+    from specdraft.stages.train import init_from
 
     def drafter(hidden, vocab):
-        from specdraft.drafter import vocab as vocabulary
+        from specdraft.drafters import vocab as vocabulary
 
         torch.manual_seed(0)
         d = Eagle3Drafter(DrafterConfig(hidden_size=hidden, num_attention_heads=4, num_key_value_heads=2,
@@ -282,7 +283,7 @@ def test_every_epoch_has_its_steps_when_packing_differs():
     import dataclasses
 
     from specdraft.config import TrainConfig
-    from specdraft.train import epoch_rows, epoch_steps, step_batches
+    from specdraft.stages.train import epoch_rows, epoch_steps, step_batches
 
     lengths = [int(n) for n in torch.randint(20, 200, (300,), generator=torch.Generator().manual_seed(1))]
     cfg = dataclasses.replace(TrainConfig(), batch_tokens=512, epochs=20, loader_workers=0, micro_batches=1)
@@ -306,7 +307,7 @@ def test_muon_trains_the_matrices_and_resumes(extracted_run, tmp_path, capsys):
     import dataclasses
 
     from specdraft.config import TrainConfig
-    from specdraft.train import make_optimizers
+    from specdraft.stages.train import make_optimizers
 
     drafter = Eagle3Drafter(DrafterConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
                                           intermediate_size=64, vocab_size=100, draft_vocab_size=50, target_hidden_size=32,
@@ -325,7 +326,7 @@ def test_muon_trains_the_matrices_and_resumes(extracted_run, tmp_path, capsys):
                "--set", "train.epochs=2", "--set", "train.checkpoint_every=1")
     assert main(args) == 0
     manifest = json.loads((run / "manifest.json").read_text())
-    log = [json.loads(line) for line in (run / "checkpoints" / TRAIN_LOG).read_text().splitlines()]
+    log = [json.loads(line) for line in (RunFolder(run).train_log).read_text().splitlines()]
     first, last = log[0], [r for r in log if r["kind"] == "train"][-1]
     assert last["weighted_loss"] < first["weighted_loss"]
     # Stopped before it was recorded done: the next run resumes from `latest`, both optimizers included.
@@ -334,5 +335,5 @@ def test_muon_trains_the_matrices_and_resumes(extracted_run, tmp_path, capsys):
     capsys.readouterr()
     assert main(args) == 0
     assert f"resumed at step {last['step']}" in capsys.readouterr().out
-    log_after = [json.loads(line) for line in (run / "checkpoints" / TRAIN_LOG).read_text().splitlines()]
+    log_after = [json.loads(line) for line in (RunFolder(run).train_log).read_text().splitlines()]
     assert [r["step"] for r in log_after if r["kind"] == "train"] == [r["step"] for r in log if r["kind"] == "train"]

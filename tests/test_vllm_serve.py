@@ -15,8 +15,8 @@ import httpx
 import pytest
 import torch
 
-from specdraft.evaluate.bench import acceptance, spec_decode_counters
-from specdraft.evaluate.server import VLLM_PYTHON, VllmServer, vllm_available
+from specdraft.stages.bench import acceptance, spec_decode_counters
+from specdraft.engines import VLLM_PYTHON, VllmServer, vllm_available
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(
     not vllm_available(), reason=f"no vLLM venv at {VLLM_PYTHON} (bash scripts/install_vllm.sh)")]
@@ -87,7 +87,7 @@ def test_doctor_predicts_what_vllm_measures_for_a_lost_d2t(memorised_run, served
 
     from safetensors.torch import load_file, save_file
 
-    from specdraft.export.doctor import diagnose
+    from specdraft.stages.doctor import diagnose
 
     broken = tmp_path / "broken"
     shutil.copytree(memorised_run / "export" / "vllm", broken)
@@ -113,7 +113,7 @@ def test_doctor_predicts_what_vllm_measures_for_wrong_aux_ids(memorised_run, ser
     exactly the layers its config names, accepts far less."""
     import shutil
 
-    from specdraft.export.doctor import diagnose, training_conversations
+    from specdraft.stages.doctor import diagnose, training_conversations
 
     broken = tmp_path / "broken"
     shutil.copytree(memorised_run / "export" / "vllm", broken)

@@ -1,6 +1,6 @@
 import torch
 
-from specdraft.drafter import vocab
+from specdraft.drafters import vocab
 
 
 def test_draft_vocab_is_top_frequency_with_offsets():

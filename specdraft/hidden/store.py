@@ -23,7 +23,6 @@ import struct
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-HIDDEN_DIR = "hidden"
 INDEX = "index.json"
 STORE_DTYPES = ("bfloat16", "fp8_e4m3")
 # The largest finite float8_e4m3fn value: each row's scale maps its largest magnitude here.
@@ -123,8 +122,8 @@ class HiddenStore:
     """Random access to the extracted samples: `store[i]` reads only sample i's rows (memory-mapped
     slices of its shard). Safe for DataLoader workers: file handles are opened lazily in each process."""
 
-    def __init__(self, run_path: Path):
-        self.dir = Path(run_path) / HIDDEN_DIR
+    def __init__(self, hidden_dir: Path):
+        self.dir = Path(hidden_dir)
         index_path = self.dir / INDEX
         if not index_path.exists():
             raise FileNotFoundError(f"{index_path}: no hidden states; run `specdraft extract` first")
@@ -194,7 +193,7 @@ class HiddenStore:
 
             return iter(DataLoader(self, batch_sampler=batches, collate_fn=_as_list, num_workers=num_workers,
                                    prefetch_factor=prefetch))
-        return _read_ahead(self.batch, batches, prefetch)
+        return read_ahead(self.batch, batches, prefetch)
 
     def __getstate__(self):
         # Open file handles do not cross into worker processes; each worker opens its own.
@@ -205,7 +204,7 @@ def _as_list(items: list[dict]) -> list[dict]:
     return items
 
 
-def _read_ahead(read, batches: list[list[int]], depth: int):
+def read_ahead(read, batches: list[list[int]], depth: int):
     """read(b) for each b in batches, with up to `depth` reads running ahead in a thread."""
     with ThreadPoolExecutor(max_workers=1) as pool:
         pending = [pool.submit(read, b) for b in batches[:depth]]
@@ -216,13 +215,3 @@ def _read_ahead(read, batches: list[list[int]], depth: int):
             yield result
 
 
-def open_hidden(recipe, run):
-    """The trainer's source of hidden states, chosen by `train.hidden`: the extracted shards ("disk") or
-    the target running beside the trainer ("online"). Both give the same interface as HiddenStore."""
-    if recipe.train.hidden == "disk":
-        return HiddenStore(run.path)
-    if recipe.train.hidden == "online":
-        from .extract import OnlineHidden
-
-        return OnlineHidden(recipe, run)
-    raise ValueError(f"train.hidden = {recipe.train.hidden!r}: expected 'disk' or 'online'")

@@ -30,27 +30,25 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from .config import Recipe, TrainConfig, to_dict
-from .drafter import vocab
-from .drafter.model import DrafterConfig, Eagle3Drafter, document_mask
-from .run import Run, write_json
+from specdraft.billing import MEMORY_HEADROOM, make_plan
+from specdraft.config import Recipe, TrainConfig, to_dict
+from specdraft.drafters import vocab
+from specdraft.drafters.checkpoint import COMPLETE, init_from, save_checkpoint
+from specdraft.drafters.eagle3 import DrafterConfig, Eagle3Drafter
+from specdraft.drafters.ttt import (
+    LOGIT_CHUNK,
+    LOSSES,
+    PAD_DOCUMENT,
+    STAT_COLUMNS,
+    TTT,
+    summarize,
+)
+from specdraft.hidden.online import open_hidden
+from specdraft.run import RunFolder
+from specdraft.targets import Target, resolve_dtype
 
-CHECKPOINTS = "checkpoints"
-FINAL = "final"
-LATEST = "latest"
-BEST = "best"
-COMPLETE = "COMPLETE"  # written last into a checkpoint folder: a folder without it is ignored
-TRAIN_LOG = "train_log.jsonl"
-# Rows of target logits computed at once: the full-vocab logits are only needed for their argmax.
-LOGIT_CHUNK = 1024
-# Padding positions get this document id (real documents count from 0): they attend only to each other.
-PAD_DOCUMENT = -1
-# Shifted-in positions past the end of a row: a document id no position has, so nothing matches it.
-NO_DOCUMENT = -2
-LOSSES = ("soft_ce", "kl", "lk")
 HEAD_INITS = ("random", "target", "target-frozen")
 OPTIMIZERS = ("adamw", "muon")
 
@@ -129,125 +127,8 @@ def target_top_tokens(source, head: torch.Tensor, indices=None, device: torch.de
     return tops
 
 
-def shift(x: torch.Tensor, n: int, fill=0) -> torch.Tensor:
-    """x[:, n:] along dim 1, filled on the right so the length stays T."""
-    pad = torch.full((x.shape[0], n, *x.shape[2:]), fill, dtype=x.dtype, device=x.device)
-    return torch.cat([x[:, n:], pad], dim=1)
-
-
 # ---------------------------------------------------------------------------------------------------
 # Training-time test
-
-
-def position_loss(kind: str, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """Per-position loss [B, T] of drafter logits against the target distribution, both [B, T, Vd].
-
-    soft_ce: cross-entropy with the target's distribution (EAGLE-3). kl: KL(target || drafter), the same
-    gradient, a loss that reaches 0. lk: -log of the acceptance probability of speculative sampling,
-    sum_x min(p, q) (acceptance-oriented; greedy acceptance is its limit).
-    """
-    logp = F.log_softmax(logits.float(), dim=-1)
-    if kind == "soft_ce":
-        return -(target * logp).sum(-1)
-    if kind == "kl":
-        return (torch.xlogy(target, target) - target * logp).sum(-1)
-    if kind == "lk":
-        accept = torch.minimum(target, logp.exp()).sum(-1)
-        return -torch.log(accept.clamp(min=torch.finfo(torch.float32).tiny))
-    raise ValueError(f"train.loss = {kind!r}: expected one of {', '.join(LOSSES)}")
-
-
-# Columns of the per-step statistics: summed loss and its positions, top-1 correct among them, and for
-# acceptance: evaluable positions, chains correct through this step, chains correct before it.
-STAT_COLUMNS = ("loss_sum", "count", "correct", "evaluable", "chain_correct", "chain_before")
-
-
-def unroll(drafter: Eagle3Drafter, aux, ids, documents, positions, steps: int, checkpointing: bool = False,
-           mask=None):
-    """Training-time test: yield each step's logits [B, T, Vd] over drafter positions t.
-
-    Step i reads token x_{t+1+i} at rotary position t+i; its hidden input is fc(aux) at step 0 and the
-    previous step's output after that; its queries see the step-0 keys at positions <= t of the same
-    document and the keys of steps 1..i at t, exactly what drafting at inference sees
-    (tests/test_drafter.py checks it).
-    """
-    mask = document_mask(documents) if mask is None else mask
-    hidden = drafter.project(aux)  # [B, T, H] (autocast runs fc in bf16)
-    base, diag = None, None
-    for i in range(steps):
-        tokens, pos = shift(ids, 1 + i), positions + i
-        if checkpointing and torch.is_grad_enabled():
-            from torch.utils.checkpoint import checkpoint
-
-            # Recomputed in backward: only this step's inputs are kept, not its activations.
-            logits, hidden, kv = checkpoint(drafter, hidden, tokens, pos, base, diag, 0, mask, use_reentrant=False)
-        else:
-            logits, hidden, kv = drafter(hidden, tokens, pos, base=base, diag=diag, mask=mask)
-        base, diag = (kv, []) if i == 0 else (base, diag + [kv])
-        yield logits
-
-
-class TTT(nn.Module):
-    """The training-time test of one drafter on one packed batch, as one module so DDP and FSDP wrap
-    a single forward. Returns the weighted loss and per-step statistics [steps, len(STAT_COLUMNS)]."""
-
-    def __init__(self, drafter: Eagle3Drafter, draft_head: torch.Tensor, steps: int, decay: float,
-                 loss: str = "soft_ce", checkpointing: bool = False, hidden_noise: float = 0.0):
-        super().__init__()
-        self.drafter = drafter
-        # The draft vocab's rows of the target's lm_head [Vd, H]: frozen, it gives the target distribution.
-        self.register_buffer("draft_head", draft_head, persistent=False)
-        self.steps, self.decay, self.loss, self.checkpointing = steps, decay, loss, checkpointing
-        self.hidden_noise = hidden_noise
-
-    def noisy(self, aux: torch.Tensor) -> torch.Tensor:
-        """aux [B, T, n_aux*H] plus uniform noise of +-hidden_noise x each state's RMS, in training only."""
-        if not (self.training and self.hidden_noise):
-            return aux
-        rms = aux.pow(2).mean(-1, keepdim=True).sqrt()  # [B, T, 1]
-        return aux + (torch.rand_like(aux) * 2 - 1) * self.hidden_noise * rms
-
-    def forward(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        d = self.drafter
-        ids, docs, pos = batch["input_ids"], batch["documents"], batch["positions"]
-        with torch.no_grad():
-            probs = torch.softmax((batch["last"] @ self.draft_head.T.to(batch["last"].dtype)).float(), -1)  # [B, T, Vd]
-            inside = d.t2d[batch["top"]]  # [B, T]
-        total = torch.zeros((), device=ids.device)
-        stats = []
-        chain = torch.ones_like(batch["loss_mask"])  # drafts correct so far, per position
-        for i, logits in enumerate(unroll(d, self.noisy(batch["aux"].float()), ids, docs, pos, self.steps, self.checkpointing)):
-            # x_{t+2+i}: an assistant token of the same document
-            evaluable = shift(batch["loss_mask"], 2 + i, False) & (shift(docs, 2 + i, NO_DOCUMENT) == docs)
-            where = evaluable & shift(inside, 1 + i, False)  # [B, T]
-            count = where.sum()
-            loss_sum = (position_loss(self.loss, logits, shift(probs, 1 + i)) * where).sum()
-            total = total + self.decay ** i * loss_sum / count.clamp(min=1)
-            with torch.no_grad():
-                pred = logits.argmax(-1)
-                correct = (pred + d.d2t[pred]) == shift(batch["top"], 1 + i)  # the target's greedy token
-                before = chain & evaluable
-                chain = chain & correct
-                row = [loss_sum.detach(), count, (correct & where).sum(), evaluable.sum(), (chain & evaluable).sum(),
-                       before.sum()]
-                stats.append(torch.stack([x.float() for x in row]))
-        return total, torch.stack(stats)
-
-
-def summarize(stats: torch.Tensor) -> dict:
-    """Per TTT position: loss, top-1 accuracy, conditional acceptance (draft i accepted given drafts
-    < i were), and the simulated acceptance length tau of chain drafting with that many tokens:
-    1 + sum_k prod_{j<=k} alpha_j (vLLM's mean acceptance length, bonus token included)."""
-    s = {name: stats[:, c].tolist() for c, name in enumerate(STAT_COLUMNS)}
-    loss = [ls / max(1.0, n) for ls, n in zip(s["loss_sum"], s["count"])]
-    acc = [c / max(1.0, n) for c, n in zip(s["correct"], s["count"])]
-    alpha = [c / max(1.0, b) for c, b in zip(s["chain_correct"], s["chain_before"])]
-    tau, accepted = 1.0, 1.0
-    for a in alpha:
-        accepted *= a
-        tau += accepted
-    r = lambda xs: [round(x, 4) for x in xs]  # noqa: E731
-    return {"loss": r(loss), "acc": r(acc), "cond_accept": r(alpha), "tau": round(tau, 4)}
 
 
 def lr_factor(step: int, total: int, cfg: TrainConfig) -> float:
@@ -262,74 +143,6 @@ def lr_factor(step: int, total: int, cfg: TrainConfig) -> float:
 
 # ---------------------------------------------------------------------------------------------------
 # Checkpoints
-
-
-def save_checkpoint(drafter: Eagle3Drafter, path: Path, meta: dict, extra: dict | None = None) -> None:
-    """A checkpoint folder, written whole under a temporary name, marked complete, then renamed. The
-    embedding is left out: it is the target's, read from there on load. `extra` (optimizer, scheduler,
-    data position, RNG) goes to trainer.pt for resuming."""
-    from safetensors.torch import save_file
-
-    tmp = path.with_name(f".{path.name}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    state = {k: v.detach().cpu().contiguous() for k, v in drafter.state_dict().items() if k != "embed_tokens.weight"}
-    save_file(state, str(tmp / "model.safetensors"))
-    write_json(tmp / "config.json", {"drafter": drafter.config.to_dict(), **meta})
-    if extra is not None:
-        torch.save(extra, tmp / "trainer.pt")
-    (tmp / COMPLETE).write_text("")
-    old = path.with_name(f".{path.name}.old")
-    shutil.rmtree(old, ignore_errors=True)
-    if path.exists():
-        path.rename(old)
-    tmp.rename(path)
-    shutil.rmtree(old, ignore_errors=True)
-
-
-def load_checkpoint(path: Path, embed: torch.Tensor | None = None) -> tuple[Eagle3Drafter, dict]:
-    from safetensors.torch import load_file
-
-    path = Path(path)
-    meta = json.loads((path / "config.json").read_text())
-    drafter = Eagle3Drafter(DrafterConfig(**meta["drafter"]))
-    state = load_file(str(path / "model.safetensors"))
-    if "embed_tokens.weight" not in state:
-        if embed is None:
-            raise ValueError(f"{path}: checkpoint has no embedding; pass the target's")
-        state["embed_tokens.weight"] = embed
-    drafter.load_state_dict(state)
-    return drafter.eval(), meta
-
-
-def load_trained(recipe: Recipe, run: Run):
-    """The run's trained drafter, the target it was trained for (with the checkpoint's aux layers),
-    and the target's embedding (which the drafter shares)."""
-    from .targets import Target
-
-    entry = run.require("train")
-    ckpt = run.path / entry.get("checkpoint", str(Path(CHECKPOINTS) / FINAL))
-    meta = json.loads((ckpt / "config.json").read_text())
-    target = Target(recipe.target.model, meta["aux_layer_ids"])
-    embed = target.embed_weight()
-    drafter, _ = load_checkpoint(ckpt, embed)
-    return drafter, target, embed
-
-
-def init_from(drafter: Eagle3Drafter, folder: Path, embed: torch.Tensor) -> None:
-    """Start from a published drafter (speculators `layers.0.*` or flat `midlayer.*` layout), after
-    checking every shape against the drafter this target needs; a mismatch names each tensor."""
-    from .export.formats import read_drafter
-
-    src = read_drafter(Path(folder), embed)
-    want = {k: v.shape for k, v in drafter.state_dict().items()}
-    have = {k: v.shape for k, v in src.state_dict().items()}
-    problems = [f"{k}: drafter for this target needs {tuple(want[k])}, {folder} has "
-                f"{tuple(have[k]) if k in have else 'nothing'}" for k in want if have.get(k) != want[k]]
-    problems += [f"{k}: in {folder} but not used by this drafter" for k in have if k not in want]
-    if problems:
-        raise ValueError(f"train.init_from = {folder} does not fit the target:\n  " + "\n  ".join(problems))
-    drafter.load_state_dict(src.state_dict())
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -447,7 +260,6 @@ def step_batches(source, tops, train_idx, lengths, cfg: TrainConfig, step: int, 
 
 def autocast_for(cfg: TrainConfig, device: torch.device) -> tuple[str, torch.autocast]:
     """The dtype train.autocast_dtype means on `device` ("auto" resolved) and its autocast context."""
-    from .targets import resolve_dtype
 
     dtype = resolve_dtype(cfg.autocast_dtype, device.type)
     return dtype, torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == "bfloat16")
@@ -498,15 +310,14 @@ class TrainMemoryError(RuntimeError):
     """The plan's training memory does not fit the device at all."""
 
 
-def check_memory(recipe: Recipe, run: Run) -> None:
+def check_memory(recipe: Recipe, folder: RunFolder) -> None:
     """Refuse a training that the plan's memory model puts over the device's whole memory: the
     out-of-memory kill would come at the first long batch, lose the steps since the last checkpoint and
     name no cause. Over the plan's headroom but within the memory, only a warning: the model is an
     estimate. Either way the message names the batch that fits."""
-    from .plan import MEMORY_HEADROOM, make_plan
 
     try:
-        plan = make_plan(recipe, run)
+        plan = make_plan(recipe, folder)
     except Exception as e:  # noqa: BLE001 - a target the plan cannot read still trains, unchecked
         print(f"train: warning: memory not checked ({type(e).__name__}: {e})", file=sys.stderr)
         return
@@ -521,11 +332,8 @@ def check_memory(recipe: Recipe, run: Run) -> None:
     print(f"train: warning: {text}", file=sys.stderr)
 
 
-def run(recipe: Recipe, run: Run) -> dict:
+def run(recipe: Recipe, folder: RunFolder) -> dict:
     from tqdm import tqdm
-
-    from .hidden.store import open_hidden
-    from .targets import Target
 
     cfg = recipe.train
     if cfg.loss not in LOSSES:
@@ -539,14 +347,14 @@ def run(recipe: Recipe, run: Run) -> dict:
         raise ValueError("train.optimizer = 'muon' needs whole weight matrices: use train.parallel = 'ddp'")
     t_start = time.time()
     if cfg.hidden == "disk":
-        run.require("extract")
-    check_memory(recipe, run)
+        folder.require("extract")
+    check_memory(recipe, folder)
     rank, world, device = distributed()
     if cfg.micro_batches % world:
         raise ValueError(f"train.micro_batches = {cfg.micro_batches} must be a multiple of the "
                          f"{world} torchrun processes")
     torch.manual_seed(cfg.seed)
-    source = open_hidden(recipe, run)
+    source = open_hidden(recipe, folder)
     target = Target(recipe.target.model, source.aux_layer_ids)
     samples = [source.tokens(i) for i in range(len(source))]
     lengths = [len(ids) for ids, _ in samples]
@@ -595,34 +403,37 @@ def run(recipe: Recipe, run: Run) -> dict:
     autocast_dtype, autocast = autocast_for(cfg, device)
     held_rows = pack(held_idx, lengths, cfg.batch_tokens)
 
-    ckpt_dir = run.path / CHECKPOINTS
-    log_path = ckpt_dir / TRAIN_LOG
+    ckpt_dir = folder.checkpoints
+    log_path = folder.train_log
     meta = {"train": to_dict(cfg), "autocast": autocast_dtype, "aux_layer_ids": source.aux_layer_ids,
             "target": target.describe(), "vocab_coverage": round(coverage, 4), "holdout_samples": held_idx}
     state = {"step": 0, "tokens": 0, "seconds": 0.0, "best_tau": None}
     # A stopped run (its stage not recorded done) continues from `latest`; a finished one is retrained.
-    previous = run.stage("train")
-    resumed = (cfg.resume and (ckpt_dir / LATEST / COMPLETE).exists()
+    previous = folder.stage("train")
+    resumed = (cfg.resume and (folder.checkpoint("latest") / COMPLETE).exists()
                and (previous is None or previous["state"] != "done"))
     if world > 1:
         torch.distributed.barrier()  # every rank has decided before rank 0 rewrites the manifest
     if resumed:
-        resume_from(ckpt_dir / LATEST, cfg, wrapped, optimizers, schedulers, state)
+        resume_from(folder.checkpoint("latest"), cfg, wrapped, optimizers, schedulers, state)
     if rank == 0:
         if not resumed:
             shutil.rmtree(ckpt_dir, ignore_errors=True)
         ckpt_dir.mkdir(parents=True, exist_ok=True)
-        run.record("train", state="partial", config=cfg)
+        folder.record("train", state="partial", config=cfg)
         keep_log_until(log_path, state["step"])
         print(f"train: {len(train_idx)} samples (+{len(held_idx)} held out), draft vocab "
               f"{dcfg.draft_vocab_size} (covers {coverage:.1%} of answer tokens), {n_trainable / 1e6:.2f} M "
               f"trainable parameters, {total_steps} steps on {world} process(es)"
               + (f", resumed at step {state['step']}" if resumed else ""))
-    writer = tensorboard(run.path, rank)
+    writer = tensorboard(folder.tensorboard, rank)
 
     def checkpoint(name: str, metrics: dict | None = None):
-        from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                              get_optimizer_state_dict)
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
+        )
 
         full = StateDictOptions(full_state_dict=True, cpu_offload=True)
         model_state = get_model_state_dict(wrapped, options=full)
@@ -634,7 +445,7 @@ def run(recipe: Recipe, run: Run) -> dict:
                  "state": dict(state), "rng": rng_state()}
         save = Eagle3Drafter(dcfg)
         save.load_state_dict({k.removeprefix("drafter."): v for k, v in model_state.items()})
-        save_checkpoint(save, ckpt_dir / name, {**meta, "step": state["step"], "metrics": metrics}, extra)
+        save_checkpoint(save, folder.checkpoint(name), {**meta, "step": state["step"], "metrics": metrics}, extra)
 
     bar = tqdm(total=total_steps, initial=state["step"], desc="train", unit="step", disable=rank != 0)
     last_eval = None
@@ -700,13 +511,13 @@ def run(recipe: Recipe, run: Run) -> dict:
             t_phase = time.time()
             if state["best_tau"] is None or last_eval["tau"] > state["best_tau"]:
                 state["best_tau"] = last_eval["tau"]
-                checkpoint(BEST, last_eval)
+                checkpoint("best", last_eval)
         if state["step"] % cfg.checkpoint_every == 0 or done:
-            checkpoint(LATEST, last_eval)
+            checkpoint("latest", last_eval)
         phase["checkpoints"] += time.time() - t_phase
     bar.close()
     t_phase = time.time()
-    checkpoint(FINAL, last_eval)
+    checkpoint("final", last_eval)
     phase["checkpoints"] += time.time() - t_phase
     phase["steps"] = state["seconds"] - seconds_before
     # What the loop spent neither stepping, scoring nor saving: waiting for the loader's next batch.
@@ -716,9 +527,9 @@ def run(recipe: Recipe, run: Run) -> dict:
     if rank != 0:
         return {}
     if log_path.exists() and log_path.stat().st_size:
-        plot_curves(log_path, ckpt_dir / "curves.png")
+        plot_curves(log_path, folder.curves)
     # The export stage reads `best` when held-out data chose one, else the final weights.
-    chosen = BEST if (ckpt_dir / BEST / COMPLETE).exists() else FINAL
+    chosen = "best" if (folder.checkpoint("best") / COMPLETE).exists() else "final"
     metrics = {"tokens_per_s": round(state["tokens"] / state["seconds"], 1) if state["seconds"] else None,
                "heldout": last_eval, "best_tau": state["best_tau"], "vocab_coverage": round(coverage, 4)}
     counts_out = {"steps": state["step"], "epochs": cfg.epochs, "samples": len(train_idx),
@@ -726,9 +537,9 @@ def run(recipe: Recipe, run: Run) -> dict:
     phase = {k: round(v, 1) for k, v in phase.items()}
     print(f"train: {time.time() - t_start:.0f} s: " + ", ".join(f"{k} {v:.0f} s" for k, v in phase.items()))
     metrics["phase_seconds"] = phase
-    print(f"next: specdraft export --run {run.path}")
-    return run.record("train", state="done", config=cfg, counts=counts_out, metrics=metrics,
-                      seconds=time.time() - t_start, extra={"checkpoint": str(Path(CHECKPOINTS) / chosen)})
+    print(f"next: specdraft export --run {folder.path}")
+    return folder.record("train", state="done", config=cfg, counts=counts_out, metrics=metrics,
+                      seconds=time.time() - t_start, extra={"checkpoint": str(folder.checkpoint(chosen).relative_to(folder.path))})
 
 
 class _null:
@@ -739,12 +550,12 @@ class _null:
         return False
 
 
-def tensorboard(run_path: Path, rank: int):
+def tensorboard(logdir: Path, rank: int):
     if rank != 0:
         return None
     from torch.utils.tensorboard import SummaryWriter
 
-    return SummaryWriter(str(run_path / CHECKPOINTS / "tensorboard"))
+    return SummaryWriter(str(logdir))
 
 
 def rng_state() -> dict:
@@ -774,8 +585,11 @@ def make_optimizers(wrapped, cfg: TrainConfig) -> list:
 
 def resume_from(path: Path, cfg: TrainConfig, wrapped, optimizers: list, schedulers: list, state: dict) -> None:
     """Load model, optimizer, scheduler, data position and RNG from a complete checkpoint."""
-    from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
-                                                          set_optimizer_state_dict)
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
 
     saved = json.loads((path / "config.json").read_text())["train"]
     defaults = TrainConfig()  # a field newer than the checkpoint had its default then

@@ -28,14 +28,13 @@ import time
 from collections import Counter, deque
 from pathlib import Path
 
-from ..config import ConfigError, Recipe
-from ..run import Run
-from ..targets import Target, resolve_device, resolve_dtype
-from .client import RequestFailed, ServerPool
-from .sources import DataError, prompts
+from specdraft.config import ConfigError, Recipe
+from specdraft.data.client import RequestFailed, ServerPool
+from specdraft.data.prompts import select_prompts
+from specdraft.data.sources import DataError, prompts
+from specdraft.run import RunFolder, atomic_path
+from specdraft.targets import Target, resolve_device, resolve_dtype
 
-CONVERSATIONS = "conversations.jsonl"
-ERRORS = "gen_errors.jsonl"
 REASONING_FIELDS = ("reasoning", "reasoning_content")  # vLLM >= 0.10 says `reasoning`; older vLLM, SGLang the other
 # Magpie samples the user turn: greedy decoding would write the same prompt every time.
 SELF_INSTRUCT_TEMPERATURE = 1.0
@@ -130,46 +129,6 @@ def expects_reasoning(cfg, markers: tuple[str, str] | None) -> bool:
     if value != "auto":
         raise ConfigError(f"gen.expect_reasoning: expected auto / true / false, got {cfg.expect_reasoning!r}")
     return markers is not None and cfg.chat_template_kwargs.get("enable_thinking", True) is not False
-
-
-def _prompt_messages(conv: dict) -> list[dict]:
-    """The conversation up to its first user turn (keeping a leading system message)."""
-    out = []
-    for m in conv["messages"]:
-        out.append(m)
-        if m["role"] == "user":
-            return out
-    raise DataError(f"conversation {conv['id']}: no user turn")
-
-
-def _source_answer(conv: dict, prompt_len: int) -> dict | None:
-    """The source's answer to the prompt: the assistant turn right after it, None when there is none.
-
-    Only the turn right after: an answer that follows a second user turn answers that one too.
-    """
-    following = conv["messages"][prompt_len: prompt_len + 1]
-    if following and following[0]["role"] == "assistant" and following[0]["content"].strip():
-        return {"role": "assistant", "content": following[0]["content"]}
-    return None
-
-
-def select_prompts(recipe: Recipe, target: Target, split: str, limit: int | None) -> tuple[list[dict], int]:
-    """The first `limit` (None: all) prompts of a split that fit `max_prompt_tokens`, each with the
-    source's own answer (or None); also how many were too long."""
-    d = recipe.data
-    chosen, too_long = [], 0
-    for conv in prompts(d.source, split, d.eval_fraction, d.split_seed):
-        messages = _prompt_messages(conv)
-        ids = target.chat_ids(messages, add_generation_prompt=True)
-        if len(ids) > d.max_prompt_tokens:
-            too_long += 1
-            continue
-        later = [m["content"] for m in conv["messages"][len(messages):] if m["role"] == "user"]
-        chosen.append({"id": conv["id"], "messages": messages, "prompt_ids": ids,
-                       "source_answer": _source_answer(conv, len(messages)), "later_users": later})
-        if limit is not None and len(chosen) >= limit:
-            break
-    return chosen, too_long
 
 
 def magpie_id(text: str) -> str:
@@ -337,20 +296,17 @@ def write_user_turns(model, target: Target, cfg, rows: int, system: list[dict], 
 
 
 # Conversations of an in-process group not yet finished, as they stood after their last answered turn.
-IN_FLIGHT = "gen_in_flight.jsonl"
 _IN_FLIGHT_FIELDS = ("id", "messages", "prompt_ids", "later_users", "turn", "turn_prompt_ids", "finish_reason")
 
 
-def run_inprocess(recipe: Recipe, run: Run) -> dict:
+def run_inprocess(recipe: Recipe, folder: RunFolder) -> dict:
     import torch
     from tqdm import tqdm
-
-    from ..run import atomic_path
 
     cfg = recipe.gen
     t_start = time.time()
     target = Target(recipe.target.model, recipe.target.aux_layer_ids)
-    out_path, flight_path = run.path / CONVERSATIONS, run.path / IN_FLIGHT
+    out_path, flight_path = folder.conversations, folder.gen_in_flight
     done = finished_ids(out_path)
     # A cut run's unfinished conversations go on from the turn they reached.
     resumed = [c for c in _records(flight_path) if c["id"] not in done] if flight_path.exists() else []
@@ -440,10 +396,10 @@ def run_inprocess(recipe: Recipe, run: Run) -> dict:
     if wanted:  # self-instruct ran out of attempts, as the server path stops
         stop = (f"self-instruct gave up: {stats['unusable']} unusable, {stats['duplicate']} duplicate and "
                 f"{stats['too_long']} too long user turns, {wanted} conversations still wanted")
-        run.record("gen", state="failed", config=cfg, counts=counts, metrics=metrics,
+        folder.record("gen", state="failed", config=cfg, counts=counts, metrics=metrics,
                    seconds=time.time() - t_start, extra={"stopped": stop})
         raise GenStopped(f"gen stopped: {stop} ({counts['records']} saved in {out_path})")
-    return run.record("gen", state="done", config=cfg, counts=counts, metrics=metrics,
+    return folder.record("gen", state="done", config=cfg, counts=counts, metrics=metrics,
                       seconds=time.time() - t_start)
 
 
@@ -451,7 +407,7 @@ def run_inprocess(recipe: Recipe, run: Run) -> dict:
 # the source's own answers
 
 
-def run_source(recipe: Recipe, run: Run) -> dict:
+def run_source(recipe: Recipe, folder: RunFolder) -> dict:
     """The prompts in-process gen would ask, each with the source's own first answer; no model loaded.
 
     Records go out in selection order, each flushed as written; a rerun skips the ids on disk, like
@@ -462,7 +418,7 @@ def run_source(recipe: Recipe, run: Run) -> dict:
     cfg, d = recipe.gen, recipe.data
     t_start = time.time()
     target = Target(recipe.target.model, recipe.target.aux_layer_ids)  # the tokenizer, for max_prompt_tokens
-    out_path = run.path / CONVERSATIONS
+    out_path = folder.conversations
     done = finished_ids(out_path)
     chosen, too_long = select_prompts(recipe, target, "train", num_samples(recipe))
     answered = [c for c in chosen if c["source_answer"] is not None]
@@ -484,8 +440,8 @@ def run_source(recipe: Recipe, run: Run) -> dict:
               "skipped_no_answer": len(chosen) - len(answered), "already_done": len(answered) - len(pending),
               "written": len(pending), "records": len(finished_ids(out_path))}
     print(f"gen: {counts['records']} conversations with the source's own answers in {out_path} "
-          f"({counts['skipped_no_answer']} prompts without one skipped)\nnext: specdraft render --run {run.path}")
-    return run.record("gen", state="done", config=cfg, counts=counts, seconds=time.time() - t_start)
+          f"({counts['skipped_no_answer']} prompts without one skipped)\nnext: specdraft render --run {folder.path}")
+    return folder.record("gen", state="done", config=cfg, counts=counts, seconds=time.time() - t_start)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -521,10 +477,10 @@ def _conversation_prompts(recipe: Recipe, target: Target, counts: Counter):
 class ServerGen:
     """One server-side gen run: ask, replay, check, save; stop early when the answers cannot be right."""
 
-    def __init__(self, recipe: Recipe, run: Run, target: Target):
+    def __init__(self, recipe: Recipe, folder: RunFolder, target: Target):
         self.recipe, self.cfg, self.target = recipe, recipe.gen, target
-        self.out_path = run.path / CONVERSATIONS
-        self.err_path = run.path / ERRORS
+        self.out_path = folder.conversations
+        self.err_path = folder.gen_errors
         self.markers = target.thinking_markers
         self.expect_reasoning = expects_reasoning(self.cfg, self.markers)
         self.counts: Counter[str] = Counter()
@@ -710,31 +666,31 @@ class ServerGen:
         return stop
 
 
-def run_server(recipe: Recipe, run: Run) -> dict:
+def run_server(recipe: Recipe, folder: RunFolder) -> dict:
     cfg = recipe.gen
     t_start = time.time()
     target = Target(recipe.target.model, recipe.target.aux_layer_ids)
-    already = finished_ids(run.path / CONVERSATIONS)
+    already = finished_ids(folder.conversations)
     # gen.self_instruct_samples' conversations come after the source's and count apart from them.
     done = {i for i in already if not i.startswith(MAGPIE_PREFIX)}
     target_n = num_samples(recipe)
-    gen = ServerGen(recipe, run, target)
+    gen = ServerGen(recipe, folder, target)
     items = None
     if target_n is None:
         # Every usable conversation: the count is known only once the source has been read and filtered.
         items = list(_conversation_prompts(recipe, target, gen.counts))
         target_n = len(items)
     if len(done) > target_n:
-        raise DataError(f"{run.path / CONVERSATIONS} already holds {len(done)} conversations, more than "
+        raise DataError(f"{folder.conversations} already holds {len(done)} conversations, more than "
                         f"gen.num_samples = {target_n}; raise it or use another run folder")
     stop = asyncio.run(gen.run(target_n, done, items))
     if cfg.self_instruct_samples and stop is None:
-        done = finished_ids(run.path / CONVERSATIONS)
+        done = finished_ids(folder.conversations)
         written = sum(i.startswith(MAGPIE_PREFIX) for i in done)
         target_n = len(done) + max(0, cfg.self_instruct_samples - written)
         stop = asyncio.run(gen.run(target_n, done, self_instruct=True))
     seconds = time.time() - t_start
-    saved = len(finished_ids(run.path / CONVERSATIONS))
+    saved = len(finished_ids(folder.conversations))
     counts = {"target": target_n, "records": saved, "already_done": len(already), **gen.counts,
               "retries": gen.retries, "generated_tokens": gen.tokens}
     new = gen.counts["saved_this_run"]
@@ -745,17 +701,17 @@ def run_server(recipe: Recipe, run: Run) -> dict:
                  "self_instruct_samples": cfg.self_instruct_samples,
                  "expect_reasoning": gen.expect_reasoning, "thinking_markers": gen.markers}
     if stop is not None:
-        run.record("gen", state="failed" if saved < target_n else "done", config=cfg, counts=counts,
+        folder.record("gen", state="failed" if saved < target_n else "done", config=cfg, counts=counts,
                    metrics=metrics, seconds=seconds, extra={"requested": requested, "stopped": stop})
-        raise GenStopped(f"gen stopped: {stop} ({saved} of {target_n} saved in {run.path / CONVERSATIONS})")
-    entry = run.record("gen", state="done", config=cfg, counts=counts, metrics=metrics, seconds=seconds,
+        raise GenStopped(f"gen stopped: {stop} ({saved} of {target_n} saved in {folder.conversations})")
+    entry = folder.record("gen", state="done", config=cfg, counts=counts, metrics=metrics, seconds=seconds,
                        extra={"requested": requested})
-    print(f"gen: {saved} conversations in {run.path / CONVERSATIONS} ({gen.counts['failed']} failed, "
-          f"{sum(gen.retries.values())} retries)\nnext: specdraft render --run {run.path}")
+    print(f"gen: {saved} conversations in {folder.conversations} ({gen.counts['failed']} failed, "
+          f"{sum(gen.retries.values())} retries)\nnext: specdraft render --run {folder.path}")
     return entry
 
 
-def run(recipe: Recipe, run: Run) -> dict:
+def run(recipe: Recipe, folder: RunFolder) -> dict:
     cfg = recipe.gen
     if cfg.answers not in ANSWERS:
         raise ConfigError(f"gen.answers: expected one of {ANSWERS}, got {cfg.answers!r}")
@@ -767,12 +723,12 @@ def run(recipe: Recipe, run: Run) -> dict:
                           "gen.self_instruct (all of them written) or gen.answers = \"source\" (no target answers) "
                           "there is nothing to add them to: set it to 0")
     # A resumed run that switched modes would mix both kinds of answers and spoil the ablation.
-    other = answers_on_disk(run.path / CONVERSATIONS) - {cfg.answers}
+    other = answers_on_disk(folder.conversations) - {cfg.answers}
     if other:
-        raise DataError(f"{run.path / CONVERSATIONS} holds {other.pop()} answers, but gen.answers = "
+        raise DataError(f"{folder.conversations} holds {other.pop()} answers, but gen.answers = "
                         f"{cfg.answers!r}: use another run folder")
     if cfg.answers == "source":
-        return run_source(recipe, run)
+        return run_source(recipe, folder)
     if cfg.endpoints:
-        return run_server(recipe, run)
-    return run_inprocess(recipe, run)
+        return run_server(recipe, folder)
+    return run_inprocess(recipe, folder)

@@ -17,55 +17,30 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-PREFIX = "vllm:spec_decode_"
-GENERATION_TOKENS = "vllm:generation_tokens_total"
-_LINE = re.compile(r'^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>[^}]*)\})?\s+(?P<value>\S+)$')
+from specdraft import environment
+from specdraft.data.prompts import select_prompts
+from specdraft.engines import (
+    VllmServer,
+    acceptance,
+    metrics_text,
+    served_model,
+    settled_metrics_text,
+    spec_decode_counters,
+    spec_lines,
+)
+from specdraft.run import atomic_path, open_run, write_json, write_text
+from specdraft.targets import Target
+
 PERCENTILES = (50, 90, 99)
 # A streamed request that sends nothing for this long is failed rather than waited on forever.
 REQUEST_TIMEOUT_S = 600.0
 # Failed requests are retried this many times before they count as failed (and are reported).
 RETRIES = 2
-
-
-def spec_decode_counters(metrics_text: str) -> dict:
-    """{"drafts", "draft_tokens", "accepted", "accepted_per_pos": [..], "generation_tokens"} summed
-    over label sets (one per served model)."""
-    out = {"drafts": 0.0, "draft_tokens": 0.0, "accepted": 0.0, "accepted_per_pos": {}, "generation_tokens": 0.0}
-    names = {f"{PREFIX}num_drafts_total": "drafts", f"{PREFIX}num_draft_tokens_total": "draft_tokens",
-             f"{PREFIX}num_accepted_tokens_total": "accepted", GENERATION_TOKENS: "generation_tokens"}
-    for line in metrics_text.splitlines():
-        m = _LINE.match(line.strip())
-        if not m:
-            continue
-        name, labels, value = m["name"], m["labels"] or "", float(m["value"])
-        if name in names:
-            out[names[name]] += value
-        elif name == f"{PREFIX}num_accepted_tokens_per_pos_total":
-            pos = int(re.search(r'position="(\d+)"', labels)[1])
-            out["accepted_per_pos"][pos] = out["accepted_per_pos"].get(pos, 0.0) + value
-    out["accepted_per_pos"] = [out["accepted_per_pos"][k] for k in sorted(out["accepted_per_pos"])]
-    return out
-
-
-def acceptance(before: dict, after: dict) -> dict:
-    """Mean acceptance length (1 + accepted per draft, vLLM's definition) and per-position rates."""
-    drafts = after["drafts"] - before["drafts"]
-    accepted = after["accepted"] - before["accepted"]
-    per_pos = [a - (before["accepted_per_pos"][i] if i < len(before["accepted_per_pos"]) else 0.0)
-               for i, a in enumerate(after["accepted_per_pos"])]
-    return {
-        "drafts": drafts,
-        "draft_tokens": after["draft_tokens"] - before["draft_tokens"],
-        "accepted_tokens": accepted,
-        "mean_acceptance_length": 1 + accepted / drafts if drafts else None,
-        "per_position_acceptance": [p / drafts for p in per_pos] if drafts else [],
-    }
 
 
 def percentiles(values: list[float]) -> dict:
@@ -157,42 +132,6 @@ async def _level(url: str, model: str, prompts: list[list[dict]], concurrency: i
     }
 
 
-def served_model(url: str) -> str:
-    import httpx
-
-    return httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
-
-
-def metrics_text(url: str) -> str:
-    import httpx
-
-    resp = httpx.get(f"{url}/metrics", timeout=30)
-    return resp.text if resp.status_code == 200 else ""
-
-
-# The engine updates its counters just after a request's last token is streamed: the scrape after a
-# level polls until they stop changing, for at most this many polls of SETTLE_POLL_S.
-SETTLE_POLLS = 20
-SETTLE_POLL_S = 0.5
-
-
-def settled_metrics_text(url: str) -> str:
-    text = metrics_text(url)
-    for _ in range(SETTLE_POLLS):
-        time.sleep(SETTLE_POLL_S)
-        again = metrics_text(url)
-        if spec_lines(again) == spec_lines(text):
-            return again
-        text = again
-    return text
-
-
-def spec_lines(text: str) -> str:
-    """The /metrics lines the figures are computed from, kept in the report so they can be checked."""
-    return "\n".join(line for line in text.splitlines()
-                     if line.startswith((PREFIX, GENERATION_TOKENS)) and not line.startswith("#"))
-
-
 def sweep(url: str, prompts: list[list[dict]], concurrencies: list[int], *, num_requests: int,
           max_seconds: float, max_tokens: int, temperature: float = 0.0, model: str | None = None) -> list[dict]:
     """One row per concurrency: latency and throughput figures, and acceptance from counter deltas."""
@@ -236,7 +175,6 @@ def configurations(names: list[str], drafter: str | None) -> list[tuple[str, dic
 def compare(target_path: str, configs: list[tuple[str, dict | None]], prompts: list[list[dict]],
             concurrencies: list[int], log_dir: Path, **sweep_args) -> list[dict]:
     """Start vLLM once per configuration (one server at a time) and sweep each."""
-    from .server import VllmServer
 
     results = []
     for name, spec in configs:
@@ -272,8 +210,6 @@ def plot(report: dict, out: Path) -> list[str]:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
-    from ..run import atomic_path
 
     made = []
 
@@ -348,8 +284,6 @@ def render_markdown(report: dict, plots: list[str]) -> str:
 
 
 def write_report(results: list[dict], out: Path, **settings) -> dict:
-    from .. import environment
-    from ..run import write_json, write_text
 
     report = {**summarise(results), **settings, "hardware": environment.hardware_line()}
     out = Path(out)
@@ -369,31 +303,28 @@ def concurrency_levels(max_concurrency: int) -> list[int]:
 
 def run_bench(args) -> int:
     """`specdraft bench`: sweep one endpoint, or start vLLM per configuration and compare them."""
-    from ..cli import _resolve
-    from ..data.generate import select_prompts
-    from ..targets import Target
 
-    recipe, run = _resolve(args)
+    recipe, folder = open_run(args.recipe, args.run, args.set)
     target = Target(recipe.target.model, recipe.target.aux_layer_ids)
     prompts, _ = select_prompts(recipe, target, "eval", args.prompts or recipe.eval.num_prompts)
     if not prompts:
-        raise ValueError(f"no held-out prompts in {recipe.data.source} for run {run.path}")
+        raise ValueError(f"no held-out prompts in {recipe.data.source} for run {folder.path}")
     messages = [p["messages"] for p in prompts]
     levels = ([int(c) for c in args.concurrency.split(",")] if args.concurrency
               else concurrency_levels(args.max_concurrency))
     sweep_args = {"num_requests": args.requests, "max_seconds": args.duration, "max_tokens": args.max_tokens,
                   "temperature": args.temperature}
-    out = Path(args.out) if args.out else run.path / "eval"
+    out = Path(args.out) if args.out else folder.eval
     if args.endpoint:
         results = [{"name": args.name, "speculative": None, "endpoint": args.endpoint,
                     "levels": sweep(args.endpoint.rstrip("/"), messages, levels, **sweep_args)}]
     else:
-        drafter = args.drafter or (run.path / "export" / "vllm" if (run.path / "export" / "vllm").exists() else None)
+        drafter = args.drafter or (folder.export("vllm") if (folder.export("vllm")).exists() else None)
         configs = configurations(args.compare.split(","), drafter)
         results = compare(str(target.path), configs, messages, levels, out / "logs", **sweep_args)
     report = write_report(results, out, requests_per_level=args.requests, max_seconds=args.duration,
                           max_tokens=args.max_tokens, temperature=args.temperature, prompts=len(messages))
-    run.record("bench", state="done", counts={"configurations": len(results), "levels": len(levels)},
+    folder.record("bench", state="done", counts={"configurations": len(results), "levels": len(levels)},
                metrics={"tau_vs_k": report["tau_vs_k"]})
     for r in report["configurations"]:
         for lv in r["levels"]:
@@ -401,5 +332,5 @@ def run_bench(args) -> int:
             print(f"bench: {r['name']:10s} concurrency {lv['concurrency']:4d}: {lv['output_tokens_per_s']:9.1f} tok/s"
                   + (f", tau {tau:.3f}" if tau else "") + (f", {lv['failed']} failed" if lv["failed"] else ""))
     print(f"report: {out / 'bench.md'}")
-    print(f"next: specdraft status --run {run.path}")
+    print(f"next: specdraft status --run {folder.path}")
     return 0

@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
 import time
 from pathlib import Path
+
+from specdraft.targets import resolve_device, resolve_dtype
 
 VLLM_PYTHON = Path(os.environ.get("SPECDRAFT_VLLM_PYTHON",
                                   Path.home() / ".cache" / "specdraft" / "vllm-venv" / "bin" / "python"))
@@ -51,7 +54,6 @@ class VllmServer:
     def __init__(self, model: str | Path, *, log_path: Path, speculative: dict | None = None,
                  max_model_len: int = 2048, dtype: str = "auto", extra: list[str] | None = None,
                  python: Path = VLLM_PYTHON, port: int | None = None, env: dict | None = None):
-        from ..targets import resolve_device, resolve_dtype
 
         self.model = str(model)
         # "auto": bfloat16 where the machine multiplies it in hardware, else float32 (on a CPU without
@@ -123,3 +125,85 @@ class VllmServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+PREFIX = "vllm:spec_decode_"
+
+
+GENERATION_TOKENS = "vllm:generation_tokens_total"
+
+
+_LINE = re.compile(r'^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>[^}]*)\})?\s+(?P<value>\S+)$')
+
+
+def spec_decode_counters(metrics_text: str) -> dict:
+    """{"drafts", "draft_tokens", "accepted", "accepted_per_pos": [..], "generation_tokens"} summed
+    over label sets (one per served model)."""
+    out = {"drafts": 0.0, "draft_tokens": 0.0, "accepted": 0.0, "accepted_per_pos": {}, "generation_tokens": 0.0}
+    names = {f"{PREFIX}num_drafts_total": "drafts", f"{PREFIX}num_draft_tokens_total": "draft_tokens",
+             f"{PREFIX}num_accepted_tokens_total": "accepted", GENERATION_TOKENS: "generation_tokens"}
+    for line in metrics_text.splitlines():
+        m = _LINE.match(line.strip())
+        if not m:
+            continue
+        name, labels, value = m["name"], m["labels"] or "", float(m["value"])
+        if name in names:
+            out[names[name]] += value
+        elif name == f"{PREFIX}num_accepted_tokens_per_pos_total":
+            pos = int(re.search(r'position="(\d+)"', labels)[1])
+            out["accepted_per_pos"][pos] = out["accepted_per_pos"].get(pos, 0.0) + value
+    out["accepted_per_pos"] = [out["accepted_per_pos"][k] for k in sorted(out["accepted_per_pos"])]
+    return out
+
+
+def acceptance(before: dict, after: dict) -> dict:
+    """Mean acceptance length (1 + accepted per draft, vLLM's definition) and per-position rates."""
+    drafts = after["drafts"] - before["drafts"]
+    accepted = after["accepted"] - before["accepted"]
+    per_pos = [a - (before["accepted_per_pos"][i] if i < len(before["accepted_per_pos"]) else 0.0)
+               for i, a in enumerate(after["accepted_per_pos"])]
+    return {
+        "drafts": drafts,
+        "draft_tokens": after["draft_tokens"] - before["draft_tokens"],
+        "accepted_tokens": accepted,
+        "mean_acceptance_length": 1 + accepted / drafts if drafts else None,
+        "per_position_acceptance": [p / drafts for p in per_pos] if drafts else [],
+    }
+
+
+def served_model(url: str) -> str:
+    import httpx
+
+    return httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
+
+
+def metrics_text(url: str) -> str:
+    import httpx
+
+    resp = httpx.get(f"{url}/metrics", timeout=30)
+    return resp.text if resp.status_code == 200 else ""
+
+
+# The engine updates its counters just after a request's last token is streamed: the scrape after a
+# level polls until they stop changing, for at most this many polls of SETTLE_POLL_S.
+SETTLE_POLLS = 20
+
+
+SETTLE_POLL_S = 0.5
+
+
+def settled_metrics_text(url: str) -> str:
+    text = metrics_text(url)
+    for _ in range(SETTLE_POLLS):
+        time.sleep(SETTLE_POLL_S)
+        again = metrics_text(url)
+        if spec_lines(again) == spec_lines(text):
+            return again
+        text = again
+    return text
+
+
+def spec_lines(text: str) -> str:
+    """The /metrics lines the figures are computed from, kept in the report so they can be checked."""
+    return "\n".join(line for line in text.splitlines()
+                     if line.startswith((PREFIX, GENERATION_TOKENS)) and not line.startswith("#"))

@@ -2,7 +2,7 @@
 
 No weights are read. The target's config.json gives its shape; a model built on the meta device
 gives its parameter counts (total, routed experts, active per token); the drafter is built from
-`specdraft.drafter.model` on the meta device too, so its parameter count is the trainer's own.
+`specdraft.drafters.eagle3` on the meta device too, so its parameter count is the trainer's own.
 Figures a run has already measured (tokens rendered, tokens/s of each stage) replace the assumed
 ones, and every figure says where it came from.
 
@@ -23,9 +23,12 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from types import SimpleNamespace
 
-from . import environment
-from .config import Recipe
-from .run import Run
+from specdraft import environment
+from specdraft.config import Recipe
+from specdraft.data.sources import prompts
+from specdraft.drafters.eagle3 import DrafterConfig, Eagle3Drafter
+from specdraft.run import RunFolder
+from specdraft.targets import BUNDLED, resolve
 
 GiB = 2**30
 TiB = 2**40
@@ -175,7 +178,6 @@ class TargetSpec:
 
 
 def _config_json(model: str) -> Path:
-    from .targets import BUNDLED, resolve
 
     if model in BUNDLED:
         return resolve(model) / "config.json"
@@ -303,9 +305,9 @@ def per_conversation(recipe: Recipe, per_turn: int) -> int:
     return min(recipe.render.max_length, per_turn * turns) if turns else recipe.render.max_length
 
 
-def expected_tokens(recipe: Recipe, run: Run | None, tokens_per_sample: int | None) -> dict:
+def expected_tokens(recipe: Recipe, folder: RunFolder | None, tokens_per_sample: int | None) -> dict:
     """Tokens the run will extract and train on: rendered when it has been, else samples x length."""
-    stages = run.manifest().get("stages", {}) if run is not None else {}
+    stages = folder.manifest().get("stages", {}) if folder is not None else {}
     render = stages.get("render")
     if render and render.get("state") == "done" and tokens_per_sample is None:
         c = render["counts"]
@@ -315,7 +317,6 @@ def expected_tokens(recipe: Recipe, run: Run | None, tokens_per_sample: int | No
     samples = getattr(recipe.gen, "num_samples", 0) or recipe.data.num_train
     counted = ""
     if not samples:
-        from .data.sources import prompts
 
         # data.num_train = 0 means every usable train conversation. Counted without the tokenizer, so
         # prompts over max_prompt_tokens are in too: an upper bound, like the length below.
@@ -353,7 +354,6 @@ def drafter_head_dim(text) -> int:
 
 def drafter_config(spec: TargetSpec, aux_layer_ids: list[int], draft_vocab_size: int):
     """The trainer's own drafter config for this target (`DrafterConfig.from_target`)."""
-    from .drafter.model import DrafterConfig
 
     head_dim = drafter_head_dim(spec.text)
     cfg = DrafterConfig.from_target(SimpleNamespace(text_config=spec.text, aux_layer_ids=aux_layer_ids,
@@ -368,8 +368,6 @@ def drafter_parameters(cfg, frozen_head: bool = False) -> dict:
     rows, train.lm_head_init = "target-frozen"), and the teacher — the draft vocab's rows of the
     target's lm_head, which the trainer holds beside the drafter to compute the target distribution."""
     import torch
-
-    from .drafter.model import Eagle3Drafter
 
     with torch.device("meta"):
         drafter = Eagle3Drafter(cfg)
@@ -519,7 +517,6 @@ def time_table(recipe: Recipe, spec: TargetSpec, tokens: dict, parts: dict, stag
 
 
 def _reference_drafter(draft_vocab_size: int):
-    from .drafter.model import DrafterConfig
 
     return DrafterConfig(**REFERENCE_DRAFTER, draft_vocab_size=draft_vocab_size)
 
@@ -539,7 +536,7 @@ def machine(run_path: Path | None, gpus: int | None, gpu_memory_gib: float | Non
             "disk_path": str(run_path or Path.cwd())}
 
 
-def make_plan(recipe: Recipe, run: Run | None = None, *, target: str | None = None,
+def make_plan(recipe: Recipe, folder: RunFolder | None = None, *, target: str | None = None,
               tokens_per_sample: int | None = None, gpus: int | None = None,
               gpu_memory_gib: float | None = None) -> dict:
     spec = read_target(target or recipe.target.model)
@@ -550,11 +547,11 @@ def make_plan(recipe: Recipe, run: Run | None = None, *, target: str | None = No
     store_dtype = recipe.extract.store_dtype  # bf16, or fp8 with a per-row scale
     n_states = len(aux) + 1
     per_token = bytes_per_token(n_states, spec.hidden_size, store_dtype)
-    tokens = expected_tokens(recipe, run, tokens_per_sample)
+    tokens = expected_tokens(recipe, folder, tokens_per_sample)
     hidden_bytes = tokens["tokens"] * (per_token + TOKEN_RECORD_BYTES)
     dcfg = drafter_config(spec, aux, recipe.train.draft_vocab_size)
     params = drafter_parameters(dcfg, frozen_head=recipe.train.lm_head_init == "target-frozen")
-    mach = machine(run.path if run is not None else None, gpus, gpu_memory_gib)
+    mach = machine(folder.path if folder is not None else None, gpus, gpu_memory_gib)
     n_gpus = mach["gpus"]
     row_tokens = row_tokens_for(recipe.train.batch_tokens, tokens["tokens_per_sample"])
     online = recipe.train.hidden == "online"
@@ -572,7 +569,7 @@ def make_plan(recipe: Recipe, run: Run | None = None, *, target: str | None = No
         return fitting_batch_tokens(lambda bt: memory(sharded, bt)["total"], recipe.train.batch_tokens, limit)
 
     mem = memory(fsdp=sharded)
-    stages = run.manifest().get("stages", {}) if run is not None else {}
+    stages = folder.manifest().get("stages", {}) if folder is not None else {}
     times = time_table(recipe, spec, tokens, params["parts"], stages, n_gpus)
     plan = {
         "recipe": recipe.name,
@@ -586,7 +583,7 @@ def make_plan(recipe: Recipe, run: Run | None = None, *, target: str | None = No
                    "disk_bytes": hidden_bytes if not online else 0,
                    "disk_bytes_if_disk": hidden_bytes,
                    # Shards already extracted take no more free disk than they have.
-                   "on_disk_bytes": _tree_bytes(run.path / "hidden") if run is not None else 0},
+                   "on_disk_bytes": _tree_bytes(folder.hidden) if folder is not None else 0},
         "tokens": tokens,
         "drafter": {"config": dcfg.to_dict(), **params},
         "train_memory": {"per_gpu": mem, "row_tokens": row_tokens,
@@ -657,11 +654,11 @@ def _tree_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.exists() else 0
 
 
-def record(run: Run, plan: dict) -> None:
+def record(folder: RunFolder, plan: dict) -> None:
     """Keep the plan in the run's manifest: STATUS.md reads the target and the time left from it."""
-    m = run.manifest()
+    m = folder.manifest()
     m["plan"] = plan
-    run.save_manifest(m)
+    folder.save_manifest(m)
 
 
 # --- text ----------------------------------------------------------------------------------------
@@ -680,69 +677,4 @@ def human_seconds(s: float) -> str:
         return f"{s / 60:,.1f} min"
     return f"{s:,.0f} s"
 
-
-def render_text(plan: dict) -> str:
-    t, h, d, tok = plan["target"], plan["hidden"], plan["drafter"], plan["tokens"]
-    moe = t["moe"]
-    lines = [
-        f"plan for {plan['recipe']}: target {t['text_model_type']} ({t['config']})",
-        (f"  {t['num_layers']} layers, hidden {t['hidden_size']}, vocab {t['vocab_size']:,}, "
-         f"{t['parameters']['total'] / 1e9:,.2f} B parameters ({t['parameters']['active'] / 1e9:,.2f} B active)"
-         + (f", {moe['routed_experts']} routed experts top-{moe['top_k']}" if moe else "")),
-        f"  aux layer ids {plan['aux_layer_ids']} ({plan['aux_layer_ids_source']})",
-        "",
-        (f"hidden states: {h['states_per_token']} states x {t['hidden_size']} in {h['store_dtype']} = "
-         f"{h['bytes_per_token']:,} bytes/token (+{h['record_bytes_per_token']} for ids and mask)"),
-        f"  tokens: {tok['tokens']:,} = {tok['samples']:,} samples x {tok['tokens_per_sample']:,.0f} ({tok['source']})",
-        f"  disk: {human_bytes(h['disk_bytes_if_disk'])}" + (" (not written: train.hidden = online)"
-                                                         if h["mode"] == "online" else ""),
-        "",
-        (f"drafter: {d['trainable'] / 1e6:,.1f} M trainable, {d['frozen'] / 1e6:,.1f} M frozen, "
-         f"{d['total'] / 1e6:,.1f} M total"),
-    ]
-    for part, n in d["parts"].items():
-        lines.append(f"  {part:18s} trainable {n['trainable'] / 1e6:10,.1f} M   frozen {n['frozen'] / 1e6:10,.1f} M")
-    mem = plan["train_memory"]["per_gpu"]
-    lines += ["", f"training memory per {plan['train_memory']['device']}: {human_bytes(mem['total'])}"
-              + (f" (FSDP over {plan['machine']['gpus']} GPUs)" if plan["train_memory"].get("fsdp") else "")]
-    for k in ("weights", "grads", "optimizer", "activations", "target"):
-        lines.append(f"  {k:12s} {human_bytes(mem[k])}")
-    lines += ["", "time:"]
-    for r in plan["time"]:
-        lines.append(f"  {r['phase']:8s} {human_seconds(r['seconds']):>10s}   {r['work']:,} {r['unit']}"
-                     + (f" at {r['rate_per_s']:,.1f}/s" if r["rate_per_s"] else "") + f"  [{r['source']}]")
-    lines.append(f"  total    {human_seconds(plan['total_seconds']):>10s}")
-    lines += ["", f"machine: {plan['machine']['hardware']}"]
-    for c in plan["checks"]:
-        lines.append(f"  {'OK  ' if c['ok'] else 'FAIL'} {c['check']}: {c['text']}")
-    if plan["recommendations"]:
-        lines += ["", "recommended:"]
-        lines += [f"  {r['do']}: {r['why']}" for r in plan["recommendations"]]
-    return "\n".join(lines)
-
-
-def run_plan(spec: str, *, overrides: list[str], json_out: bool, target: str | None, tokens_per_sample: int | None,
-             gpus: int | None, gpu_memory_gib: float | None) -> int:
-    """`specdraft plan <recipe or run>`: print the plan; a run's plan is also kept in its manifest."""
-    from .config import ConfigError, apply_override, load_recipe
-
-    run = Run(Path(spec)) if (Path(spec) / "manifest.json").exists() else None
-    recipe = run.recipe() if run is not None else load_recipe(spec)
-    for item in overrides:
-        if "=" not in item:
-            raise ConfigError(f"--set {item!r}: expected SECTION.FIELD=VALUE")
-        key, value = item.split("=", 1)
-        apply_override(recipe, key.strip(), value.strip())
-    plan = make_plan(recipe, run, target=target, tokens_per_sample=tokens_per_sample, gpus=gpus,
-                     gpu_memory_gib=gpu_memory_gib)
-    if run is not None:
-        record(run, plan)
-    print(json.dumps(plan, indent=2) if json_out else render_text(plan))
-    if not json_out:
-        where = f"--run {run.path}" if run is not None else f"--recipe {spec}"
-        where += "".join(f" --set {item}" for item in overrides)
-        first = next((s for s in ("gen", "render", "extract", "train", "export", "eval")
-                      if run is None or (run.stage(s) or {}).get("state") != "done"), None)
-        print(f"\nnext: specdraft {first} {where}" if first else f"\nnext: specdraft status {run.path}")
-    return 0
 

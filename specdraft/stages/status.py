@@ -4,7 +4,7 @@ Goal, machine, the target as its config describes it, every figure measured, eac
 in progress / not started with its counts, what is known to be wrong, the files, the exact next
 command and the time left by the plan. It states what the manifest holds (and, for a stage cut off
 before it could record itself, what its own progress files on disk hold: conversations.jsonl,
-hidden/index.json, checkpoints/step-N) and nothing else: each figure carries the manifest path it
+hidden/index.json, checkpoints/latest) and nothing else: each figure carries the manifest path it
 came from, and the Markdown is rendered from that JSON alone.
 
 Written by `specdraft status <run>` and after every stage.
@@ -16,11 +16,10 @@ import json
 import sys
 from pathlib import Path
 
-from .plan import human_bytes, human_seconds
-from .run import Run, write_text
+from specdraft.billing import human_bytes, human_seconds, make_plan, record
+from specdraft.run import PIPELINE, STAGES, RunFolder, write_text
 
-STATUS_FILE = "STATUS.md"
-STAGE_ORDER = ["gen", "render", "extract", "train", "export", "eval"]
+STAGE_ORDER = [s.name for s in PIPELINE]
 # The plan's time table names phases; render and export are too quick to plan.
 PHASE_OF_STAGE = {"gen": "gen", "extract": "extract", "train": "train", "eval": "eval"}
 ICONS = {"done": "✅", "in progress": "🔄", "not started": "⏳", "failed": "❌"}
@@ -56,67 +55,9 @@ def _folder_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
-# --- progress of a stage that has not recorded itself done -------------------------------------
-
-def _gen_progress(run: Run, recipe: dict) -> dict | None:
-    path = run.path / "conversations.jsonl"
-    if not path.exists():
-        return None
-    records = 0
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            try:
-                records += "id" in json.loads(line)
-            except json.JSONDecodeError:
-                pass  # a torn last line: gen repairs it when it resumes
-    # gen.num_samples (when the recipe has it and sets it) or data.num_train conversations make gen done;
-    # both 0 means every usable one, a count gen alone knows (fraction None: started, share unknown).
-    of = recipe["gen"].get("num_samples") or recipe["data"]["num_train"]
-    fraction = min(1.0, records / of) if of else (None if records else 0.0)
-    return {"records": records, "of": of or "all", "unit": "conversations", "fraction": fraction,
-            "source": "conversations.jsonl lines, of gen.num_samples or data.num_train"}
-
-
-def _extract_progress(run: Run) -> dict | None:
-    index_path = run.path / "hidden" / "index.json"
-    if not index_path.exists():
-        return None
-    index = json.loads(index_path.read_text())
-    # Shards are listed by name, or as {"name", "tokens", "samples", ...}. A shard file that exists is
-    # whole: extract writes each under a temporary name, then renames it.
-    names = [s if isinstance(s, str) else s["name"] for s in index["shards"]]
-    written = {s for s in names if (run.path / "hidden" / s).exists()}
-    done = [s for s in index["samples"] if s["shard"] in written]
-    total_tokens = sum(s["tokens"] for s in index["samples"])
-    tokens = sum(s["tokens"] for s in done)
-    return {"shards": len(written), "shards_of": len(names), "samples": len(done),
-            "samples_of": len(index["samples"]), "tokens": tokens, "tokens_of": total_tokens,
-            "fraction": tokens / max(1, total_tokens), "index_state": index.get("state"),
-            "source": "hidden/index.json and the shard files present"}
-
-
-def _train_progress(run: Run) -> dict | None:
-    steps = sorted(int(p.name.split("-", 1)[1]) for p in (run.path / "checkpoints").glob("step-*")
-                   if p.name.split("-", 1)[1].isdigit())
-    if not steps:
-        return None
-    return {"latest_checkpoint_step": steps[-1], "checkpoints": len(steps),
-            "source": "checkpoints/step-N folders"}
-
-
-def _progress(stage: str, run: Run, recipe: dict) -> dict | None:
-    if stage == "gen":
-        return _gen_progress(run, recipe)
-    if stage == "extract":
-        return _extract_progress(run)
-    if stage == "train":
-        return _train_progress(run)
-    return None  # render, export and eval write their outputs whole, at the end
-
-
 # --- the status ----------------------------------------------------------------------------------
 
-def _stages(run: Run, manifest: dict, recipe: dict) -> list[dict]:
+def _stages(folder: RunFolder, manifest: dict, recipe: dict) -> list[dict]:
     rows = []
     for stage in STAGE_ORDER:
         entry = manifest.get("stages", {}).get(stage)
@@ -125,7 +66,7 @@ def _stages(run: Run, manifest: dict, recipe: dict) -> list[dict]:
             row.update(state="done", counts=entry.get("counts") or {}, seconds=entry.get("seconds"),
                        finished=entry.get("finished"))
         else:
-            progress = _progress(stage, run, recipe)
+            progress = STAGES[stage].progress(folder, recipe) if STAGES[stage].progress else None
             if entry and entry.get("counts"):
                 row["counts"] = entry["counts"]
             if entry and entry["state"] == "failed":
@@ -212,17 +153,17 @@ def _problems(manifest: dict, stages: list[dict]) -> list[dict]:
     return out
 
 
-def _next_command(run: Run, manifest: dict, stages: list[dict]) -> dict:
+def _next_command(folder: RunFolder, manifest: dict, stages: list[dict]) -> dict:
     for row in stages:
         if row["state"] != "done":
-            cmd = f"specdraft {row['stage']} --run {run.path}"
+            cmd = f"specdraft {row['stage']} --run {folder.path}"
             why = {"in progress": "resumes from what is on disk", "failed": "reruns the failed stage"}.get(
                 row["state"], "the next stage")
             return {"command": cmd, "why": why}
     export = manifest["stages"]["export"]
     serve = export.get("serve_commands") or {"vllm": export.get("serve_command")}
-    folder = next(iter((export.get("folders") or {"vllm": {"path": "export/vllm"}}).values()))["path"]
-    return {"command": f"specdraft doctor {run.path / folder}",
+    drafter = next(iter((export.get("folders") or {"vllm": {"path": "export/vllm"}}).values()))["path"]
+    return {"command": f"specdraft doctor {folder.path / drafter}",
             "why": "every stage is done: check the exported drafter, then serve it", "serve": serve}
 
 
@@ -247,18 +188,18 @@ def _remaining(manifest: dict, stages: list[dict]) -> dict | None:
             "source": "plan.time x the share not yet done"}
 
 
-def collect(run: Run) -> dict:
+def collect(folder: RunFolder) -> dict:
     """The status as JSON: every figure with the manifest path it came from."""
-    manifest = run.manifest()
+    manifest = folder.manifest()
     if "recipe" not in manifest:
-        raise FileNotFoundError(f"{run.manifest_path}: no manifest; run a stage first (specdraft gen --run {run.path})")
+        raise FileNotFoundError(f"{folder.manifest_path}: no manifest; run a stage first (specdraft gen --run {folder.path})")
     recipe = manifest["recipe"]
-    stages = _stages(run, manifest, recipe)
+    stages = _stages(folder, manifest, recipe)
     files = [{"path": p.name + ("/" if p.is_dir() else ""), "bytes": _folder_bytes(p), "text": human_bytes(_folder_bytes(p))}
-             for p in sorted(run.path.iterdir()) if not p.name.startswith(".") and p.name != STATUS_FILE]
+             for p in sorted(folder.path.iterdir()) if not p.name.startswith(".") and p != folder.status]
     plan = manifest.get("plan") or {}
     return {
-        "run": str(run.path),
+        "run": str(folder.path),
         "name": manifest.get("name"),
         "created": manifest.get("created"),
         "goal": _goal(recipe),
@@ -270,7 +211,7 @@ def collect(run: Run) -> dict:
         "measured": _measured(manifest),
         "problems": _problems(manifest, stages),
         "files": files,
-        "next": _next_command(run, manifest, stages),
+        "next": _next_command(folder, manifest, stages),
         "remaining": _remaining(manifest, stages),
     }
 
@@ -397,32 +338,31 @@ def render_markdown(s: dict) -> str:
     return "\n".join(out) + "\n"
 
 
-def write(run: Run) -> dict:
-    status = collect(run)
-    write_text(run.path / STATUS_FILE, render_markdown(status))
+def write(folder: RunFolder) -> dict:
+    status = collect(folder)
+    write_text(folder.status, render_markdown(status))
     return status
 
 
-def after_stage(stage: str, recipe, run: Run) -> None:
+def after_stage(stage: str, recipe, folder: RunFolder) -> None:
     """After every stage: refresh the run's plan with what a finished stage measured, then rewrite
     STATUS.md (a failed stage's too: it says what failed and what to run). A failure here is reported
     and never fails (or hides the error of) the stage itself."""
-    from .plan import make_plan, record
 
     try:
-        if (run.stage(stage) or {}).get("state") == "done":
-            record(run, make_plan(recipe, run))
-        write(run)
+        if (folder.stage(stage) or {}).get("state") == "done":
+            record(folder, make_plan(recipe, folder))
+        write(folder)
     except Exception as e:  # noqa: BLE001 - the stage's own result matters more than its summary
-        print(f"specdraft: warning: {run.path / STATUS_FILE} not updated: {type(e).__name__}: {e}", file=sys.stderr)
+        print(f"specdraft: warning: {folder.status} not updated: {type(e).__name__}: {e}", file=sys.stderr)
 
 
 def run_status(path: str, json_out: bool = False) -> int:
-    run = Run(Path(path))
-    status = write(run)
+    folder = RunFolder(Path(path))
+    status = write(folder)
     if json_out:
         print(json.dumps(status, indent=2))
     else:
-        print((run.path / STATUS_FILE).read_text())
+        print((folder.status).read_text())
         print(f"next: {status['next']['command']}")
     return 0

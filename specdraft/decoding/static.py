@@ -28,8 +28,8 @@ from collections.abc import Callable
 
 import torch
 
-from ..targets import Target, get_attr, tap_hidden_states
-from .speculate import grow_tree
+from specdraft.decoding.tree import grow_tree
+from specdraft.targets import Target, get_attr, tap_hidden_states
 
 # Eager calls on a side stream before a capture: the first call picks kernels and allocates library
 # workspaces (cuBLAS), which must not happen inside the capture (PyTorch's CUDA graph notes use 3).

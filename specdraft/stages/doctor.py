@@ -13,7 +13,15 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from .formats import EAGLE31_FLAGS, FLAT_ARCHITECTURE, read_drafter
+from specdraft.config import Recipe
+from specdraft.data.sources import prompts
+from specdraft.data.tokens import load_tokens
+from specdraft.decoding.runners import TargetRunner
+from specdraft.drafters.formats import EAGLE31_FLAGS, FLAT_ARCHITECTURE, read_drafter
+from specdraft.drafters.vocab import token_counts
+from specdraft.run import RunFolder
+from specdraft.targets import Target
+from specdraft.hidden.store import INDEX
 
 # The measured checks: the drafter drafts for the target on a few held-out ShareGPT conversations and
 # its first-step top-1 (mapped through d2t) is compared with the target's next token at every answer
@@ -158,29 +166,26 @@ def _vocab_checks(drafter, counts=None) -> list[Check]:
 
 def trained_config(run_path: Path) -> dict | None:
     """The drafter config of the run's trained checkpoint, when there is one."""
-    from ..run import Run
 
-    entry = Run(run_path).stage("train")
+    folder = RunFolder(run_path)
+    entry = folder.stage("train")
     if not entry or entry.get("state") != "done":
         return None
-    path = run_path / entry.get("checkpoint", "checkpoints/final") / "config.json"
+    checkpoint = run_path / entry["checkpoint"] if "checkpoint" in entry else folder.checkpoint("final")
+    path = checkpoint / "config.json"
     return json.loads(path.read_text())["drafter"] if path.exists() else None
 
 
 def _run_checks(drafter, run_path: Path, target) -> tuple[list[Check], object]:
-    checks, counts = [], None
-    index_path = run_path / "hidden" / "index.json"
+    checks, counts, folder = [], None, RunFolder(run_path)
+    index_path = folder.hidden / INDEX
     if index_path.exists():
         extracted = json.loads(index_path.read_text())["aux_layer_ids"]
         checks.append(Check("aux layer ids = extracted ones", drafter.config.aux_layer_ids == extracted,
                             f"drafter {drafter.config.aux_layer_ids}, hidden states {extracted}",
                             "the drafter would be fed other layers than it was trained on; re-export from the run"))
-    tokens_index = run_path / "tokens" / "index.json"
-    if tokens_index.exists():
-        from ..data.render import load_tokens
-        from ..drafter.vocab import token_counts
-
-        index, samples = load_tokens(run_path)
+    if (folder.tokens / "index.json").exists():
+        index, samples = load_tokens(folder.tokens)
         served = hashlib.sha256((target.tokenizer.chat_template or "").encode()).hexdigest()[:16]
         trained = index["chat_template_sha256"]
         checks.append(Check("chat template = training data's", served == trained,
@@ -202,9 +207,6 @@ def measure(drafter, target, conversations: list[tuple[list[int], list[int]]]) -
     import collections
 
     import torch
-
-    from ..evaluate.speculate import TargetRunner
-    from ..targets import Target
 
     if target.aux_layer_ids != list(drafter.config.aux_layer_ids):
         target = Target(str(target.path), list(drafter.config.aux_layer_ids))
@@ -256,11 +258,8 @@ def held_out_conversations(target, run_path: Path | None, n: int = AGREEMENT_CON
     """(prompt ids, first answer's ids) of real conversations the drafter was not trained on: the
     run's held-out ShareGPT split when the run is known (its data settings), else the default
     recipe's; rendered with the target's chat template, the answer cut to `answer_tokens`."""
-    from ..config import Recipe
-    from ..data.sources import prompts
-    from ..run import Run
 
-    recipe = Run(run_path).recipe() if run_path is not None and Run(run_path).exists() else Recipe()
+    recipe = RunFolder(run_path).recipe() if run_path is not None and RunFolder(run_path).exists() else Recipe()
     d = recipe.data
     out = []
     for conv in prompts(d.source, "eval", d.eval_fraction, d.split_seed):
@@ -281,9 +280,8 @@ def training_conversations(run_path: Path, n: int = AGREEMENT_CONVERSATIONS,
                            answer_tokens: int = AGREEMENT_TOKENS) -> list[tuple[list[int], list[int]]]:
     """(prompt ids, answer ids) of the run's own training samples: where a drafter that learnt anything
     must agree with the target (the held-out split tells whether it generalises)."""
-    from ..data.render import load_tokens
 
-    _, samples = load_tokens(run_path)
+    _, samples = load_tokens(RunFolder(run_path).tokens)
     out = []
     for ids, mask in samples[:n]:
         ids, mask = list(map(int, ids)), list(map(int, mask))
@@ -353,16 +351,14 @@ def diagnose(folder: Path, target, run_path: Path | None = None, measured: bool 
 def run_doctor(folder: str, target_name: str | None, run_path: str | None, measured: bool = True) -> int:
     """Print the checks; exit status 1 when any fails. The run (for the extracted layer ids and the
     training data) defaults to the one the folder was exported into (runs/<name>/export/<format>)."""
-    from ..run import Run
-    from ..targets import Target
 
     folder_path = Path(folder)
-    if run_path is None and Run(folder_path.resolve().parents[1]).exists():
+    if run_path is None and RunFolder(folder_path.resolve().parents[1]).exists():
         run_path = str(folder_path.resolve().parents[1])
     if target_name is None:
         if run_path is None:
             raise ValueError("doctor: pass --target (or --run, whose recipe names it)")
-        target_name = Run(Path(run_path)).recipe().target.model
+        target_name = RunFolder(Path(run_path)).recipe().target.model
     target = Target(target_name)
     checks = diagnose(folder_path, target, Path(run_path) if run_path else None, measured=measured)
     for c in checks:

@@ -26,15 +26,12 @@ import json
 import re
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
-from ..config import Recipe
-from ..run import Run, atomic_path, write_json
-from ..targets import Target, tokenizer_thinking_markers
-from .generate import CONVERSATIONS
-from .sources import DataError, read_jsonl
+from specdraft.config import Recipe
+from specdraft.data.sources import DataError, read_jsonl
+from specdraft.run import RunFolder, atomic_path, write_json
+from specdraft.targets import Target, tokenizer_thinking_markers
 
-TOKENS_DIR = "tokens"
 # Fields templates read an assistant turn's reasoning from, probed in this order: Qwen3, DeepSeek and
 # Kimi templates read `reasoning_content`, gpt-oss reads `thinking`, vLLM >= 0.31 passes `reasoning`.
 REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
@@ -344,17 +341,17 @@ def _template_kwargs(recipe: Recipe) -> dict:
     return dict(kwargs)
 
 
-def run(recipe: Recipe, run: Run) -> dict:
+def run(recipe: Recipe, folder: RunFolder) -> dict:
     import torch
     from safetensors.torch import save_file
     from tqdm import tqdm
 
     cfg = recipe.render
     t_start = time.time()
-    run.require("gen")
+    folder.require("gen")
     target = Target(recipe.target.model, recipe.target.aux_layer_ids)
     template = ChatTemplate.of_target(target, _template_kwargs(recipe))
-    src = run.path / CONVERSATIONS
+    src = folder.conversations
     all_ids, all_mask, offsets, sample_ids = [], [], [0], []
     counts = {"conversations": 0, "samples": 0, "turns": 0, "reasoning_turns": 0, "turns_with_token_ids": 0,
               "retokenized_differs": 0, "template_mismatches": 0, "skipped_mismatch": 0,
@@ -399,7 +396,7 @@ def run(recipe: Recipe, run: Run) -> dict:
         raise DataError(f"{src}: no conversation with assistant tokens to render"
                         + (f" (first problem: {examples[0]})" if examples else ""))
     counts["samples"] = len(sample_ids)
-    out = run.path / TOKENS_DIR
+    out = folder.tokens
     out.mkdir(parents=True, exist_ok=True)
     with atomic_path(out / "tokens.safetensors") as tmp:
         save_file({"input_ids": torch.tensor(all_ids, dtype=torch.int32),
@@ -430,18 +427,9 @@ def run(recipe: Recipe, run: Run) -> dict:
           f"{counts['loss_tokens']:,} loss tokens; re-tokenization differs on "
           f"{counts['retokenized_differs']}/{with_ids} turns with the target's ids; "
           f"{counts['template_mismatches']} template and {counts['vllm_mismatches']} vLLM mismatches")
-    print(f"next: specdraft extract --run {run.path}")
-    return run.record("render", state="done", config=cfg, counts=counts, metrics=metrics,
+    print(f"next: specdraft extract --run {folder.path}")
+    return folder.record("render", state="done", config=cfg, counts=counts, metrics=metrics,
                       seconds=time.time() - t_start,
                       extra={"mismatches": examples, "template": template.describe()})
 
 
-def load_tokens(run_path: Path) -> tuple[dict, list[tuple[list[int], list[int]]]]:
-    """The rendered samples: (index, [(input_ids, loss_mask), ...])."""
-    from safetensors.torch import load_file
-
-    out = Path(run_path) / TOKENS_DIR
-    index = json.loads((out / "index.json").read_text())
-    t = load_file(str(out / "tokens.safetensors"))
-    ids, mask, off = t["input_ids"].tolist(), t["loss_mask"].tolist(), t["offsets"].tolist()
-    return index, [(ids[a:b], mask[a:b]) for a, b in zip(off[:-1], off[1:])]

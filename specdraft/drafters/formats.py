@@ -33,15 +33,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import shlex
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from ..drafter.model import DrafterConfig, Eagle3Drafter
-from ..run import write_json
+from specdraft.drafters.eagle3 import DrafterConfig, Eagle3Drafter
+from specdraft.run import atomic_path, write_json
 
 WEIGHTS = "model.safetensors"
 FLAT_ARCHITECTURE = "LlamaForCausalLMEagle3"
@@ -157,8 +155,6 @@ def _config_from_layer(lc: dict, where: str, *, draft_vocab_size: int, target_hi
 def _write_tensors(drafter: Eagle3Drafter, out: Path, keys: dict[str, str]) -> None:
     """The drafter's tensors under the format's names (`keys`: ours -> theirs), floats as bf16."""
     from safetensors.torch import save_file
-
-    from ..run import atomic_path
 
     state = drafter.state_dict()
     tensors = {}
@@ -522,179 +518,3 @@ def fit_problems(cfg: DrafterConfig, target, has_embed: bool) -> list[str]:
     return problems
 
 
-def provenance(run_name: str) -> dict:
-    return {"run": run_name, "exported": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-
-
-def serve_command(target_path: str, drafter_dir: Path, speculative_tokens: int) -> str:
-    spec = json.dumps({"method": "eagle3", "model": str(Path(drafter_dir).resolve()),
-                       "num_speculative_tokens": speculative_tokens})
-    return f"vllm serve {target_path} --speculative-config '{spec}'"
-
-
-def sglang_serve_command(target_path: str, drafter_dir: Path, speculative_tokens: int) -> str:
-    """A chain of K drafted tokens: K steps of top-1, verified as K + 1 tokens."""
-    k = speculative_tokens
-    return (f"python -m sglang.launch_server --model-path {shlex.quote(str(target_path))} "
-            f"--speculative-algorithm EAGLE3 "
-            f"--speculative-draft-model-path {shlex.quote(str(Path(drafter_dir).resolve()))} "
-            f"--speculative-num-steps {k} --speculative-eagle-topk 1 --speculative-num-draft-tokens {k + 1} "
-            f"--dtype bfloat16")
-
-
-FORMATS = ("vllm", "sglang")
-
-
-def resolve_formats(requested: list[str]) -> list[str]:
-    """The export formats asked for, in order, "both" meaning vllm and sglang."""
-    out: list[str] = []
-    for name in requested:
-        names = list(FORMATS) if name == "both" else [name]
-        for n in names:
-            if n not in FORMATS:
-                raise ValueError(f"export: unknown format {name!r}; known: {list(FORMATS) + ['both']}")
-            if n not in out:
-                out.append(n)
-    if not out:
-        raise ValueError(f"export: no format given; known: {list(FORMATS) + ['both']}")
-    return out
-
-
-def expected_speedups(per_position: list[float], cost: float) -> dict[int, float]:
-    """Expected speedup of a chain of K drafts, for each K the eval measured: tokens per target step
-    1 + p_1 + ... + p_K (p_i: share of rounds whose draft i was accepted, which a chain of K shares
-    with a longer one) over the cost of K drafting steps at `cost` target steps each plus one
-    verification, taken as one target step (decoding is memory-bound on GPUs; on this CPU the
-    4-token verification measured 1.4x a single step, so CPU figures are optimistic)."""
-    return {k: (1 + sum(per_position[:k])) / (1 + k * cost) for k in range(1, len(per_position) + 1)}
-
-
-def choose_speculative_tokens(run, default: int) -> dict:
-    """The number of speculative tokens to serve with: the K of the best expected speedup from the
-    run's eval report when it measured this drafter (eval finished after train), else `default`."""
-    report_path = run.path / "eval" / "report.json"
-    train, evaluated = run.stage("train") or {}, run.stage("eval") or {}
-    if (evaluated.get("state") != "done" or not report_path.exists()
-            or evaluated.get("finished", "") < train.get("finished", "")):
-        return {"value": default, "source": "recipe (export.speculative_tokens); run eval, then export again, "
-                                            "to choose it from measured acceptance"}
-    report = json.loads(report_path.read_text())
-    speedups = expected_speedups(report["per_position_acceptance"], report["draft_to_target_cost"])
-    best = max(speedups, key=speedups.get)
-    return {"value": best, "source": "eval/report.json", "expected_speedup": {k: round(v, 3) for k, v in speedups.items()},
-            "per_position_acceptance": report["per_position_acceptance"], "draft_to_target_cost": report["draft_to_target_cost"],
-            "measured_up_to": len(speedups)}
-
-
-def run(recipe, run) -> dict:
-    from ..train import load_trained
-
-    cfg = recipe.export
-    t_start = time.time()
-    formats = resolve_formats(cfg.formats)
-    k = choose_speculative_tokens(run, cfg.speculative_tokens)
-    speculative_tokens = k["value"]
-    if "expected_speedup" in k:
-        table = ", ".join(f"K={n}: {v:.2f}x" for n, v in k["expected_speedup"].items())
-        print(f"export: {speculative_tokens} speculative tokens, the best expected speedup from the eval report "
-              f"({table}; draft/target cost {k['draft_to_target_cost']})")
-    else:
-        print(f"export: {speculative_tokens} speculative tokens from the {k['source']}")
-    drafter, target, embed = load_trained(recipe, run)
-    # The embedding is frozen at the target's during training, so the engine's shared copy is identical.
-    include_embed = not torch.equal(drafter.embed_tokens.weight.detach(), embed.float())
-    written, commands = {}, {}
-    for fmt in formats:
-        out = run.path / "export" / fmt
-        if fmt == "vllm":
-            write_vllm(drafter, out, verifier=str(target.path),
-                       verifier_architectures=list(target.config.architectures or []),
-                       speculative_tokens=speculative_tokens, include_embed=include_embed,
-                       provenance=provenance(recipe.name))
-            written[fmt] = {"path": str(out.relative_to(run.path)), "format": "speculators (Eagle3Speculator)"}
-            commands[fmt] = serve_command(str(target.path), out, speculative_tokens)
-            engine = "vLLM"
-        else:
-            write_sglang(drafter, out, include_embed=include_embed, provenance=provenance(recipe.name))
-            written[fmt] = {"path": str(out.relative_to(run.path)), "format": f"flat ({FLAT_ARCHITECTURE})"}
-            commands[fmt] = sglang_serve_command(str(target.path), out, speculative_tokens)
-            engine = "SGLang"
-        print(f"export: {engine} drafter in {out}\n  serve it with:\n  {commands[fmt]}")
-    print(f"\nnext: specdraft doctor {run.path / 'export' / formats[0]}")
-    return run.record("export", state="done", config=cfg, counts={"formats": len(written)},
-                      seconds=time.time() - t_start,
-                      extra={"folders": written, "serve_command": commands[formats[0]],
-                             "serve_commands": commands, "embed_included": include_embed,
-                             "speculative_tokens": k})
-
-
-IMPORTED = "imported"
-
-
-def import_drafter(folder: Path, target, out: Path,
-                   extracted_aux_layer_ids: list[int] | None = None) -> tuple[Eagle3Drafter, Published]:
-    """A published drafter folder -> a specdraft checkpoint at `out` (train.save_checkpoint's format,
-    which eval, export and fine-tuning read), after checking it against `target` (and against the
-    layers a run's hidden states hold, when given). Any misfit is an error that lists every one."""
-    from ..train import save_checkpoint
-
-    folder = Path(folder)
-    published = read_published(folder, target.default_aux_layer_ids())
-    problems = fit_problems(published.config, target, EMBED_KEY[1] in published.tensors)
-    if extracted_aux_layer_ids is not None and list(extracted_aux_layer_ids) != published.config.aux_layer_ids:
-        problems.append(f"aux layer ids: drafter {published.config.aux_layer_ids}, the run's hidden states "
-                        f"{list(extracted_aux_layer_ids)} (fine-tuning would feed it other layers)")
-    if problems:
-        raise ValueError(f"import: {folder} does not fit the target {target.path}:\n  " + "\n  ".join(problems))
-    embed = target.embed_weight()
-    drafter = published.build(embed)
-    if EMBED_KEY[1] in published.tensors and not torch.equal(drafter.embed_tokens.weight, embed.float()):
-        published.notes.append("embed_tokens: differs from the target's; kept in the checkpoint")
-    aux_ids = drafter.config.aux_layer_ids
-    target_for_drafter = type(target)(target.name, aux_ids)
-    meta = {"aux_layer_ids": aux_ids, "target": target_for_drafter.describe(),
-            "imported_from": {"folder": str(folder.resolve()), "layout": published.layout,
-                              "notes": published.notes}}
-    save_checkpoint(drafter, Path(out), meta)
-    return drafter, published
-
-
-def run_import(folder: str, recipe, run=None, out: str | None = None) -> dict:
-    """`specdraft import`: into a run (its checkpoints/imported, recorded as the run's drafter, so
-    `eval`, `export` and `doctor` take it from there) or into a bare checkpoint folder (`out`)."""
-    from ..targets import Target
-
-    t0 = time.time()
-    target = Target(recipe.target.model)
-    if run is not None:
-        trained = run.stage("train")
-        if trained and trained.get("state") == "done" and "imported_from" not in trained:
-            raise ValueError(f"import: {run.path} already holds a trained drafter ({trained.get('checkpoint')}); "
-                             "import into a new run (--run) or a folder (--out)")
-        out_path = run.path / "checkpoints" / IMPORTED
-        index = run.path / "hidden" / "index.json"
-        extracted = json.loads(index.read_text())["aux_layer_ids"] if index.exists() else None
-    else:
-        out_path, extracted = Path(out), None
-    drafter, published = import_drafter(Path(folder), target, out_path, extracted)
-    cfg = drafter.config
-    print(f"import: {folder} ({published.layout})")
-    for note in published.notes:
-        print(f"  {note}")
-    print(f"  drafter: hidden {cfg.hidden_size}, {cfg.num_attention_heads} heads x {cfg.head_dim}, draft vocab "
-          f"{cfg.draft_vocab_size} of {cfg.vocab_size}, aux layers {cfg.aux_layer_ids}, "
-          f"norm_before_residual {cfg.norm_before_residual}")
-    print(f"  checkpoint: {out_path}")
-    info = {"folder": str(Path(folder).resolve()), "layout": published.layout, "notes": published.notes}
-    if run is None:
-        print(f"\nnext: specdraft doctor {folder} --target {recipe.target.model}")
-        return info
-    # The run's target reads the drafter's layers from now on (extract for fine-tuning, eval).
-    recipe.target.aux_layer_ids = list(cfg.aux_layer_ids)
-    run.init(recipe)
-    rel = str(out_path.relative_to(run.path))
-    entry = run.record("import", state="done", seconds=time.time() - t0, extra={**info, "checkpoint": rel})
-    # Recorded as the run's drafter: eval and export load the train stage's checkpoint.
-    run.record("train", state="done", extra={"checkpoint": rel, "imported_from": info["folder"]})
-    print(f"\nnext: specdraft eval --run {run.path}    (then: specdraft export --run {run.path} --formats both)")
-    return entry

@@ -1,0 +1,236 @@
+"""Rounds of speculative decoding: draft, verify with one target forward, keep the accepted path.
+
+Greedy rounds keep the longest drafted path whose tokens the target itself picks, plus the target's
+own next token; sampled rounds draft a chain by sampling and accept with exact rejection sampling
+(Leviathan et al. 2023), so the output is distributed as the target's own sampling. Greedy output is
+checked against plain greedy decoding on the same engine (check_exact): a divergence at a logit gap
+below the tolerance is a numerical tie (bf16 verification passes can flip near-ties), anything else
+is a bug. Stats turns the rounds into tau, the accepted-length histogram and per-position acceptance.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+
+from specdraft.decoding.runners import TargetRunner, sync
+from specdraft.decoding.tree import TreeShape, cache_tokens, draft_tree
+
+# Bisection steps to invert tau(α) = (1 − α^(K+1)) / (1 − α): 60 halvings reach float precision.
+ALPHA_BISECTION_STEPS = 60
+
+
+class ExactnessError(AssertionError):
+    """Speculative output differs from the target's greedy output beyond a numerical tie."""
+
+
+@dataclass
+class Stats:
+    K: int  # the deepest draft position
+    rounds: int = 0
+    accepted_hist: list[int] = field(default_factory=list)
+    accepted_at: list[int] = field(default_factory=list)
+    draft_seconds: float = 0.0
+    draft_steps: int = 0
+    verify_seconds: float = 0.0
+
+    def __post_init__(self):
+        self.accepted_hist = [0] * (self.K + 1)
+        self.accepted_at = [0] * self.K
+
+    def add(self, accepted: int):
+        self.rounds += 1
+        self.accepted_hist[accepted] += 1
+        for i in range(accepted):
+            self.accepted_at[i] += 1
+
+    @property
+    def tau(self) -> float:
+        return sum((a + 1) * c for a, c in enumerate(self.accepted_hist)) / max(1, self.rounds)
+
+    def summary(self) -> dict:
+        return {
+            "tau": round(self.tau, 4),
+            "accepted_length_histogram": self.accepted_hist,
+            "per_position_acceptance": [round(c / max(1, self.rounds), 4) for c in self.accepted_at],
+            "rounds": self.rounds,
+            "draft_step_seconds": round(self.draft_seconds / max(1, self.draft_steps), 6),
+            "verify_seconds": round(self.verify_seconds / max(1, self.rounds), 6),
+        }
+
+
+def greedy(runner: TargetRunner, prompt: list[int], max_new: int, eos: int) -> tuple[list[int], list[float]]:
+    """Plain greedy decoding; also the top-1/top-2 logit gap at each step (for the tie check)."""
+    runner.reserve(len(prompt) + max_new)
+    runner.reset()
+    logits, _ = runner.forward(prompt)
+    out, gaps = [], []
+    while True:
+        top2 = logits[-1].topk(2).values
+        gaps.append((top2[0] - top2[1]).item())
+        out.append(int(logits[-1].argmax()))
+        if out[-1] == eos or len(out) >= max_new:
+            return out, gaps
+        logits, _ = runner.forward([out[-1]])
+
+
+@torch.inference_mode()
+def speculative(runner: TargetRunner, drafter, prompt: list[int], max_new: int, eos: int, shape: TreeShape,
+                stats: Stats) -> list[int]:
+    """Greedy speculative decoding with tree (or chain) drafts; returns the generated ids."""
+    dev = runner.device
+    runner.reserve(cache_tokens(len(prompt), max_new, shape))
+    runner.reset()
+    logits, aux = runner.forward(prompt)
+    out = [int(logits[-1].argmax())]
+    n = len(prompt)  # target cache length; out[-1] is x_n, not yet fed to the target
+    state = runner.drafter_state(drafter, shape.depth + 1)
+    state.advance(aux, prompt[1:] + out[-1:], 0)
+    while out[-1] != eos and len(out) < max_new:
+        sync(dev)
+        t0 = time.perf_counter()
+        tree = draft_tree(state, shape)
+        sync(dev)
+        stats.draft_seconds += time.perf_counter() - t0
+        stats.draft_steps += shape.depth
+        t0 = time.perf_counter()
+        if tree.is_chain:  # causal: the model's own mask
+            logits, aux = runner.forward([out[-1]] + tree.tokens)
+        else:
+            logits, aux = runner.forward([out[-1]] + tree.tokens, [n] + [n + dep for dep in tree.depths],
+                                         tree.visible())
+        choice = logits.argmax(-1).tolist()  # the target's token after each fed row (0 = root)
+        sync(dev)
+        stats.verify_seconds += time.perf_counter() - t0
+        children = defaultdict(dict)
+        for i, (t, p) in enumerate(zip(tree.tokens, tree.parents)):
+            children[p].setdefault(t, i)
+        path, node = [], -1
+        while choice[node + 1] in children[node]:
+            node = children[node][choice[node + 1]]
+            path.append(node)
+        stats.add(len(path))
+        accepted = [tree.tokens[i] for i in path] + [choice[node + 1]]
+        runner.keep(n + 1, [n + 1 + i for i in path])
+        t0 = time.perf_counter()
+        state.advance(aux[[0] + [1 + i for i in path]], accepted, n)
+        sync(dev)
+        stats.draft_seconds += time.perf_counter() - t0  # step 0 is a drafting step too
+        n += len(accepted)
+        out += accepted
+        if eos in accepted:
+            break
+    if eos in out:
+        out = out[: out.index(eos) + 1]
+    return out[:max_new]
+
+
+@torch.inference_mode()
+def draft_probs(drafter, logits: torch.Tensor, temperature: float, vocab: int) -> torch.Tensor:
+    """The drafter's sampling distribution over the target vocabulary [V] (zero outside the draft vocab)."""
+    q = torch.softmax(logits.float() / temperature, -1)
+    return torch.zeros(vocab, device=q.device).index_add_(0, drafter.to_target_ids(
+        torch.arange(q.shape[0], device=q.device)), q)
+
+
+def rejection_sample(p: torch.Tensor, q: torch.Tensor, drafts: list[int], generator: torch.Generator
+                     ) -> tuple[int, int]:
+    """Target probs p [K+1, V], draft probs q [K, V] the drafts were sampled from -> (accepted count a,
+    the token after them): draft i is kept with probability min(1, p_i(x)/q_i(x)); the first rejected
+    one is replaced by a sample of norm(max(0, p_i − q_i)); when all K are kept, the bonus is a sample
+    of p_K. Each output token is then distributed as p (Leviathan et al. 2023, Appendix A.1)."""
+    K = len(drafts)
+    u = torch.rand(K, generator=generator, device=generator.device).tolist()
+    a = 0
+    while a < K and u[a] * float(q[a, drafts[a]]) < float(p[a, drafts[a]]):
+        a += 1
+    if a == K:
+        return a, int(torch.multinomial(p[K], 1, generator=generator))
+    residual = (p[a] - q[a]).clamp_min(0)
+    return a, int(torch.multinomial(residual / residual.sum(), 1, generator=generator))
+
+
+@torch.inference_mode()
+def speculative_sampled(runner: TargetRunner, drafter, prompt: list[int], max_new: int, eos: int, K: int,
+                        temperature: float, stats: Stats, generator: torch.Generator) -> list[int]:
+    """Chain drafting by sampling, exact rejection sampling: token i of the draft is kept with probability
+    min(1, p(x)/q(x)); the first rejected one is replaced by a sample of norm(max(0, p − q)); when all K
+    are kept a bonus token is sampled from p. The output is distributed as the target's own sampling."""
+    dev = runner.device
+
+    def sample(probs):
+        return int(torch.multinomial(probs, 1, generator=generator))
+
+    runner.reserve(cache_tokens(len(prompt), max_new, TreeShape.chain(K)))
+    runner.reset()
+    logits, aux = runner.forward(prompt)
+    V = logits.shape[-1]
+    out = [sample(torch.softmax(logits[-1] / temperature, -1))]
+    n = len(prompt)
+    state = runner.drafter_state(drafter, K + 1)
+    state.advance(aux, prompt[1:] + out[-1:], 0)
+    while out[-1] != eos and len(out) < max_new:
+        sync(dev)
+        t0 = time.perf_counter()
+        drafts, qs, diag = [], [], []
+        hidden, d_logits = state.root_hidden, state.root_logits
+        for depth in range(1, K + 1):
+            qs.append(draft_probs(drafter, d_logits, temperature, V))
+            drafts.append(sample(qs[-1]))
+            if depth < K:
+                d_logits, hidden, kv = state.step(hidden, torch.tensor([[drafts[-1]]], device=dev), depth, diag)
+                d_logits, diag = d_logits[0, -1], diag + [kv]
+        sync(dev)
+        stats.draft_seconds += time.perf_counter() - t0
+        stats.draft_steps += K
+        t0 = time.perf_counter()
+        logits, aux = runner.forward([out[-1]] + drafts)
+        p = torch.softmax(logits / temperature, -1)  # [K+1, V]
+        sync(dev)
+        stats.verify_seconds += time.perf_counter() - t0
+        a, nxt = rejection_sample(p, torch.stack(qs), drafts, generator)
+        stats.add(a)
+        accepted = drafts[:a] + [nxt]
+        runner.keep(n + 1 + a, [])
+        t0 = time.perf_counter()
+        state.advance(aux[: a + 1], accepted, n)
+        sync(dev)
+        stats.draft_seconds += time.perf_counter() - t0
+        n += a + 1
+        out += accepted
+        if eos in accepted:
+            break
+    if eos in out:
+        out = out[: out.index(eos) + 1]
+    return out[:max_new]
+
+
+def check_exact(spec: list[int], ref: list[int], gaps: list[float], tol: float, pid: str) -> dict:
+    if spec == ref:
+        return {"exact": True}
+    j = next((i for i, (a, b) in enumerate(zip(spec, ref)) if a != b), min(len(spec), len(ref)))
+    gap = gaps[j] if j < len(gaps) else float("inf")
+    if gap < tol:
+        return {"exact": False, "tie_at": j, "logit_gap": gap}
+    raise ExactnessError(f"prompt {pid}: speculative output differs from greedy at token {j} "
+                         f"(logit gap {gap:.3g} >= {tol}): the decoder is wrong, not the numerics")
+
+
+def alpha_from_tau(tau: float, K: int) -> float:
+    """The per-token acceptance α for which a K-token chain yields tau = (1 − α^(K+1)) / (1 − α)."""
+    lo, hi = 0.0, 1.0
+    for _ in range(ALPHA_BISECTION_STEPS):
+        mid = (lo + hi) / 2
+        if sum(mid ** i for i in range(K + 1)) < tau:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def leviathan_bound(alpha: float, K: int, c: float) -> float:
+    """Expected walltime improvement S = (1 − α^(K+1)) / ((1 − α)(Kc + 1)) (Leviathan et al. 2023, Thm 3.8)."""
+    return sum(alpha ** i for i in range(K + 1)) / (K * c + 1)

@@ -1,0 +1,255 @@
+"""eval: a reference speculative decoder (chain and EAGLE-2 dynamic tree; greedy and sampled), exact.
+
+Each round the drafter proposes a tree of tokens from the target's aux states: the root is the last
+accepted token; every depth expands the `tree_topk` best nodes so far (by cumulative draft log-prob)
+into their `tree_topk` best children, for `tree_depth` depths, and the `tree_tokens` best nodes of all
+drafted ones are verified by ONE target forward with a tree attention mask (each node sees the cache,
+its ancestors and itself; its position is the cache length plus its depth). The longest path whose
+tokens the target itself picks is kept, plus the target's own next token; the cache keeps only that
+path. A chain of K tokens is the tree with top-k 1, depth K and K tokens, so both run the same code.
+
+Greedy output is checked token for token against the target's plain greedy decoding with the same
+engine; a divergence at a logit gap below `tie_tolerance` is reported as a numerical tie (FACTS.md:
+greedy exactness needs identical numerics), any other one is an error. Sampled decoding (temperature
+> 0) drafts a chain by sampling and accepts with exact rejection sampling (Leviathan et al. 2023), so
+its output distribution is the target's.
+
+Figures: tau (tokens per target forward), the histogram of accepted lengths, per-position acceptance
+(share of rounds whose draft at depth i was accepted, as vLLM counts it), decode speed with and
+without speculation, the draft/target cost ratio c, and Leviathan's bound for the measured α and c.
+
+Engines (make_runner): the eager one here (transformers' DynamicCache and masks), and engine.py's
+static KV caches with CUDA graphs on the GPU. Both decode with the same functions below; greedy and
+speculative decoding of one evaluation always share one engine.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+from specdraft import environment
+from specdraft.config import Recipe
+from specdraft.data.prompts import select_prompts
+from specdraft.decoding.rounds import (
+    Stats,
+    alpha_from_tau,
+    check_exact,
+    greedy,
+    leviathan_bound,
+    speculative,
+    speculative_sampled,
+)
+from specdraft.decoding.runners import TargetRunner, make_runner, sync
+from specdraft.decoding.tree import TreeShape, decode_capacity
+from specdraft.drafters.checkpoint import load_trained
+from specdraft.run import RunFolder, atomic_path, write_json, write_text
+from specdraft.targets import Target, resolve_device
+
+
+def load_prompts(recipe: Recipe, target: Target) -> list[dict]:
+    """The held-out split of the run's data, or `eval.prompts_file`: JSONL with a `prompt` string or
+    `messages`, optional `id` and the category field."""
+    cfg = recipe.eval
+    if not cfg.prompts_file:
+        prompts, _ = select_prompts(recipe, target, "eval", cfg.num_prompts)
+        return prompts
+    chosen = []
+    path = Path(cfg.prompts_file)
+    with open(path) as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{lineno}: not JSON ({e.msg})") from None
+            if not isinstance(rec, dict) or not (isinstance(rec.get("prompt"), str) or
+                                                 isinstance(rec.get("messages"), list)):
+                raise ValueError(f"{path}:{lineno}: expected an object with a 'prompt' string or 'messages' list")
+            messages = rec.get("messages") or [{"role": "user", "content": rec["prompt"]}]
+            ids = target.chat_ids(messages, add_generation_prompt=True)
+            if len(ids) > recipe.data.max_prompt_tokens:
+                continue
+            item = {"id": str(rec.get("id", f"{path.name}:{lineno}")), "messages": messages, "prompt_ids": ids}
+            if cfg.category_field in rec:
+                item["category"] = str(rec[cfg.category_field])
+            chosen.append(item)
+            if len(chosen) >= cfg.num_prompts:
+                break
+    if not chosen:
+        raise ValueError(f"{path}: no prompt of at most {recipe.data.max_prompt_tokens} tokens")
+    return chosen
+
+
+def plot_histogram(hists: dict[str, list[int]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5, 3))
+    width = 0.8 / len(hists)
+    for j, (name, hist) in enumerate(hists.items()):
+        total = max(1, sum(hist))
+        ax.bar([i + j * width for i in range(len(hist))], [h / total for h in hist], width, label=name)
+    ax.set_xlabel("draft tokens accepted per round")
+    ax.set_ylabel("share of rounds")
+    ax.set_title("Accepted lengths")
+    ax.legend()
+    fig.tight_layout()
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png", dpi=100)
+    plt.close(fig)
+
+
+def evaluate(runner: TargetRunner, drafter, prompts: list[dict], cfg, eos: int) -> dict:
+    """Greedy AR, chain and tree decoding of every prompt with the same engine: exactness and figures."""
+    from tqdm import tqdm
+
+    chain, tree = TreeShape.chain(cfg.draft_tokens), TreeShape(cfg.tree_topk, cfg.tree_depth, cfg.tree_tokens)
+    if "sliding" in runner.target.family.attention and tree.topk > 1:
+        # A tree's 4-D mask replaces the model's own, which is where sliding windows and attention
+        # sinks live (gpt-oss): verified that way the tree is not exact. Such targets are measured with
+        # chains (a chain's mask is the model's causal one).
+        print(f"eval: {runner.target.family.attention} attention: tree drafting measured as a chain of {tree.depth}")
+        tree = TreeShape.chain(tree.depth)
+    stats = {"chain": Stats(chain.depth), "tree": Stats(tree.depth)}
+    seconds = {"ar": 0.0, "chain": 0.0, "tree": 0.0}
+    tokens = {"ar": 0, "chain": 0, "tree": 0}
+    ties = {"chain": 0, "tree": 0}
+    per_prompt = []
+    by_category = defaultdict(lambda: {"prompts": 0, "chain": Stats(chain.depth), "tree": Stats(tree.depth)})
+    # Sized once for every prompt: a static cache that grew mid-run would recapture its graphs in the timing.
+    runner.reserve(decode_capacity(prompts, cfg))
+    for p in tqdm(prompts, desc="eval", unit="prompt"):
+        sync(runner.device)
+        t0 = time.perf_counter()
+        ref, gaps = greedy(runner, p["prompt_ids"], cfg.max_new_tokens, eos)
+        sync(runner.device)
+        took = {"ar": time.perf_counter() - t0}
+        seconds["ar"] += took["ar"]
+        tokens["ar"] += len(ref)
+        row = {"id": p["id"], "tokens": len(ref)}
+        cat = by_category[p.get("category", "all")]
+        cat["prompts"] += 1
+        for name, shape in (("chain", chain), ("tree", tree)):
+            rounds_before, hist_before = stats[name].rounds, list(stats[name].accepted_hist)
+            t0 = time.perf_counter()
+            spec = speculative(runner, drafter, p["prompt_ids"], cfg.max_new_tokens, eos, shape, stats[name])
+            sync(runner.device)
+            took[name] = time.perf_counter() - t0
+            seconds[name] += took[name]
+            tokens[name] += len(spec)
+            check = check_exact(spec, ref, gaps, cfg.tie_tolerance, p["id"])
+            ties[name] += not check["exact"]
+            row[name] = {"rounds": stats[name].rounds - rounds_before, **check}
+            for a, (after, before) in enumerate(zip(stats[name].accepted_hist, hist_before)):
+                for _ in range(after - before):
+                    cat[name].add(a)
+        row["seconds"] = {k: round(v, 4) for k, v in took.items()}
+        per_prompt.append(row)
+    ar_tps = tokens["ar"] / seconds["ar"]
+    ar_step = seconds["ar"] / max(1, tokens["ar"])  # one target forward of one token (prefill amortised)
+    # The engine as it ran: a CUDA graph capture that failed mid-run shows here.
+    report = {"prompts": len(prompts), "engine": runner.engine, "autoregressive_tokens_per_s": round(ar_tps, 2),
+              "seconds_per_prompt": {k: round(v / len(prompts), 4) for k, v in seconds.items()}}
+    for name, shape in (("chain", chain), ("tree", tree)):
+        s = stats[name]
+        c = s.draft_seconds / max(1, s.draft_steps) / ar_step
+        tps = tokens[name] / seconds[name]
+        K = shape.depth
+        alpha = alpha_from_tau(s.tau, K)
+        report[name] = {
+            **s.summary(), "shape": vars(shape), "exact_prompts": len(prompts) - ties[name],
+            "numerical_ties": ties[name], "speculative_tokens_per_s": round(tps, 2),
+            "speedup": round(tps / ar_tps, 3), "draft_to_target_cost": round(c, 4),
+            "alpha": round(alpha, 4), "leviathan_bound": round(leviathan_bound(alpha, K, c), 3),
+        }
+    if len(by_category) > 1 or "all" not in by_category:
+        report["per_category"] = {k: {"prompts": v["prompts"], "tau_chain": round(v["chain"].tau, 4),
+                                      "tau_tree": round(v["tree"].tau, 4),
+                                      "per_position_acceptance_chain": v["chain"].summary()["per_position_acceptance"]}
+                                  for k, v in sorted(by_category.items())}
+    report["per_prompt"] = per_prompt
+    return report
+
+
+def sampled_tau(runner, drafter, prompts, cfg, eos, seed: int) -> dict:
+    stats = Stats(cfg.draft_tokens)
+    gen = torch.Generator(device=runner.device).manual_seed(seed)
+    for p in prompts:
+        speculative_sampled(runner, drafter, p["prompt_ids"], cfg.max_new_tokens, eos, cfg.draft_tokens,
+                            cfg.temperature, stats, gen)
+    return {"temperature": cfg.temperature, **stats.summary()}
+
+
+def run(recipe: Recipe, folder: RunFolder) -> dict:
+
+    cfg = recipe.eval
+    t_start = time.time()
+    device = torch.device(resolve_device(cfg.device))
+    drafter, target, _ = load_trained(recipe, folder)
+    drafter = drafter.to(device=device, dtype=getattr(torch, cfg.dtype))
+    runner = make_runner(target, target.load_model(cfg.dtype, device=str(device)), cfg.engine)
+    prompts = load_prompts(recipe, target)
+    report = evaluate(runner, drafter, prompts, cfg, target.eos_token_id)
+    # Top-level figures are the chain's: what vLLM's num_speculative_tokens = K serves.
+    report = {"prompts": report["prompts"], "draft_tokens": cfg.draft_tokens,
+              **{k: v for k, v in report["chain"].items() if k != "shape"},
+              "autoregressive_tokens_per_s": report["autoregressive_tokens_per_s"],
+              **{k: v for k, v in report.items() if k not in ("prompts", "autoregressive_tokens_per_s")}}
+    if cfg.temperature > 0:
+        report["sampled"] = sampled_tau(runner, drafter, prompts, cfg, target.eos_token_id, recipe.train.seed)
+    report.update({"dtype": cfg.dtype, "device": str(device), "hardware": environment.hardware_line()})
+    out = folder.eval
+    write_json(out / "report.json", report)
+    plot_histogram({"chain": report["chain"]["accepted_length_histogram"],
+                    "tree": report["tree"]["accepted_length_histogram"]}, out / "accepted_lengths.png")
+    write_text(out / "report.md", render_markdown(report))
+    metrics = {k: report[k] for k in ("tau", "per_position_acceptance", "speedup", "autoregressive_tokens_per_s",
+                                      "speculative_tokens_per_s", "draft_to_target_cost", "leviathan_bound")}
+    metrics["tau_tree"] = report["tree"]["tau"]
+    print(f"eval: tau chain {report['tau']:.3f}, tree {report['tree']['tau']:.3f}; report {out / 'report.md'}")
+    print(f"next: measure the served drafter: specdraft bench --run {folder.path} --endpoint URL")
+    return folder.record("eval", state="done", config=cfg, metrics=metrics,
+                      counts={"prompts": len(prompts), "exact": report["exact_prompts"],
+                              "ties": report["numerical_ties"]},
+                      seconds=time.time() - t_start)
+
+
+def render_markdown(r: dict) -> str:
+    lines = [
+        "# Drafter evaluation (reference decoder, greedy, exact)",
+        "",
+        f"- prompts: {r['prompts']}; dtype {r['dtype']}; device {r['device']}; hardware: {r['hardware']}",
+        f"- engine: {r['engine']}; autoregressive decode (same engine): {r['autoregressive_tokens_per_s']} tok/s",
+        "",
+        "| drafting | shape | tau | per-position acceptance | exact / ties | tok/s | speedup | c | α | bound |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name in ("chain", "tree"):
+        s = r[name]
+        shape = s["shape"]
+        pos = " / ".join(f"{a:.2f}" for a in s["per_position_acceptance"])
+        lines.append(f"| {name} | top-k {shape['topk']}, depth {shape['depth']}, {shape['tokens']} tokens | "
+                     f"**{s['tau']:.3f}** | {pos} | {s['exact_prompts']} / {s['numerical_ties']} | "
+                     f"{s['speculative_tokens_per_s']} | {s['speedup']}x | {s['draft_to_target_cost']} | "
+                     f"{s['alpha']} | {s['leviathan_bound']}x |")
+    lines += ["", "Accepted-length histograms (0..depth): "
+              f"chain {r['chain']['accepted_length_histogram']}, tree {r['tree']['accepted_length_histogram']}.",
+              "The bound is Leviathan et al.'s S = (1 − α^(γ+1)) / ((1 − α)(γc + 1)) with γ = depth, α from tau, "
+              "c = one drafting step / one autoregressive target step."]
+    if "sampled" in r:
+        s = r["sampled"]
+        lines.append(f"\nSampled chain (temperature {s['temperature']}, exact rejection sampling): tau {s['tau']:.3f}, "
+                     f"per-position acceptance {' / '.join(f'{a:.2f}' for a in s['per_position_acceptance'])}")
+    if "per_category" in r:
+        lines += ["", "| category | prompts | tau chain | tau tree |", "|---|---|---|---|"]
+        lines += [f"| {k} | {v['prompts']} | {v['tau_chain']} | {v['tau_tree']} |" for k, v in r["per_category"].items()]
+    lines += ["", "![accepted lengths](accepted_lengths.png)", ""]
+    return "\n".join(lines)

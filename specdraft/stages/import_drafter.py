@@ -1,0 +1,90 @@
+"""import: a published EAGLE-3 drafter (speculators or flat format, midlayer.* or layers.0.*) read,
+checked against the target and written as a specdraft checkpoint that eval, export and doctor use.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from specdraft.drafters.checkpoint import save_checkpoint
+from specdraft.drafters.eagle3 import Eagle3Drafter
+from specdraft.drafters.formats import (
+    EMBED_KEY,
+    Published,
+    fit_problems,
+    read_published,
+)
+from specdraft.run import RunFolder
+from specdraft.targets import Target
+from specdraft.hidden.store import INDEX
+
+
+def import_drafter(folder: Path, target, out: Path,
+                   extracted_aux_layer_ids: list[int] | None = None) -> tuple[Eagle3Drafter, Published]:
+    """A published drafter folder -> a specdraft checkpoint at `out` (train.save_checkpoint's format,
+    which eval, export and fine-tuning read), after checking it against `target` (and against the
+    layers a run's hidden states hold, when given). Any misfit is an error that lists every one."""
+
+    folder = Path(folder)
+    published = read_published(folder, target.default_aux_layer_ids())
+    problems = fit_problems(published.config, target, EMBED_KEY[1] in published.tensors)
+    if extracted_aux_layer_ids is not None and list(extracted_aux_layer_ids) != published.config.aux_layer_ids:
+        problems.append(f"aux layer ids: drafter {published.config.aux_layer_ids}, the run's hidden states "
+                        f"{list(extracted_aux_layer_ids)} (fine-tuning would feed it other layers)")
+    if problems:
+        raise ValueError(f"import: {folder} does not fit the target {target.path}:\n  " + "\n  ".join(problems))
+    embed = target.embed_weight()
+    drafter = published.build(embed)
+    if EMBED_KEY[1] in published.tensors and not torch.equal(drafter.embed_tokens.weight, embed.float()):
+        published.notes.append("embed_tokens: differs from the target's; kept in the checkpoint")
+    aux_ids = drafter.config.aux_layer_ids
+    target_for_drafter = type(target)(target.name, aux_ids)
+    meta = {"aux_layer_ids": aux_ids, "target": target_for_drafter.describe(),
+            "imported_from": {"folder": str(folder.resolve()), "layout": published.layout,
+                              "notes": published.notes}}
+    save_checkpoint(drafter, Path(out), meta)
+    return drafter, published
+
+
+def run_import(source: str, recipe, folder: RunFolder | None = None, out: str | None = None) -> dict:
+    """`specdraft import`: into a run (its checkpoints/imported, recorded as the run's drafter, so
+    `eval`, `export` and `doctor` take it from there) or into a bare checkpoint folder (`out`)."""
+
+    t0 = time.time()
+    target = Target(recipe.target.model)
+    if folder is not None:
+        trained = folder.stage("train")
+        if trained and trained.get("state") == "done" and "imported_from" not in trained:
+            raise ValueError(f"import: {folder.path} already holds a trained drafter ({trained.get('checkpoint')}); "
+                             "import into a new run (--run) or a folder (--out)")
+        out_path = folder.checkpoint("imported")
+        index = folder.hidden / INDEX
+        extracted = json.loads(index.read_text())["aux_layer_ids"] if index.exists() else None
+    else:
+        out_path, extracted = Path(out), None
+    drafter, published = import_drafter(Path(source), target, out_path, extracted)
+    cfg = drafter.config
+    print(f"import: {source} ({published.layout})")
+    for note in published.notes:
+        print(f"  {note}")
+    print(f"  drafter: hidden {cfg.hidden_size}, {cfg.num_attention_heads} heads x {cfg.head_dim}, draft vocab "
+          f"{cfg.draft_vocab_size} of {cfg.vocab_size}, aux layers {cfg.aux_layer_ids}, "
+          f"norm_before_residual {cfg.norm_before_residual}")
+    print(f"  checkpoint: {out_path}")
+    info = {"folder": str(Path(source).resolve()), "layout": published.layout, "notes": published.notes}
+    if folder is None:
+        print(f"\nnext: specdraft doctor {source} --target {recipe.target.model}")
+        return info
+    # The run's target reads the drafter's layers from now on (extract for fine-tuning, eval).
+    recipe.target.aux_layer_ids = list(cfg.aux_layer_ids)
+    folder.init(recipe)
+    rel = str(out_path.relative_to(folder.path))
+    entry = folder.record("import", state="done", seconds=time.time() - t0, extra={**info, "checkpoint": rel})
+    # Recorded as the run's drafter: eval and export load the train stage's checkpoint.
+    folder.record("train", state="done", extra={"checkpoint": rel, "imported_from": info["folder"]})
+    print(f"\nnext: specdraft eval --run {folder.path}    (then: specdraft export --run {folder.path} --formats both)")
+    return entry
