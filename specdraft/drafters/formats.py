@@ -31,7 +31,6 @@ export followed by import gives back the same tensors (tested).
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -88,7 +87,6 @@ SGLANG_NUM_AUX = 3
 # EAGLE-3.1's optional norms (before fc, per aux state in fc, on the state fed to the next step).
 EAGLE31_FLAGS = ("norm_before_fc", "fc_norm", "norm_output")
 # Those our DrafterConfig implements (fields of that name); the others are refused on read, never dropped.
-IMPLEMENTED_NORMS = tuple(f for f in EAGLE31_FLAGS if f in {field.name for field in dataclasses.fields(DrafterConfig)})
 
 
 def layer_config(cfg: DrafterConfig) -> dict:
@@ -170,9 +168,9 @@ def _norm_keys(cfg: DrafterConfig) -> dict[str, str]:
     """The EAGLE-3.1 norms' tensors, named alike in our drafter and both formats (vLLM's `input_norm`
     and `fc_norm.{i}`), present only when their flag is on."""
     keys = {}
-    if getattr(cfg, "norm_before_fc", False):
+    if cfg.norm_before_fc:
         keys["input_norm.weight"] = "input_norm.weight"
-    if getattr(cfg, "fc_norm", False):
+    if cfg.fc_norm:
         keys.update({f"fc_norm.{i}.weight": f"fc_norm.{i}.weight" for i in range(len(cfg.aux_layer_ids))})
     return keys
 
@@ -283,7 +281,7 @@ def write_vllm(drafter: Eagle3Drafter, out: Path, *, verifier: str, verifier_arc
         "target_hidden_size": cfg.target_hidden_size,
         "eagle_aux_hidden_state_layer_ids": list(cfg.aux_layer_ids),
         "norm_before_residual": cfg.norm_before_residual,
-        **{flag: bool(getattr(cfg, flag, False)) for flag in EAGLE31_FLAGS},
+        **{flag: getattr(cfg, flag) for flag in EAGLE31_FLAGS},
         "speculators_config": {
             "algorithm": "eagle3",
             "default_proposal_method": "greedy",
@@ -298,18 +296,13 @@ def write_vllm(drafter: Eagle3Drafter, out: Path, *, verifier: str, verifier_arc
     return out
 
 
-def _read_norms(config: dict, where: str) -> dict[str, bool]:
+def _read_norms(config: dict) -> dict[str, bool]:
     """EAGLE-3.1's extra norms, as vLLM reads them (top level; norm_before_fc from eagle_config first;
-    False when absent) -> the DrafterConfig fields. A flag on that our drafter does not implement is
-    refused rather than silently dropped (FACTS.md: a dropped norm_before_fc serves and accepts little)."""
+    False when absent) -> the DrafterConfig fields. Every one of them is read, never dropped: a served
+    drafter whose norm_before_fc was lost on load accepts little."""
     eagle = config.get("eagle_config") or {}
-    flags = {flag: bool(eagle.get(flag, config.get(flag, False)) if flag == "norm_before_fc" else config.get(flag, False))
-             for flag in EAGLE31_FLAGS}
-    on = [flag for flag, value in flags.items() if value and flag not in IMPLEMENTED_NORMS]
-    if on:
-        raise ValueError(f"{where}: {', '.join(f'{f}=true' for f in on)}: EAGLE-3.1 norms that specdraft's "
-                         "drafter does not implement; reading it without them would give another network")
-    return {flag: flags[flag] for flag in IMPLEMENTED_NORMS}
+    return {flag: bool(eagle.get(flag, config.get(flag, False)) if flag == "norm_before_fc" else config.get(flag, False))
+            for flag in EAGLE31_FLAGS}
 
 
 def _parse_vllm(folder: Path, config: dict) -> tuple[DrafterConfig, dict[str, str], str]:
@@ -320,7 +313,7 @@ def _parse_vllm(folder: Path, config: dict) -> tuple[DrafterConfig, dict[str, st
                 "eagle_aux_hidden_state_layer_ids"):
         if not config.get(key):
             raise ValueError(f"{where}: no {key!r}")
-    norms = _read_norms(config, where)
+    norms = _read_norms(config)
     cfg = _config_from_layer(
         config["transformer_layer_config"], where, norms=norms,
         draft_vocab_size=config["draft_vocab_size"],
@@ -355,7 +348,7 @@ def flat_config(cfg: DrafterConfig, provenance: dict) -> dict:
         # vLLM reads a missing flag as False on this path; SGLang has no flag and always behaves so.
         "norm_before_residual": cfg.norm_before_residual,
         # The EAGLE-3.1 norms (vLLM reads them; all False when absent).
-        **{flag: bool(getattr(cfg, flag, False)) for flag in EAGLE31_FLAGS},
+        **{flag: getattr(cfg, flag) for flag in EAGLE31_FLAGS},
         "specdraft": provenance,
     }
 
@@ -371,7 +364,7 @@ def write_sglang(drafter: Eagle3Drafter, out: Path, *, include_embed: bool, prov
     if cfg.norm_before_residual:
         raise ValueError("export sglang: the drafter uses norm_before_residual=True; SGLang's EAGLE-3 layer always "
                          "adds the un-normed hidden state as the residual, so it would serve another network")
-    on = [flag for flag in EAGLE31_FLAGS if getattr(cfg, flag, False)]
+    on = [flag for flag in EAGLE31_FLAGS if getattr(cfg, flag)]
     if on:
         raise ValueError(f"export sglang: the drafter uses {on}; SGLang's LlamaForCausalLMEagle3 has none of "
                          "EAGLE-3.1's norms, so it would serve another network (serve it with vLLM)")
@@ -419,7 +412,7 @@ def _parse_flat(folder: Path, config: dict, tensor_names: set[str],
         raise ValueError(f"{where}: tie_word_embeddings is true; the engines would use embed_tokens as lm_head")
     if config.get("draft_vocab_size") is None:
         raise ValueError(f"{where}: no 'draft_vocab_size'; SGLang would take the target's lm_head instead")
-    norms = _read_norms(config, where)
+    norms = _read_norms(config)
     cfg = _config_from_layer(
         config, where, norms=norms,
         draft_vocab_size=config["draft_vocab_size"],

@@ -242,98 +242,110 @@ def _fmt(v) -> str:
     return str(v)
 
 
-def render_markdown(s: dict) -> str:
-    out = [f"# STATUS: {s['name']}", "", f"Run folder `{s['run']}`, created {s['created']}.", ""]
-    out += ["## Goal", "", s["goal"]["text"], ""]
-    out += ["## Done / in progress / not started", "", "| | stage | state | counts | seconds |", "|---|---|---|---|---|"]
+def _progress_text(p: dict) -> str:
+    if "shards" in p:
+        return (f"{p['shards']} of {p['shards_of']} shards, {p['samples']} of {p['samples_of']} samples, "
+                f"{p['tokens']:,} of {p['tokens_of']:,} tokens (from {p['source']})")
+    if "records" in p:
+        return f"{p['records']} of {p['of']} {p['unit']} (from {p['source']})"
+    return f"checkpoint at step {p['latest_checkpoint_step']} (from {p['source']})"
+
+
+def _md_stages(s: dict) -> list[str]:
+    out = ["## Done / in progress / not started", "", "| | stage | state | counts | seconds |", "|---|---|---|---|---|"]
     for r in s["stages"]:
         counts = ", ".join(f"{k} {_fmt(v)}" for k, v in (r.get("counts") or {}).items())
-        p = r.get("progress")
-        if p and r["state"] != "done":
-            if "shards" in p:
-                counts = (f"{p['shards']} of {p['shards_of']} shards, {p['samples']} of {p['samples_of']} samples, "
-                          f"{p['tokens']:,} of {p['tokens_of']:,} tokens (from {p['source']})")
-            elif "records" in p:
-                counts = f"{p['records']} of {p['of']} {p['unit']} (from {p['source']})"
-            elif "latest_checkpoint_step" in p:
-                counts = f"checkpoint at step {p['latest_checkpoint_step']} (from {p['source']})"
+        if r.get("progress") and r["state"] != "done":
+            counts = _progress_text(r["progress"])
         if r.get("error"):
             counts = (counts + "; " if counts else "") + f"last error: {r['error']}"
         seconds = _fmt(r["seconds"]) if r.get("seconds") is not None else ""
         out.append(f"| {r['icon']} | {r['stage']} | {r['state']} | {counts} | {seconds} |")
     nxt = s["next"]
     out += ["", f"**Next:** `{nxt['command']}` ({nxt['why']})"]
-    for engine, cmd in (nxt.get("serve") or {}).items():
-        out.append(f"then serve with {engine}: `{cmd}`")
+    out += [f"then serve with {engine}: `{cmd}`" for engine, cmd in (nxt.get("serve") or {}).items()]
     rem = s["remaining"]
     if rem:
         out += ["", f"**Remaining time (plan of {rem['computed']}):** {rem['text']}"
                 + "".join(f"; {r['phase']} {r['text']}" for r in rem["rows"])]
     else:
         out += ["", f"**Remaining time:** no plan recorded; `specdraft plan {s['run']}` writes one."]
-    out += ["", "## Known problems", ""]
+    return out
+
+
+def _md_measured(s: dict) -> list[str]:
+    out = ["## Known problems", ""]
     out += [f"- {p['text']}" for p in s["problems"]] or ["- none recorded"]
     out += ["", "## Measured", "", "| stage | figure | value | unit | where |", "|---|---|---|---|---|"]
     out += [f"| {m['stage']} | {m['name']} | {_fmt(m['value'])} | {m['unit']} | {m['where']} |" for m in s["measured"]]
     if not s["measured"]:
         out.append("| | nothing measured yet | | | |")
-    out += ["", "## Target as discovered", ""]
+    return out
+
+
+def _md_target(s: dict) -> list[str]:
+    out = ["## Target as discovered", ""]
     t = s["target"]
-    if t:
-        moe, mla = t.get("moe"), t.get("mla")
-        q = t.get("quantization")
-        out += [
-            (f"- architecture: {', '.join(t.get('architectures') or [])} (model_type {t['model_type']}, "
-             f"language model {t['text_model_type']}); config `{t['config']}`"),
-            (f"- layers {t['num_layers']}, hidden {t['hidden_size']}, intermediate {t['intermediate_size']}, heads "
-             f"{t['num_attention_heads']} (KV {t['num_key_value_heads']}, head dim {t['head_dim']}), vocab "
-             f"{t['vocab_size']:,}, tied embeddings {t['tie_word_embeddings']}"),
-            f"- parameters {t['parameters']['total']:,} ({t['parameters']['active']:,} active per token)",
-            "- MoE: " + (f"{moe['routed_experts']} routed experts, {moe['shared_experts']} shared, top-{moe['top_k']}, "
-                         f"expert intermediate {moe['expert_intermediate_size']}" if moe else "none (dense)"),
-            "- MLA: " + (", ".join(f"{k} {v}" for k, v in mla.items()) if mla else "none"),
-            f"- MTP layers: {t['mtp_layers'] or 'none'}",
-            "- quantization: " + (f"{q['kind']} ({q['method']})" if q else "none"),
-            f"- chat template sha256 {t['chat_template_sha256']}; thinking markers: "
-            + (", ".join(f"{a} ... {b}" for a, b in t["thinking_markers"]) or "none in the template"),
-        ]
-    else:
+    if not t:
         out.append("- not described yet: `specdraft plan` records the target's config in the manifest")
-    out.append(f"- aux layer ids: {s['aux_layer_ids']}")
-    out += ["", "## Environment", ""]
+        return out + [f"- aux layer ids: {s['aux_layer_ids']}"]
+    moe, mla, q = t.get("moe"), t.get("mla"), t.get("quantization")
+    return out + [
+        (f"- architecture: {', '.join(t.get('architectures') or [])} (model_type {t['model_type']}, "
+         f"language model {t['text_model_type']}); config `{t['config']}`"),
+        (f"- layers {t['num_layers']}, hidden {t['hidden_size']}, intermediate {t['intermediate_size']}, heads "
+         f"{t['num_attention_heads']} (KV {t['num_key_value_heads']}, head dim {t['head_dim']}), vocab "
+         f"{t['vocab_size']:,}, tied embeddings {t['tie_word_embeddings']}"),
+        f"- parameters {t['parameters']['total']:,} ({t['parameters']['active']:,} active per token)",
+        "- MoE: " + (f"{moe['routed_experts']} routed experts, {moe['shared_experts']} shared, top-{moe['top_k']}, "
+                     f"expert intermediate {moe['expert_intermediate_size']}" if moe else "none (dense)"),
+        "- MLA: " + (", ".join(f"{k} {v}" for k, v in mla.items()) if mla else "none"),
+        f"- MTP layers: {t['mtp_layers'] or 'none'}",
+        "- quantization: " + (f"{q['kind']} ({q['method']})" if q else "none"),
+        f"- chat template sha256 {t['chat_template_sha256']}; thinking markers: "
+        + (", ".join(f"{a} ... {b}" for a, b in t["thinking_markers"]) or "none in the template"),
+        f"- aux layer ids: {s['aux_layer_ids']}",
+    ]
+
+
+def _md_environment(s: dict) -> list[str]:
+    out = ["## Environment", ""]
     e = s["environment"]
-    if e:
-        env = e["env"]
-        gpus = env.get("gpus") or []
-        topo = env.get("gpu_topology") or {}
-        engines = env.get("engines") or {}
-        out += [
-            f"- host {env.get('host')} ({env.get('platform')}); recorded by {e['source']}",
-            f"- CPU {env.get('cpu')}, {env.get('cpu_count')} cores; RAM {e['sizes']['ram']}"
-            if env.get("ram_bytes") else f"- CPU {env.get('cpu')}",
-            "- GPUs: " + (f"{len(gpus)}x {gpus[0]['name']}, {e['sizes']['gpu_memory']} each"
-                          + (f", linked by {topo['links']} ({', '.join(topo['link_kinds'])})"
-                             if topo.get("links") else "")
-                          if gpus else "none"),
-        ]
-        if env.get("numa_nodes"):
-            out.append("- NUMA: " + "; ".join(f"{n} CPUs {c}" for n, c in env["numa_nodes"].items())
-                       + ("; GPU NUMA affinity " + ", ".join(f"{g} node {n}" for g, n in topo["numa_affinity"].items())
-                          if topo.get("numa_affinity") else ""))
-        if env.get("disk"):
-            d = env["disk"]
-            out.append(f"- disk at {d['path']}: {e['sizes']['disk_free']} free of {e['sizes']['disk_total']}")
-        v = env.get("versions") or {}
-        out.append(f"- Python {env.get('python')}, torch {v.get('torch')}, transformers {v.get('transformers')}, "
-                   f"CUDA {env.get('cuda') or 'none'}, driver {env.get('driver') or 'none'}"
-                   + "".join(", " + (f"{k} {x['version']} ({x['where']})" if x else f"{k} not found")
-                             for k, x in engines.items()))
-        if len(e["hosts"]) > 1:
-            out.append("- stages ran on more than one host: "
-                       + "; ".join(f"{h}: {', '.join(st)}" for h, st in e["hosts"].items()))
-    else:
-        out.append("- no stage recorded yet")
-    out += ["", "## Files", "", "| path | size |", "|---|---|"]
+    if not e:
+        return out + ["- no stage recorded yet"]
+    env = e["env"]
+    gpus, topo, engines = env.get("gpus") or [], env.get("gpu_topology") or {}, env.get("engines") or {}
+    links = f", linked by {topo['links']} ({', '.join(topo['link_kinds'])})" if topo.get("links") else ""
+    out += [
+        f"- host {env.get('host')} ({env.get('platform')}); recorded by {e['source']}",
+        f"- CPU {env.get('cpu')}, {env.get('cpu_count')} cores; RAM {e['sizes']['ram']}"
+        if env.get("ram_bytes") else f"- CPU {env.get('cpu')}",
+        "- GPUs: " + (f"{len(gpus)}x {gpus[0]['name']}, {e['sizes']['gpu_memory']} each{links}" if gpus else "none"),
+    ]
+    if env.get("numa_nodes"):
+        out.append("- NUMA: " + "; ".join(f"{n} CPUs {c}" for n, c in env["numa_nodes"].items())
+                   + ("; GPU NUMA affinity " + ", ".join(f"{g} node {n}" for g, n in topo["numa_affinity"].items())
+                      if topo.get("numa_affinity") else ""))
+    if env.get("disk"):
+        d = env["disk"]
+        out.append(f"- disk at {d['path']}: {e['sizes']['disk_free']} free of {e['sizes']['disk_total']}")
+    v = env.get("versions") or {}
+    out.append(f"- Python {env.get('python')}, torch {v.get('torch')}, transformers {v.get('transformers')}, "
+               f"CUDA {env.get('cuda') or 'none'}, driver {env.get('driver') or 'none'}"
+               + "".join(", " + (f"{k} {x['version']} ({x['where']})" if x else f"{k} not found")
+                         for k, x in engines.items()))
+    if len(e["hosts"]) > 1:
+        out.append("- stages ran on more than one host: "
+                   + "; ".join(f"{h}: {', '.join(st)}" for h, st in e["hosts"].items()))
+    return out
+
+
+def render_markdown(s: dict) -> str:
+    out = [f"# STATUS: {s['name']}", "", f"Run folder `{s['run']}`, created {s['created']}.", ""]
+    out += ["## Goal", "", s["goal"]["text"], ""]
+    for section in (_md_stages, _md_measured, _md_target, _md_environment):
+        out += section(s) + [""]
+    out += ["## Files", "", "| path | size |", "|---|---|"]
     out += [f"| {f['path']} | {f['text']} |" for f in s["files"]]
     return "\n".join(out) + "\n"
 
