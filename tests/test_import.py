@@ -183,3 +183,44 @@ def test_misfits_against_the_target_are_all_named(target, tmp_path, capsys):
     assert "target_hidden_size: drafter 96, target hidden_size 576" in err
     assert "aux layer ids [40] outside 1..29" in err
     assert not (tmp_path / "ckpt").exists()
+
+
+def speculators_saved(d, out):
+    """The folder as speculators 0.9.0's own save_pretrained writes an EAGLE-3 drafter for SmolLM2: the
+    same tensors as our vLLM export, `target_hidden_size: null` (it writes null when equal to the
+    drafter's width) and a sliding-window layer config (`layer_types`, `sliding_window`)."""
+    folder = export("vllm", d, out)
+    config = json.loads((folder / "config.json").read_text())
+    config.pop("specdraft", None)
+    config["target_hidden_size"] = None
+    config["transformer_layer_config"].update(layer_types=["sliding_attention"], sliding_window=2048)
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    return folder
+
+
+def test_speculators_folder_with_null_target_hidden_size_imports_and_passes_doctor(drafter, target, tmp_path, capsys):
+    folder = speculators_saved(drafter, tmp_path / "speculators")
+    assert main(["import", str(folder), "--out", str(tmp_path / "ckpt"), "--target", "smollm2"]) == 0
+    imported, _ = load_checkpoint(tmp_path / "ckpt", target.embed_weight())
+    assert_identical(drafter, imported)
+    out = capsys.readouterr().out
+    assert "target_hidden_size: null; read as the drafter's hidden size 576" in out
+    assert "sliding_attention with a window of 2048 tokens" in out
+    main(["doctor", str(folder), "--target", "smollm2", "--no-measure"])
+    out = capsys.readouterr().out
+    assert "PASS  drafter loads" in out, out
+
+
+def test_doctor_on_an_unreadable_foreign_folder_does_not_say_re_export(drafter, tmp_path, capsys):
+    folder = speculators_saved(drafter, tmp_path / "speculators")
+    config = json.loads((folder / "config.json").read_text())
+    del config["draft_vocab_size"]
+    (folder / "config.json").write_text(json.dumps(config))
+    assert main(["doctor", str(folder), "--target", "smollm2", "--no-measure"]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL  drafter loads" in out and "specdraft export" not in out
+
+
+def test_doctor_on_a_missing_folder_says_so(capsys):
+    assert main(["doctor", "/no/such/folder", "--target", "smollm2"]) == 2
+    assert "/no/such/folder is not a folder" in capsys.readouterr().err

@@ -309,15 +309,16 @@ def _parse_vllm(folder: Path, config: dict) -> tuple[DrafterConfig, dict[str, st
     where = f"{folder}/config.json"
     if config.get("speculators_model_type") != "eagle3":
         raise ValueError(f"{where}: not a speculators eagle3 config")
-    for key in ("transformer_layer_config", "draft_vocab_size", "target_hidden_size",
-                "eagle_aux_hidden_state_layer_ids"):
+    for key in ("transformer_layer_config", "draft_vocab_size", "eagle_aux_hidden_state_layer_ids"):
         if not config.get(key):
             raise ValueError(f"{where}: no {key!r}")
     norms = _read_norms(config)
+    layer = config["transformer_layer_config"]
     cfg = _config_from_layer(
-        config["transformer_layer_config"], where, norms=norms,
+        layer, where, norms=norms,
         draft_vocab_size=config["draft_vocab_size"],
-        target_hidden_size=config["target_hidden_size"],
+        # speculators writes null when it equals the drafter's width, and vLLM reads null so.
+        target_hidden_size=config.get("target_hidden_size") or layer.get("hidden_size"),
         aux_layer_ids=config["eagle_aux_hidden_state_layer_ids"],
         # What vLLM assumes when the flag is absent on this path.
         norm_before_residual=config.get("norm_before_residual", True),
@@ -472,6 +473,10 @@ def read_published(folder: Path, default_aux_layer_ids: list[int] | None = None)
         cfg, keys, layout = _parse_vllm(folder, config)
         if "norm_before_residual" not in config:
             notes.append("norm_before_residual: absent; read as True, as vLLM's speculators path does")
+        if config.get("target_hidden_size") is None:
+            notes.append(f"target_hidden_size: null; read as the drafter's hidden size {cfg.hidden_size}, as vLLM "
+                         "and speculators do")
+        notes += _sliding_notes(config["transformer_layer_config"])
     elif FLAT_ARCHITECTURE in (config.get("architectures") or []):
         tensors = _flat_tensors(folder)
         cfg, keys, layout = _parse_flat(folder, config, set(tensors), default_aux_layer_ids)
@@ -485,6 +490,15 @@ def read_published(folder: Path, default_aux_layer_ids: list[int] | None = None)
         raise ValueError(f"{folder}/config.json: neither a speculators config (speculators_model_type) nor a "
                          f"flat EAGLE-3 one (architectures {FLAT_ARCHITECTURE})")
     return Published(folder, cfg, tensors, keys, layout, notes)
+
+
+def _sliding_notes(layer: dict) -> list[str]:
+    """A layer config saying "sliding_attention" makes vLLM give the drafter's one layer a window; our
+    drafter attends to the whole context, which is the same network on contexts up to the window."""
+    if "sliding_attention" not in (layer.get("layer_types") or []) or not layer.get("sliding_window"):
+        return []
+    return [f"layer_types: sliding_attention with a window of {layer['sliding_window']} tokens; read as full "
+            f"attention, the same on contexts up to {layer['sliding_window']} tokens"]
 
 
 def read_drafter(folder: Path, embed: torch.Tensor | None = None) -> Eagle3Drafter:

@@ -331,7 +331,11 @@ def diagnose(folder: Path, target, run_path: Path | None = None, measured: bool 
     try:
         drafter = read_drafter(folder, target.embed_weight())
     except ValueError as e:
-        return checks + [Check("drafter loads", False, str(e), "re-export the drafter with `specdraft export`")]
+        ours = "specdraft" in config
+        fix = ("re-export the drafter with `specdraft export`" if ours else
+               "the folder is not one the engines load as EAGLE-3 (or a layout specdraft cannot read yet): "
+               "check it against its trainer's export")
+        return checks + [Check("drafter loads", False, str(e), fix)]
     own = sum(p.numel() for name, p in drafter.named_parameters() if name != "embed_tokens.weight")
     checks.append(Check("drafter loads", True, f"{own / 1e6:.2f} M parameters besides the target's embedding"))
     checks += _target_checks(drafter, target)
@@ -353,6 +357,9 @@ def run_doctor(folder: str, target_name: str | None, run_path: str | None, measu
     training data) defaults to the one the folder was exported into (runs/<name>/export/<format>)."""
 
     folder_path = Path(folder)
+    if not folder_path.is_dir():
+        raise FileNotFoundError(f"doctor: {folder_path} is not a folder (give an exported drafter folder, e.g. "
+                                "runs/demo/export/vllm)")
     if run_path is None and RunFolder(folder_path.resolve().parents[1]).exists():
         run_path = str(folder_path.resolve().parents[1])
     if target_name is None:
