@@ -36,7 +36,7 @@ def main() -> None:
     ap.add_argument("run", help="a run folder with a trained drafter (specdraft demo makes runs/demo)")
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=256)
-    ap.add_argument("--dtype", default="float32", help="float32 keeps greedy speculation exact (FACTS.md)")
+    ap.add_argument("--dtype", default="float32", help="float32 keeps greedy speculation exact (docs/engine-facts.md)")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--engine", default=None, choices=runners.ENGINES, help="default: the recipe's eval.engine (auto: "
                     "cuda-graphs on CUDA, eager elsewhere)")

@@ -4,7 +4,7 @@
 
 Configurations, on random inputs shaped like packed training rows (documents of random lengths):
   smollm2  the SmolLM2-135M drafter, 3 TTT steps, draft vocab 8,192, 8,192-token packed rows
-           (the speculators trainer ran this at ~160 k tok/s on an H200, FACTS.md)
+           (the speculators trainer ran this at ~160 k tok/s on an H200: bench/RESULTS.md)
   llama8b  a Llama-3.1-8B-shaped drafter (hidden 4096, 32/8 heads, intermediate 14336, draft vocab
            32,000, target vocab 128,256), 7 TTT steps
 Figures: tokens/s, model FLOPs per token (counted below), TFLOP/s, MFU against 790 TFLOP/s (H200

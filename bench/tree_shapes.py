@@ -41,7 +41,7 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--shapes", nargs="+", type=shape, default=[shape("8,6,60"), shape("8,8,64")])
-    ap.add_argument("--dtype", default="float32", help="float32 keeps greedy speculation exact (FACTS.md)")
+    ap.add_argument("--dtype", default="float32", help="float32 keeps greedy speculation exact (docs/engine-facts.md)")
     ap.add_argument("--device", default="auto")
     args = ap.parse_args()
 

@@ -3,7 +3,7 @@ run's held-out eval prompts, next to the reference decoder's tau from eval/repor
 
     python bench/vllm_acceptance.py runs/demo --format vllm|sglang [--vllm-python PATH]
 
-Prints one JSON line. vLLM serves in bf16; the reference decoder's figure is fp32 (FACTS.md: bf16
+Prints one JSON line. vLLM serves in bf16; the reference decoder's figure is fp32 (docs/engine-facts.md: bf16
 verification passes do not keep greedy text identical, so compare acceptance, not text).
 """
 

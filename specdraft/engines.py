@@ -1,6 +1,6 @@
 """A real vLLM server on loopback, started and stopped by us: for tests, benchmarks and local serving.
 
-vLLM lives in its own virtualenv (it pins its own torch; FACTS.md), so it runs as a subprocess of
+vLLM lives in its own virtualenv (it pins its own torch), so it runs as a subprocess of
 that interpreter. The server is ready when `/v1/models` answers; it is stopped by its PID (and its
 process group, which holds vLLM's engine workers), whatever happened in between.
 """

@@ -89,7 +89,7 @@ def test_hidden_states_match_the_targets_own_layers(tiny_run, target):
         # Batched with padding in bf16, so not bit-identical; but far closer than a neighbouring layer.
         assert rel(stored, hs[k]) < 1e-2
         assert rel(stored, hs[k]) < rel(stored, hs[k + 1]) / 5 and rel(stored, hs[k]) < rel(stored, hs[k - 1]) / 5
-    # transformers' last hidden state is already the final-norm output (FACTS.md), as `last` is.
+    # transformers' last hidden state is already the final-norm output (docs/engine-facts.md), as `last` is.
     assert rel(sample["last"], hs[-1]) < 1e-2
     logits = model.lm_head(sample["last"].to(model.lm_head.weight.dtype))
     assert (logits.argmax(-1) == out.logits[0].argmax(-1)).float().mean() > 0.95

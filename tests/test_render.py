@@ -159,7 +159,7 @@ def test_the_targets_own_ids_are_trained_and_retokenization_is_reported(target):
     newline, double_newline = tok.convert_tokens_to_ids(["Ċ", "ĊĊ"])
     at = retokenized.index(newline)
     assert retokenized[at + 1] == newline
-    # The target emitted one "\n\n" token where the tokenizer makes two "\n" (FACTS.md: such splits change
+    # The target emitted one "\n\n" token where the tokenizer makes two "\n" (docs/engine-facts.md: such splits change
     # 15 % of SmolLM2's answers): same text, other ids.
     own = retokenized[:at] + [double_newline] + retokenized[at + 2:]
     assert tok.decode(own) == tok.decode(retokenized)

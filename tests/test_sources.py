@@ -9,7 +9,7 @@ def test_sharegpt_recovers_whole_conversations_before_the_cut():
     from specdraft.data.sources import _iter_json_array, sharegpt_path
 
     raw = list(_iter_json_array(sharegpt_path().read_text()))
-    # FACTS.md: 17,671 whole conversations before the cut, 11,144 of them starting with a human turn.
+    # The dump decodes to 17,671 whole conversations before the cut, 11,144 of them starting with a human turn.
     assert len(raw) == 17_671
     assert sum(1 for o in raw if o["conversations"] and o["conversations"][0]["from"] == "human") == 11_144
     convs = list(read_sharegpt())

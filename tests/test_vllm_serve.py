@@ -1,6 +1,6 @@
 """A drafter we export, served by the real vLLM (CPU build): it loads, drafts, and drafts *well*.
 
-Loading alone proves little (FACTS.md: a random drafter loads and accepts nothing). So the drafter
+Loading alone proves little (docs/engine-facts.md: a random drafter loads and accepts nothing). So the drafter
 here is trained to memorise the target's answers to 8 prompts; served with the same prompts, vLLM
 must accept many of its drafts. A wrong aux layer order, a misread d2t, a flipped norm flag or a
 wrong hidden-state convention would each collapse that acceptance.
@@ -53,7 +53,7 @@ def test_vllm_serves_the_exported_drafter_and_accepts_its_drafts(memorised_run, 
     print(f"vLLM: {acc}, {same}/8 answers identical to the training answers")
     assert acc["drafts"] > 0
     assert len(acc["per_position_acceptance"]) == 3
-    # A random or mis-exported drafter accepts ~nothing (mean length 1.0, FACTS.md). This one drafts the
+    # A random or mis-exported drafter accepts ~nothing (mean length 1.0). This one drafts the
     # memorised answers; vLLM's bf16 kernels leave those trajectories at near-ties (1/8 answers stayed
     # identical when measured), after which it drafts from generalisation alone. Measured: 2.01 in vLLM;
     # 3.01 in our reference decoder in bf16 (the numerics of gen) and 1.80 in fp32 on the same prompts.
