@@ -24,7 +24,8 @@ from pathlib import Path
 import torch
 
 from specdraft import environment
-from specdraft.decoding import runners, tree
+from specdraft.decoding import runners
+from specdraft.decoding.tree import decode_capacity
 from specdraft.stages import eval as eval_stage
 from specdraft.run import RunFolder
 from specdraft.targets import resolve_device
@@ -62,7 +63,7 @@ def main() -> None:
     drafter = drafter.to(device=device, dtype=getattr(torch, cfg.dtype))
     runner = runners.make_runner(target, target.load_model(cfg.dtype, device=str(device)), cfg.engine)
     prompts = eval_stage.load_prompts(recipe, target)
-    runner.reserve(tree.decode_capacity(prompts, cfg))  # the warm-up then captures the graphs the run replays
+    runner.reserve(decode_capacity(prompts, cfg))  # the warm-up then captures the graphs the run replays
 
     warm = type(cfg)(**{**vars(cfg), "max_new_tokens": min(cfg.max_new_tokens, 32)})
     eval_stage.evaluate(runner, drafter, prompts[:1], warm, target.eos_token_id)
