@@ -2,7 +2,8 @@
 
 A recipe is a TOML file with one table per stage (`[target]`, `[data]`, `[gen]`, ...). Every field
 has a default here, so a recipe names only what it changes; unknown keys are errors, not ignored,
-because a typo in a recipe would otherwise silently train with the default.
+because a typo in a recipe would otherwise silently train with the default. For the same reason a field
+of fixed choices (typed Literal[...]) takes only those.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import json
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import tomllib
 
@@ -20,6 +22,13 @@ RECIPES_DIR = Path(__file__).parent / "recipes"
 
 class ConfigError(ValueError):
     """A recipe or flag that cannot be turned into a config."""
+
+
+# A field typed Literal[...] takes one of its choices and nothing else, checked when the recipe loads and
+# when a flag sets it: a typo would otherwise take a stage's fallback branch silently (schedule = "cosin"
+# trained with cosine) or fail a stage hours into the run. The field still holds a plain str.
+# ModelDtype: what a target is loaded in, a torch dtype name or "auto" (targets.resolve_dtype).
+ModelDtype = Literal["auto", "bfloat16", "float16", "float32"]
 
 
 @dataclass
@@ -64,7 +73,7 @@ class GenConfig:
     seed: int = 0
     # In-process generation. "auto": bfloat16 on a GPU and on a CPU with bf16 instructions, else float32
     # (targets.resolve_dtype: emulated bf16 ran several times slower than float32).
-    dtype: str = "auto"
+    dtype: ModelDtype = "auto"
     # In-process generation: "auto" is the GPU when there is one, else the CPU; or any torch device.
     device: str = "auto"
     # OpenAI-compatible servers to ask (vLLM, SGLang, llama.cpp); none means in-process transformers.
@@ -85,13 +94,14 @@ class GenConfig:
     # Whose answers train the drafter: "target" asks the target (on-policy, what EAGLE-3 wants);
     # "source" keeps the data source's own first answer to the same prompts, no model loaded: the
     # "original vs regenerated answers" ablation, which measures what regenerating is worth.
-    answers: str = "target"
+    answers: Literal["target", "source"] = "target"
     # User turns replayed per conversation, in-process or through a server (each answered by the target
     # given its own earlier answers); 0 = all. ShareGPT's train split has 3.4 user turns per conversation,
     # so all of them is ~3x the answers of the first alone, at ~3x the cost of every stage after gen.
     max_turns: int = 1
-    # "auto" expects reasoning when the target has thinking markers (and thinking is not switched off).
-    expect_reasoning: str = "auto"
+    # "auto" expects reasoning when the target has thinking markers (and thinking is not switched off);
+    # true/false (or yes/no, on/off, 1/0, as a bool field takes them) say it outright.
+    expect_reasoning: Literal["auto", "true", "false"] = "auto"
     # Stop when more than this share of the last `empty_reasoning_window` answers had no reasoning.
     empty_reasoning_share: float = 0.02
     empty_reasoning_window: int = 200
@@ -102,6 +112,7 @@ class GenConfig:
     system_prompt: str = ""
     # Passed through as-is when set (e.g. {enable_thinking = true}; "low"/"medium"/"high").
     chat_template_kwargs: dict = field(default_factory=dict)
+    # Free text: the server decides which efforts it knows.
     reasoning_effort: str = ""
     # Magpie: the target writes the user turn from its template's user-turn prefix, then answers it
     # (through a server's completions endpoint, or in-process); needs num_samples.
@@ -124,13 +135,13 @@ class RenderConfig:
 @dataclass
 class ExtractConfig:
     # What the target computes in; "auto" as gen.dtype's.
-    dtype: str = "auto"
+    dtype: ModelDtype = "auto"
     # Tokens per forward batch (padding included); bounds activation memory.
     batch_tokens: int = 4096
     shard_bytes: int = 256 * 2**20
     # How the states are stored: "bfloat16" as computed, or "fp8_e4m3" (one float32 scale per H-wide
     # row) at about half the disk; the reader decodes either to bfloat16.
-    store_dtype: str = "bfloat16"
+    store_dtype: Literal["bfloat16", "fp8_e4m3"] = "bfloat16"
     # Free disk must exceed the planned bytes by this share: the filesystem's own overhead and the
     # checkpoints and exports later stages write into the same run folder.
     disk_margin: float = 0.10
@@ -141,7 +152,7 @@ class ExtractConfig:
     device_map: str = ""
     # Who runs the target: "transformers" in this process, or "vllm" (a vLLM server driven through its
     # extract_hidden_states speculative method, for targets only vLLM can run, e.g. with tensor parallelism).
-    backend: str = "transformers"
+    backend: Literal["transformers", "vllm"] = "transformers"
     # Extra `vllm serve` arguments for the vllm backend ("--tensor-parallel-size,8").
     vllm_args: list[str] = field(default_factory=list)
 
@@ -157,21 +168,21 @@ class TrainConfig:
     weight_decay: float = 0.0
     # "adamw", or "muon": torch's Muon on the layer's and fc's weight matrices (lr matched to AdamW's RMS,
     # so the same lr), AdamW on lm_head and the norms; speculators 0.9.0 trains its drafters with Muon.
-    optimizer: str = "adamw"
+    optimizer: Literal["adamw", "muon"] = "adamw"
     warmup_steps: int = 20
     grad_clip: float = 1.0
     batch_tokens: int = 8192
     seed: int = 0
     # "bfloat16" runs matmuls under autocast (fp32 master weights); "float32" runs plain; "auto" is
     # bfloat16 where the device multiplies it in hardware (targets.resolve_dtype), else float32.
-    autocast_dtype: str = "auto"
+    autocast_dtype: Literal["auto", "bfloat16", "float32"] = "auto"
     log_every: int = 10
     # Where the target's hidden states come from: "disk" reads the extract stage's shards; "online" runs
     # the target beside the trainer, batch by batch, and writes nothing.
-    hidden: str = "disk"
+    hidden: Literal["disk", "online"] = "disk"
     # Loss against the target's distribution: "soft_ce" (EAGLE-3), "kl", or "lk" (-log of the
     # speculative-sampling acceptance probability, acceptance-oriented).
-    loss: str = "soft_ce"
+    loss: Literal["soft_ce", "kl", "lk"] = "soft_ce"
     # Share of the samples held out (seeded) for the simulated tau that picks the `best` checkpoint.
     holdout: float = 0.05
     eval_every: int = 100
@@ -179,8 +190,8 @@ class TrainConfig:
     # Packed rows of batch_tokens per optimizer step, split across torchrun processes (a multiple of them).
     micro_batches: int = 1
     # Under torchrun: "ddp" replicates the drafter, "fsdp" shards it (FSDP2) for very large targets.
-    parallel: str = "ddp"
-    schedule: str = "cosine"  # or "linear": the decay after warmup
+    parallel: Literal["ddp", "fsdp"] = "ddp"
+    schedule: Literal["cosine", "linear"] = "cosine"  # the decay after warmup
     gradient_checkpointing: bool = False
     compile: bool = False
     # Continue from checkpoints/latest when it exists (a run killed mid-epoch picks up where it stopped).
@@ -193,7 +204,7 @@ class TrainConfig:
     # How lm_head and the final norm start: "random", or "target" (the draft vocab's rows of the target's
     # lm_head and the target's final norm weight), so step 0 starts where the target's head reads;
     # "target-frozen" also keeps lm_head there (speculators' way; the final norm still trains).
-    lm_head_init: str = "random"
+    lm_head_init: Literal["random", "target", "target-frozen"] = "random"
     # Uniform noise added to the target's aux states while training, as a share of each state's RMS
     # (EAGLE's regulariser against features the drafter will never see exactly); 0 = off.
     hidden_noise: float = 0.0
@@ -213,7 +224,7 @@ class ExportConfig:
     # "vllm" writes the speculators format (vLLM's native reader of EAGLE-3 drafters) to export/vllm/,
     # "sglang" the flat LlamaForCausalLMEagle3 format (SGLang's; vLLM reads it too) to export/sglang/,
     # "both" means both.
-    formats: list[str] = field(default_factory=lambda: ["vllm"])
+    formats: list[Literal["vllm", "sglang", "both"]] = field(default_factory=lambda: ["vllm"])
     speculative_tokens: int = 3
 
 
@@ -222,8 +233,9 @@ class EvalConfig:
     num_prompts: int = 32
     max_new_tokens: int = 64
     draft_tokens: int = 3
-    # float32 by default: greedy speculation is exact only under identical numerics (FACTS.md).
-    dtype: str = "float32"
+    # float32 by default: greedy speculation is exact only under identical numerics (FACTS.md). No "auto":
+    # the drafter is cast to it as well.
+    dtype: Literal["bfloat16", "float16", "float32"] = "float32"
     # Divergence from plain greedy at a logit gap below this counts as a numerical tie, not a bug.
     tie_tolerance: float = 1e-4
     # EAGLE-2 dynamic tree: expand the best `tree_topk` nodes per depth for `tree_depth` depths and
@@ -239,7 +251,7 @@ class EvalConfig:
     # "auto" = "cuda-graphs" on CUDA (a static KV cache, each decode step replayed as a CUDA graph: at
     # batch 1 a small target is otherwise bound by Python and kernel launches, not by the GPU), "eager"
     # elsewhere; "static" is the static cache without graphs (runs on the CPU too).
-    engine: str = "auto"
+    engine: Literal["auto", "eager", "static", "cuda-graphs"] = "auto"
     # A JSONL of prompts ({"prompt": str} or {"messages": [...]}) instead of the run's held-out split.
     prompts_file: str = ""
     # Per-category figures when prompts carry this field.
@@ -260,10 +272,34 @@ class Recipe:
     eval: EvalConfig = field(default_factory=EvalConfig)
 
 
+# How a bool field's spellings read where a choice of "true"/"false" is offered besides "auto".
+_YES_NO = {"1": "true", "yes": "true", "on": "true", "0": "false", "no": "false", "off": "false"}
+
+
+def field_choices(cls, name: str) -> tuple[str, ...]:
+    """The fixed choices of a config field (`field_choices(TrainConfig, "loss")`, of each item for a list
+    of them); () when it takes any value of its type."""
+    tp = typing.get_type_hints(cls)[name]
+    if typing.get_origin(tp) is list:
+        (tp,) = typing.get_args(tp)
+    return typing.get_args(tp) if typing.get_origin(tp) is Literal else ()
+
+
+def _choice(value, allowed: tuple[str, ...], where: str) -> str:
+    if {"true", "false"} <= set(allowed) and isinstance(value, (bool, str)):
+        # TOML's `= true` arrives as a bool; flags and older recipes spell it yes / on / 1 / True.
+        spelled = str(value).lower()
+        value = _YES_NO.get(spelled, spelled)
+    if isinstance(value, str) and value in allowed:
+        return value
+    raise ConfigError(f"{where}: {value!r} is not one of {', '.join(map(repr, allowed))}")
+
 
 def _coerce(value, tp, where: str):
     """Check a TOML or flag value against a dataclass field type (str values come from flags)."""
     origin = typing.get_origin(tp)
+    if origin is Literal:
+        return _choice(value, typing.get_args(tp), where)
     if origin is list:
         (item_tp,) = typing.get_args(tp)
         if isinstance(value, str):
@@ -297,21 +333,23 @@ def _coerce(value, tp, where: str):
         raise ConfigError(f"{where}: expected {tp.__name__}, got {value!r}") from None
 
 
-def _fill(cls, values: dict, where: str):
+def _fill(cls, values: dict, source: str, section: str = ""):
+    """`cls` filled from a TOML table; errors name the file (`source`), then the dotted field."""
     hints = typing.get_type_hints(cls)
     known = {f.name for f in dataclasses.fields(cls)}
     unknown = set(values) - known
     if unknown:
+        where = f"{source}: {section}" if section else source
         raise ConfigError(f"{where}: unknown key(s) {sorted(unknown)}; known: {sorted(known)}")
     obj = cls()
     for key, value in values.items():
-        sub = hints[key]
+        sub, name = hints[key], f"{section}.{key}" if section else key
         if dataclasses.is_dataclass(sub):
             if not isinstance(value, dict):
-                raise ConfigError(f"{where}.{key}: expected a table")
-            setattr(obj, key, _fill(sub, value, f"{where}.{key}"))
+                raise ConfigError(f"{source}: {name}: expected a table")
+            setattr(obj, key, _fill(sub, value, source, name))
         else:
-            setattr(obj, key, _coerce(value, sub, f"{where}.{key}"))
+            setattr(obj, key, _coerce(value, sub, f"{source}: {name}"))
     return obj
 
 
@@ -369,7 +407,15 @@ def to_dict(cfg) -> dict:
 
 
 def stage_fields(section: str) -> list[tuple[str, type]]:
-    """The (name, type) of each field of a stage's dataclass, for building CLI flags."""
+    """The (name, type) of each field of a stage's dataclass, for building CLI flags. A field of fixed
+    choices comes as a str type named after them (`{cosine,linear}`), the name a flag's help shows; the
+    value itself is checked against the dataclass's own type when it is applied."""
     cls = typing.get_type_hints(Recipe)[section]
     hints = typing.get_type_hints(cls)
-    return [(f.name, hints[f.name]) for f in dataclasses.fields(cls)]
+    return [(f.name, _choice_type(hints[f.name])) for f in dataclasses.fields(cls)]
+
+
+def _choice_type(tp):
+    if typing.get_origin(tp) is not Literal:
+        return tp
+    return type("{" + ",".join(typing.get_args(tp)) + "}", (str,), {})

@@ -29,3 +29,21 @@ def test_overrides_are_typed():
 def test_missing_recipe_names_the_choices():
     with pytest.raises(ConfigError, match="smollm2-cpu"):
         load_recipe("no-such-recipe")
+
+
+def test_a_value_outside_a_field_s_choices_names_the_field_and_the_choices(tmp_path):
+    path = tmp_path / "recipe.toml"
+    path.write_text('[train]\nschedule = "cosin"\n')
+    with pytest.raises(ConfigError) as e:
+        load_recipe(str(path))
+    assert str(e.value) == f"{path}: train.schedule: 'cosin' is not one of 'cosine', 'linear'"
+
+
+def test_a_valid_choice_loads_as_a_plain_str(tmp_path):
+    path = tmp_path / "recipe.toml"
+    path.write_text('[train]\nschedule = "linear"\nloss = "kl"\n[extract]\nstore_dtype = "fp8_e4m3"\n')
+    r = load_recipe(str(path))
+    assert (r.train.schedule, r.train.loss, r.extract.store_dtype) == ("linear", "kl", "fp8_e4m3")
+    assert type(r.train.schedule) is str
+    apply_override(r, "train.loss", "lk")
+    assert r.train.loss == "lk"

@@ -12,8 +12,8 @@ import pytest
 
 def specdraft(*args, cwd: Path) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "specdraft.cli", *args], cwd=cwd, capture_output=True,
-                          text=True, env={"PATH": "/usr/bin:/bin", "TQDM_DISABLE": "1",
-                                          "HOME": str(Path.home())})
+                          text=True, check=False, env={"PATH": "/usr/bin:/bin", "TQDM_DISABLE": "1",
+                                                       "HOME": str(Path.home())})
 
 
 def assert_one_line_error(proc, *needles):
@@ -65,3 +65,14 @@ def test_unknown_recipe_field(tmp_path):
 def test_stage_out_of_order(tmp_path):
     proc = specdraft("train", "--run", "r", cwd=tmp_path)
     assert_one_line_error(proc, "extract", "specdraft extract")
+
+
+@pytest.mark.parametrize("flag", [["--set", "train.loss=foo"], ["--loss", "foo"]])
+def test_a_value_outside_a_field_s_choices(tmp_path, capsys, flag):
+    from specdraft.cli import main
+
+    assert main(["train", "--run", str(tmp_path / "r"), *flag]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert err.splitlines() == ["specdraft: error: --set train.loss: 'foo' is not one of 'soft_ce', 'kl', 'lk'"]
+    assert not (tmp_path / "r").exists()  # refused before the run folder is made

@@ -21,6 +21,7 @@ skips the ids already written and drops a line torn by `kill -9`. Failures go to
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import os
@@ -28,7 +29,7 @@ import time
 from collections import Counter, deque
 from pathlib import Path
 
-from specdraft.config import ConfigError, Recipe
+from specdraft.config import ConfigError, GenConfig, Recipe, field_choices
 from specdraft.data.client import RequestFailed, ServerPool
 from specdraft.data.prompts import select_prompts
 from specdraft.data.sources import DataError, prompts
@@ -44,7 +45,7 @@ SELF_INSTRUCT_ATTEMPTS_PER_SAMPLE = 4
 # The ids of conversations whose user turn the target wrote (magpie_id).
 MAGPIE_PREFIX = "magpie-"
 # gen.answers: ask the target, or keep the source's own answers.
-ANSWERS = ("target", "source")
+ANSWERS = field_choices(GenConfig, "answers")
 # Stands in for the user's text while finding where the template's user-turn prefix ends.
 _USER_SENTINEL = "\u2063SPECDRAFT-USER\u2063"
 
@@ -306,101 +307,142 @@ def run_inprocess(recipe: Recipe, folder: RunFolder) -> dict:
     cfg = recipe.gen
     t_start = time.time()
     target = Target(recipe.target.model, recipe.target.aux_layer_ids)
-    out_path, flight_path = folder.conversations, folder.gen_in_flight
-    done = finished_ids(out_path)
+    done = finished_ids(folder.conversations)
     # A cut run's unfinished conversations go on from the turn they reached.
+    flight_path = folder.gen_in_flight
     resumed = [c for c in _records(flight_path) if c["id"] not in done] if flight_path.exists() else []
-    resumed_ids = {c["id"] for c in resumed}
-    if cfg.self_instruct:  # the target writes the prompts below, round by round
-        wanted = max(0, num_samples(recipe) - len(done) - len(resumed))
-        fresh, counts = [], {"already_done": len(done), "resumed_in_flight": len(resumed)}
-    else:
-        chosen, too_long = select_prompts(recipe, target, "train", num_samples(recipe))
-        fresh = [c for c in chosen if c["id"] not in done and c["id"] not in resumed_ids]
-        # Similar lengths in one group keep its turns' prompts alike too.
-        fresh.sort(key=lambda c: len(c["prompt_ids"]))
-        counts = {"prompts": len(chosen), "skipped_too_long": too_long,
-                  "already_done": sum(c["id"] in done for c in chosen), "resumed_in_flight": len(resumed)}
-        # gen.self_instruct_samples: written and answered below, once the source's prompts are.
-        wanted = max(0, cfg.self_instruct_samples - sum(i.startswith(MAGPIE_PREFIX) for i in done | resumed_ids))
+    claimed = done | {c["id"] for c in resumed}
+    fresh, wanted, counts = _inprocess_prompts(recipe, target, done, resumed)
     pending = resumed + fresh
     stats: Counter = Counter()
-    stopped, turns = 0, 0
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
-    sampling = {"temperature": cfg.temperature, "top_p": cfg.top_p, "max_new_tokens": cfg.max_new_tokens,
-                "seed": cfg.seed, "dtype": dtype, "max_turns": cfg.max_turns}
-    if cfg.self_instruct or cfg.self_instruct_samples:
-        sampling["user_turn_temperature"] = SELF_INSTRUCT_TEMPERATURE
-    generator = {"kind": "inprocess", "target": target.describe()["fingerprint"], "sampling": sampling}
+    generator = {"kind": "inprocess", "target": target.describe()["fingerprint"],
+                 "sampling": _inprocess_sampling(cfg, dtype)}
     if pending or wanted:
         model = target.load_model(dtype, device)
         torch.manual_seed(cfg.seed)
         bar = tqdm(total=len(pending) + wanted, desc="gen", unit="conv")
         group = cfg.group_size or max(1, len(pending))
-        with open(out_path, "a", encoding="utf-8") as f:
-
-            def after_turn(finished: list[dict], unfinished: list[dict]) -> None:
-                """Save the conversations that ended, then the rest as they stand; a cut run redoes at most
-                one turn, and a saved conversation is always whole."""
-                nonlocal turns, stopped
-                for conv in finished:
-                    answers = [m for m in conv["messages"] if m["role"] == "assistant"]
-                    record = {
-                        "id": conv["id"],
-                        "split": "train",
-                        "messages": conv["messages"],
-                        "finish_reason": conv["finish_reason"],
-                        "prompt_tokens": len(conv["prompt_ids"]),
-                        "generator": generator,
-                    }
-                    f.write(json.dumps(record, ensure_ascii=False) + "\n")
-                    turns += len(answers)
-                    stopped += sum(m["token_ids"][-1:] == [target.eos_token_id] for m in answers)
-                f.flush()
-                os.fsync(f.fileno())
-                with atomic_path(flight_path) as tmp:
-                    tmp.write_text("".join(json.dumps({k: c[k] for k in _IN_FLIGHT_FIELDS}, ensure_ascii=False)
-                                           + "\n" for c in unfinished), encoding="utf-8")
-                bar.set_postfix(tok_s=f"{stats['generated_tokens'] / max(stats['generate_seconds'], 1e-9):.0f}",
-                                in_flight=len(unfinished))
-
+        with open(folder.conversations, "a", encoding="utf-8") as out:
+            save = _TurnSaver(out, flight_path, generator, target.eos_token_id, bar, stats)
             for start in range(0, len(pending), group):
                 answer_turns(model, target, pending[start:start + group], cfg, recipe.render.max_length, bar,
-                             after_turn, stats)
-            # Self-instruct: write user turns, answer the new ones, until `wanted` are saved or the attempts
-            # (SELF_INSTRUCT_ATTEMPTS_PER_SAMPLE per wanted conversation) run out.
-            attempts, claimed = wanted * SELF_INSTRUCT_ATTEMPTS_PER_SAMPLE, done | resumed_ids
-            system = [{"role": "system", "content": cfg.system_prompt}] if cfg.system_prompt else []
-            while wanted and attempts:
-                # twice the rows still wanted: some come back cut off or written before
-                rows = min(attempts, cfg.batch_size, 2 * wanted)
-                attempts -= rows
-                stats["user_turns_written"] += rows
-                # a seed of its own per round and per resumed run, so no round repeats an earlier one
-                torch.manual_seed(cfg.seed + len(claimed) + attempts)
-                convs = write_user_turns(model, target, cfg, rows, system, recipe.data.max_prompt_tokens,
-                                         claimed, stats)[:wanted]
-                answer_turns(model, target, convs, cfg, recipe.render.max_length, bar, after_turn, stats)
-                wanted -= len(convs)
-                pending += convs
+                             save, stats)
+            wanted = _self_instruct_inprocess(model, target, recipe, wanted, claimed, pending, save)
         bar.close()
+    flight_path.unlink(missing_ok=True)
+    return _record_inprocess(recipe, folder, counts, stats, len(pending), wanted, t_start)
+
+
+def _inprocess_prompts(recipe: Recipe, target: Target, done: set[str], resumed: list[dict]
+                       ) -> tuple[list[dict], int, dict]:
+    """(the source's prompts still to answer, self-instruct conversations still wanted, the manifest's
+    counts so far) of an in-process run that has `done` saved and `resumed` in flight."""
+    cfg = recipe.gen
+    resumed_ids = {c["id"] for c in resumed}
+    if cfg.self_instruct:  # the target writes every prompt, round by round
+        wanted = max(0, num_samples(recipe) - len(done) - len(resumed))
+        return [], wanted, {"already_done": len(done), "resumed_in_flight": len(resumed)}
+    chosen, too_long = select_prompts(recipe, target, "train", num_samples(recipe))
+    fresh = [c for c in chosen if c["id"] not in done and c["id"] not in resumed_ids]
+    # Similar lengths in one group keep its turns' prompts alike too.
+    fresh.sort(key=lambda c: len(c["prompt_ids"]))
+    counts = {"prompts": len(chosen), "skipped_too_long": too_long,
+              "already_done": sum(c["id"] in done for c in chosen), "resumed_in_flight": len(resumed)}
+    # gen.self_instruct_samples: written and answered once the source's prompts are.
+    wanted = max(0, cfg.self_instruct_samples - sum(i.startswith(MAGPIE_PREFIX) for i in done | resumed_ids))
+    return fresh, wanted, counts
+
+
+def _inprocess_sampling(cfg, dtype: str) -> dict:
+    """How in-process answers are generated (stored in the manifest and each record)."""
+    sampling = {"temperature": cfg.temperature, "top_p": cfg.top_p, "max_new_tokens": cfg.max_new_tokens,
+                "seed": cfg.seed, "dtype": dtype, "max_turns": cfg.max_turns}
+    if cfg.self_instruct or cfg.self_instruct_samples:
+        sampling["user_turn_temperature"] = SELF_INSTRUCT_TEMPERATURE
+    return sampling
+
+
+class _TurnSaver:
+    """answer_turns' `after_turn` for a gen run: appends the conversations that ended to `out`, then
+    rewrites the in-flight file with the rest as they stand, so a cut run redoes at most one turn and a
+    saved conversation is always whole. Counts the saved turns (stats["turns"]) and those that ended with
+    the end-of-sequence token (stats["finished_with_eos"])."""
+
+    def __init__(self, out, flight_path: Path, generator: dict, eos_id: int, bar, stats: Counter):
+        self.out, self.flight_path, self.generator = out, flight_path, generator
+        self.eos_id, self.bar, self.stats = eos_id, bar, stats
+
+    def __call__(self, finished: list[dict], unfinished: list[dict]) -> None:
+        for conv in finished:
+            answers = [m for m in conv["messages"] if m["role"] == "assistant"]
+            record = {
+                "id": conv["id"],
+                "split": "train",
+                "messages": conv["messages"],
+                "finish_reason": conv["finish_reason"],
+                "prompt_tokens": len(conv["prompt_ids"]),
+                "generator": self.generator,
+            }
+            self.out.write(json.dumps(record, ensure_ascii=False) + "\n")
+            self.stats["turns"] += len(answers)
+            self.stats["finished_with_eos"] += sum(m["token_ids"][-1:] == [self.eos_id] for m in answers)
+        self.out.flush()
+        os.fsync(self.out.fileno())
+        with atomic_path(self.flight_path) as tmp:
+            tmp.write_text("".join(json.dumps({k: c[k] for k in _IN_FLIGHT_FIELDS}, ensure_ascii=False) + "\n"
+                                   for c in unfinished), encoding="utf-8")
+        stats = self.stats
+        self.bar.set_postfix(tok_s=f"{stats['generated_tokens'] / max(stats['generate_seconds'], 1e-9):.0f}",
+                             in_flight=len(unfinished))
+
+
+def _self_instruct_inprocess(model, target: Target, recipe: Recipe, wanted: int, claimed: set[str],
+                             pending: list[dict], save: _TurnSaver) -> int:
+    """Self-instruct in-process: write user turns and answer the new ones (appended to `pending`) until
+    `wanted` are saved or the attempts (SELF_INSTRUCT_ATTEMPTS_PER_SAMPLE per wanted conversation) run
+    out; returns how many are still wanted."""
+    import torch
+
+    cfg, stats = recipe.gen, save.stats
+    attempts = wanted * SELF_INSTRUCT_ATTEMPTS_PER_SAMPLE
+    system = [{"role": "system", "content": cfg.system_prompt}] if cfg.system_prompt else []
+    while wanted and attempts:
+        # twice the rows still wanted: some come back cut off or written before
+        rows = min(attempts, cfg.batch_size, 2 * wanted)
+        attempts -= rows
+        stats["user_turns_written"] += rows
+        # a seed of its own per round and per resumed run, so no round repeats an earlier one
+        torch.manual_seed(cfg.seed + len(claimed) + attempts)
+        convs = write_user_turns(model, target, cfg, rows, system, recipe.data.max_prompt_tokens,
+                                 claimed, stats)[:wanted]
+        answer_turns(model, target, convs, cfg, recipe.render.max_length, save.bar, save, stats)
+        wanted -= len(convs)
+        pending.extend(convs)
+    return wanted
+
+
+def _record_inprocess(recipe: Recipe, folder: RunFolder, counts: dict, stats: Counter, generated: int,
+                      wanted: int, t_start: float) -> dict:
+    """The manifest's gen entry; a self-instruct run that ran out of attempts with conversations still
+    `wanted` is recorded failed and stops, as the server path does."""
+    cfg = recipe.gen
     if cfg.self_instruct or cfg.self_instruct_samples:
         counts.update({k: stats[k] for k in ("user_turns_written", "unusable", "duplicate", "too_long")})
-    flight_path.unlink(missing_ok=True)
-    counts.update({"generated": len(pending), "turns": turns, "records": len(finished_ids(out_path)),
-                   "generated_tokens": stats["generated_tokens"], "finished_with_eos": stopped,
+    counts.update({"generated": generated, "turns": stats["turns"], "records": len(finished_ids(folder.conversations)),
+                   "generated_tokens": stats["generated_tokens"], "finished_with_eos": stats["finished_with_eos"],
                    "generate_calls": stats["generate_calls"], "oom_splits": stats["oom_splits"]})
     gen_seconds = stats["generate_seconds"]
     metrics = {"tokens_per_s": round(stats["generated_tokens"] / gen_seconds, 1) if gen_seconds else None}
-    if wanted:  # self-instruct ran out of attempts, as the server path stops
+    if wanted:
         stop = (f"self-instruct gave up: {stats['unusable']} unusable, {stats['duplicate']} duplicate and "
                 f"{stats['too_long']} too long user turns, {wanted} conversations still wanted")
         folder.record("gen", state="failed", config=cfg, counts=counts, metrics=metrics,
-                   seconds=time.time() - t_start, extra={"stopped": stop})
-        raise GenStopped(f"gen stopped: {stop} ({counts['records']} saved in {out_path})")
+                      seconds=time.time() - t_start, extra={"stopped": stop})
+        raise GenStopped(f"gen stopped: {stop} ({counts['records']} saved in {folder.conversations})")
     return folder.record("gen", state="done", config=cfg, counts=counts, metrics=metrics,
-                      seconds=time.time() - t_start)
+                         seconds=time.time() - t_start)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -598,17 +640,8 @@ class ServerGen:
 
         cfg = self.cfg
         self_instruct = cfg.self_instruct if self_instruct is None else self_instruct
-        prefix = None
-        if self_instruct:
-            prefix = user_turn_prefix(self.target, cfg.system_prompt)
-            system = [{"role": "system", "content": cfg.system_prompt}] if cfg.system_prompt else []
-            items = ({"attempt": a, "system": system} for a in range(target_n * SELF_INSTRUCT_ATTEMPTS_PER_SAMPLE))
-        else:
-            source = items if items is not None else _conversation_prompts(self.recipe, self.target, self.counts)
-            items = (it for it in source if it["id"] not in done)
-        saved = len(done)
-        claimed = set(done)
-        stop = None
+        items, prefix = self._work(target_n, done, items, self_instruct)
+        saved, claimed, stop = len(done), set(done), None
         t0 = time.time()
         bar = tqdm(total=target_n, initial=saved, desc="gen", unit="conv", dynamic_ncols=True)
         async with ServerPool(cfg.endpoints, concurrency=cfg.concurrency, timeout_s=cfg.timeout_s,
@@ -618,43 +651,22 @@ class ServerGen:
                 listed = await pool.get("/v1/models")
                 self.model = listed["data"][0]["id"]
             in_flight: set[asyncio.Task] = set()
-            with open(self.out_path, "a", encoding="utf-8") as out, open(self.err_path, "a", encoding="utf-8") as err:
+            with self._appending() as (out, err):
                 while saved < target_n and stop is None:
                     # Never more in flight than slots, nor than conversations still wanted: the count is exact.
-                    while len(in_flight) < min(pool.slots, target_n - saved):
-                        item = next(items, None)
-                        if item is None:
-                            break
+                    while len(in_flight) < min(pool.slots, target_n - saved) and (
+                            item := next(items, None)) is not None:
                         in_flight.add(asyncio.create_task(self._task(pool, item, prefix, claimed)))
                     if not in_flight:
-                        stop = (f"the source ran out: {saved} of {target_n} conversations saved"
-                                if not self_instruct else
-                                f"self-instruct gave up: {self.counts['duplicate'] + self.counts['unusable']} "
-                                f"unusable or duplicate user turns for {saved} saved")
+                        stop = self._ran_out(saved, target_n, self_instruct)
                         break
                     finished, in_flight = await asyncio.wait(in_flight, return_when=asyncio.FIRST_COMPLETED)
                     for task in finished:
-                        kind, value, item = task.result()
-                        if kind == "skip":
-                            self.counts[value] += 1
-                        elif kind == "ok":
-                            out.write(json.dumps(value, ensure_ascii=False) + "\n")
-                            out.flush()
+                        if self._keep(*task.result(), out, err):
                             saved += 1
-                            self.recent_failed.append(False)
                             bar.update(1)
-                        else:
-                            err.write(json.dumps({"id": item.get("id"), "reason": value.reason, "status": value.status,
-                                                  "attempts": value.attempts, "endpoint": value.endpoint,
-                                                  "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}) + "\n")
-                            err.flush()
-                            self.counts["failed"] += 1
-                            self.recent_failed.append(True)
                     stop = stop or self._failure_check(target_n)
-                    elapsed = time.time() - t0
-                    bar.set_postfix(failed=self.counts["failed"], retries=sum(pool.retries.values()),
-                                    err=f"{sum(self.recent_failed) / max(len(self.recent_failed), 1):.1%}",
-                                    tok_s=f"{self.tokens / max(elapsed, 1e-9):.0f}")
+                    self._show(bar, pool, time.time() - t0)
                 for task in in_flight:
                     task.cancel()
                 await asyncio.gather(*in_flight, return_exceptions=True)
@@ -664,6 +676,63 @@ class ServerGen:
         self.counts["requests"] = pool.requests
         self.retries = dict(pool.retries)
         return stop
+
+    def _work(self, target_n: int, done: set[str], items, self_instruct: bool) -> tuple:
+        """(what to ask for, one item at a time; the user-turn prefix the target writes prompts from, or
+        None): the source's conversations not yet `done`, or target_n times the attempts at writing one."""
+        if not self_instruct:
+            source = items if items is not None else _conversation_prompts(self.recipe, self.target, self.counts)
+            return (it for it in source if it["id"] not in done), None
+        prompt = self.cfg.system_prompt
+        system = [{"role": "system", "content": prompt}] if prompt else []
+        attempts = range(target_n * SELF_INSTRUCT_ATTEMPTS_PER_SAMPLE)
+        return ({"attempt": a, "system": system} for a in attempts), user_turn_prefix(self.target, prompt)
+
+    @contextlib.contextmanager
+    def _appending(self):
+        """The conversations file and the errors file, opened for appending (local files, opened once
+        before any request is in flight: nothing waits on them)."""
+        with open(self.out_path, "a", encoding="utf-8") as out, open(self.err_path, "a", encoding="utf-8") as err:
+            yield out, err
+
+    def _keep(self, kind: str, value, item: dict, out, err) -> bool:
+        """File one finished task (_task's result): True when a conversation was saved; a failure goes to
+        the errors file, an unusable or duplicate self-instruct prompt is counted."""
+        if kind == "skip":
+            self.counts[value] += 1
+            return False
+        if kind == "ok":
+            out.write(json.dumps(value, ensure_ascii=False) + "\n")
+            out.flush()
+            self.recent_failed.append(False)
+            return True
+        err.write(json.dumps({"id": item.get("id"), "reason": value.reason, "status": value.status,
+                              "attempts": value.attempts, "endpoint": value.endpoint,
+                              "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}) + "\n")
+        err.flush()
+        self.counts["failed"] += 1
+        self.recent_failed.append(True)
+        return False
+
+    def _ran_out(self, saved: int, target_n: int, self_instruct: bool) -> str:
+        """Why the run stops with nothing left to ask."""
+        if not self_instruct:
+            return f"the source ran out: {saved} of {target_n} conversations saved"
+        return (f"self-instruct gave up: {self.counts['duplicate'] + self.counts['unusable']} "
+                f"unusable or duplicate user turns for {saved} saved")
+
+    def _show(self, bar, pool: ServerPool, elapsed: float) -> None:
+        bar.set_postfix(failed=self.counts["failed"], retries=sum(pool.retries.values()),
+                        err=f"{sum(self.recent_failed) / max(len(self.recent_failed), 1):.1%}",
+                        tok_s=f"{self.tokens / max(elapsed, 1e-9):.0f}")
+
+    def requested(self) -> dict:
+        """What the run asked the servers for, as the manifest records it."""
+        cfg = self.cfg
+        return {"endpoints": cfg.endpoints, "model": self.model, "sampling": self.sampling(),
+                "system_prompt": cfg.system_prompt, "self_instruct": cfg.self_instruct,
+                "self_instruct_samples": cfg.self_instruct_samples,
+                "expect_reasoning": self.expect_reasoning, "thinking_markers": self.markers}
 
 
 def run_server(recipe: Recipe, folder: RunFolder) -> dict:
@@ -689,23 +758,24 @@ def run_server(recipe: Recipe, folder: RunFolder) -> dict:
         written = sum(i.startswith(MAGPIE_PREFIX) for i in done)
         target_n = len(done) + max(0, cfg.self_instruct_samples - written)
         stop = asyncio.run(gen.run(target_n, done, self_instruct=True))
-    seconds = time.time() - t_start
+    return _record_server(gen, folder, target_n, len(already), stop, time.time() - t_start)
+
+
+def _record_server(gen: ServerGen, folder: RunFolder, target_n: int, already: int, stop: str | None,
+                   seconds: float) -> dict:
+    """The manifest's gen entry; a run that stopped early is recorded (failed when short) and stops."""
     saved = len(finished_ids(folder.conversations))
-    counts = {"target": target_n, "records": saved, "already_done": len(already), **gen.counts,
+    counts = {"target": target_n, "records": saved, "already_done": already, **gen.counts,
               "retries": gen.retries, "generated_tokens": gen.tokens}
     new = gen.counts["saved_this_run"]
     metrics = {"tokens_per_s": round(gen.tokens / seconds, 1) if seconds else None,
                "samples_per_s": round(new / seconds, 3) if seconds else None}
-    requested = {"endpoints": cfg.endpoints, "model": gen.model, "sampling": gen.sampling(),
-                 "system_prompt": cfg.system_prompt, "self_instruct": cfg.self_instruct,
-                 "self_instruct_samples": cfg.self_instruct_samples,
-                 "expect_reasoning": gen.expect_reasoning, "thinking_markers": gen.markers}
     if stop is not None:
-        folder.record("gen", state="failed" if saved < target_n else "done", config=cfg, counts=counts,
-                   metrics=metrics, seconds=seconds, extra={"requested": requested, "stopped": stop})
+        folder.record("gen", state="failed" if saved < target_n else "done", config=gen.cfg, counts=counts,
+                      metrics=metrics, seconds=seconds, extra={"requested": gen.requested(), "stopped": stop})
         raise GenStopped(f"gen stopped: {stop} ({saved} of {target_n} saved in {folder.conversations})")
-    entry = folder.record("gen", state="done", config=cfg, counts=counts, metrics=metrics, seconds=seconds,
-                       extra={"requested": requested})
+    entry = folder.record("gen", state="done", config=gen.cfg, counts=counts, metrics=metrics, seconds=seconds,
+                          extra={"requested": gen.requested()})
     print(f"gen: {saved} conversations in {folder.conversations} ({gen.counts['failed']} failed, "
           f"{sum(gen.retries.values())} retries)\nnext: specdraft render --run {folder.path}")
     return entry

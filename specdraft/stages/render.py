@@ -26,6 +26,7 @@ import json
 import re
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from specdraft.config import Recipe
 from specdraft.data.sources import DataError, read_jsonl
@@ -109,7 +110,7 @@ class ChatTemplate:
         self.reasoning_field = self._probe_reasoning_field()
 
     @classmethod
-    def of_target(cls, target: Target, template_kwargs: dict | None = None) -> "ChatTemplate":
+    def of_target(cls, target: Target, template_kwargs: dict | None = None) -> ChatTemplate:
         return cls(target.tokenizer, target.thinking_markers, template_kwargs)
 
     @property
@@ -341,9 +342,110 @@ def _template_kwargs(recipe: Recipe) -> dict:
     return dict(kwargs)
 
 
+# What the manifest's render entry counts (tokens and loss_tokens follow once they are written).
+COUNTS = ("conversations", "samples", "turns", "reasoning_turns", "turns_with_token_ids", "retokenized_differs",
+          "template_mismatches", "skipped_mismatch", "skipped_no_answer", "vllm_checked", "vllm_mismatches")
+
+
+@dataclass
+class Tally:
+    """What rendering the conversations found: the manifest's counts and the first mismatches."""
+
+    counts: dict = field(default_factory=lambda: dict.fromkeys(COUNTS, 0))
+    examples: list[str] = field(default_factory=list)
+
+    def keep(self, found: list) -> None:
+        self.examples.extend(str(x) for x in found[: MAX_EXAMPLES - len(self.examples)])
+
+    def rendered(self, r: Rendered) -> None:
+        for key, value in (("turns", r.turns), ("reasoning_turns", r.reasoning_turns),
+                           ("turns_with_token_ids", r.turns_with_ids),
+                           ("retokenized_differs", r.retokenized_differs)):
+            self.counts[key] += value
+        self.counts["template_mismatches"] += sum(x.kind in ("prefix", "end") for x in r.mismatches)
+        self.keep([x for x in r.mismatches if x.kind != "retokenized"])
+
+    def metrics(self) -> dict:
+        c = self.counts
+        with_ids = c["turns_with_token_ids"]
+        return {
+            # FACTS.md: re-tokenizing SmolLM2's own answers changes 15 % of them; the ids avoid it.
+            "retokenized_differs_share": round(c["retokenized_differs"] / with_ids, 4) if with_ids else None,
+            "template_mismatch_share": round(c["template_mismatches"] / c["turns"], 4) if c["turns"] else None,
+            "vllm_mismatch_share": (round(c["vllm_mismatches"] / c["vllm_checked"], 4)
+                                    if c["vllm_checked"] else None),
+        }
+
+
+@dataclass
+class Packed:
+    """Every sample end to end, as tokens.safetensors stores them: sample i is ids[offsets[i]:offsets[i + 1]]."""
+
+    ids: list[int] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)
+    offsets: list[int] = field(default_factory=lambda: [0])
+    names: list[str] = field(default_factory=list)
+
+    def add(self, conversation: str, samples: list[tuple[list[int], list[int]]]) -> int:
+        """Append a conversation's samples (the k-th after its first named `id#k`); returns how many had no
+        loss token and were left out."""
+        empty = 0
+        for k, (ids, mask) in enumerate(samples):
+            if sum(mask) == 0:
+                empty += 1
+                continue
+            self.ids += ids
+            self.mask += mask
+            self.offsets.append(len(self.ids))
+            self.names.append(conversation if k == 0 else f"{conversation}#{k}")
+        return empty
+
+    def save(self, out: Path, template: ChatTemplate, target: Target) -> dict:
+        """Write tokens.safetensors and index.json into `out`; returns the index."""
+        import torch
+        from safetensors.torch import save_file
+
+        out.mkdir(parents=True, exist_ok=True)
+        with atomic_path(out / "tokens.safetensors") as tmp:
+            save_file({"input_ids": torch.tensor(self.ids, dtype=torch.int32),
+                       "loss_mask": torch.tensor(self.mask, dtype=torch.uint8),
+                       "offsets": torch.tensor(self.offsets, dtype=torch.int64)}, str(tmp))
+        index = {
+            "ids": self.names,
+            "num_samples": len(self.names),
+            "num_tokens": len(self.ids),
+            "num_loss_tokens": int(sum(self.mask)),
+            "chat_template_sha256": template.sha256,
+            "template": template.describe(),
+            "target": target.describe(),
+        }
+        write_json(out / "index.json", index)
+        return index
+
+
+def render_record(template: ChatTemplate, record: dict, cfg, tally: Tally, client, src: Path) -> Rendered | None:
+    """One conversation of the conversations file `src` rendered, checked against `client`'s server when
+    there is one, and tallied; None when a template mismatch without the target's ids skips it."""
+    tally.counts["conversations"] += 1
+    try:
+        r = render_conversation(template, record, cfg.max_length)
+    except TemplateMismatch as e:
+        tally.counts["skipped_mismatch"] += 1
+        tally.counts["template_mismatches"] += 1
+        tally.keep([e])
+        return None
+    except RenderError as e:
+        raise RenderError(f"{src}: {e}") from None
+    tally.rendered(r)
+    if client is not None:
+        found = verify_with_server(template, record, cfg.verify_endpoint, client=client)
+        tally.counts["vllm_checked"] += r.turns
+        tally.counts["vllm_mismatches"] += len(found)
+        tally.keep(found)
+    return r
+
+
 def run(recipe: Recipe, folder: RunFolder) -> dict:
-    import torch
-    from safetensors.torch import save_file
     from tqdm import tqdm
 
     cfg = recipe.render
@@ -352,84 +454,26 @@ def run(recipe: Recipe, folder: RunFolder) -> dict:
     target = Target(recipe.target.model, recipe.target.aux_layer_ids)
     template = ChatTemplate.of_target(target, _template_kwargs(recipe))
     src = folder.conversations
-    all_ids, all_mask, offsets, sample_ids = [], [], [0], []
-    counts = {"conversations": 0, "samples": 0, "turns": 0, "reasoning_turns": 0, "turns_with_token_ids": 0,
-              "retokenized_differs": 0, "template_mismatches": 0, "skipped_mismatch": 0,
-              "skipped_no_answer": 0, "vllm_checked": 0, "vllm_mismatches": 0}
-    examples: list[str] = []
+    tally, packed = Tally(), Packed()
+    counts, examples = tally.counts, tally.examples
     client = verify_client() if cfg.verify_endpoint else None
-
-    def keep(ms: list[Mismatch]) -> None:
-        examples.extend(str(x) for x in ms[: MAX_EXAMPLES - len(examples)])
-
     for record in tqdm(read_jsonl(src), desc="render", unit="conv"):
-        counts["conversations"] += 1
-        try:
-            r = render_conversation(template, record, cfg.max_length)
-        except TemplateMismatch as e:
-            counts["skipped_mismatch"] += 1
-            counts["template_mismatches"] += 1
-            keep([e])
-            continue
-        except RenderError as e:
-            raise RenderError(f"{src}: {e}") from None
-        for key, value in (("turns", r.turns), ("reasoning_turns", r.reasoning_turns),
-                           ("turns_with_token_ids", r.turns_with_ids),
-                           ("retokenized_differs", r.retokenized_differs)):
-            counts[key] += value
-        counts["template_mismatches"] += sum(x.kind in ("prefix", "end") for x in r.mismatches)
-        keep([x for x in r.mismatches if x.kind != "retokenized"])
-        if client is not None:
-            found = verify_with_server(template, record, cfg.verify_endpoint, client=client)
-            counts["vllm_checked"] += r.turns
-            counts["vllm_mismatches"] += len(found)
-            keep(found)
-        for k, (ids, mask) in enumerate(r.samples):
-            if sum(mask) == 0:
-                counts["skipped_no_answer"] += 1
-                continue
-            all_ids += ids
-            all_mask += mask
-            offsets.append(len(all_ids))
-            sample_ids.append(record["id"] if k == 0 else f"{record['id']}#{k}")
-    if not sample_ids:
+        r = render_record(template, record, cfg, tally, client, src)
+        if r is not None:
+            counts["skipped_no_answer"] += packed.add(record["id"], r.samples)
+    if not packed.names:
         raise DataError(f"{src}: no conversation with assistant tokens to render"
                         + (f" (first problem: {examples[0]})" if examples else ""))
-    counts["samples"] = len(sample_ids)
-    out = folder.tokens
-    out.mkdir(parents=True, exist_ok=True)
-    with atomic_path(out / "tokens.safetensors") as tmp:
-        save_file({"input_ids": torch.tensor(all_ids, dtype=torch.int32),
-                   "loss_mask": torch.tensor(all_mask, dtype=torch.uint8),
-                   "offsets": torch.tensor(offsets, dtype=torch.int64)}, str(tmp))
-    index = {
-        "ids": sample_ids,
-        "num_samples": len(sample_ids),
-        "num_tokens": len(all_ids),
-        "num_loss_tokens": int(sum(all_mask)),
-        "chat_template_sha256": template.sha256,
-        "template": template.describe(),
-        "target": target.describe(),
-    }
-    write_json(out / "index.json", index)
-    counts.update({"tokens": len(all_ids), "loss_tokens": index["num_loss_tokens"]})
-    with_ids = counts["turns_with_token_ids"]
-    metrics = {
-        # FACTS.md: re-tokenizing SmolLM2's own answers changes 15 % of them; the ids avoid it.
-        "retokenized_differs_share": round(counts["retokenized_differs"] / with_ids, 4) if with_ids else None,
-        "template_mismatch_share": round(counts["template_mismatches"] / counts["turns"], 4) if counts["turns"] else None,
-        "vllm_mismatch_share": (round(counts["vllm_mismatches"] / counts["vllm_checked"], 4)
-                                if counts["vllm_checked"] else None),
-    }
+    counts["samples"] = len(packed.names)
+    index = packed.save(folder.tokens, template, target)
+    counts.update({"tokens": len(packed.ids), "loss_tokens": index["num_loss_tokens"]})
     for line in examples[:5]:
         print(f"render: {line}")
     print(f"render: {counts['samples']} samples from {counts['conversations']} conversations, "
           f"{counts['loss_tokens']:,} loss tokens; re-tokenization differs on "
-          f"{counts['retokenized_differs']}/{with_ids} turns with the target's ids; "
+          f"{counts['retokenized_differs']}/{counts['turns_with_token_ids']} turns with the target's ids; "
           f"{counts['template_mismatches']} template and {counts['vllm_mismatches']} vLLM mismatches")
     print(f"next: specdraft extract --run {folder.path}")
-    return folder.record("render", state="done", config=cfg, counts=counts, metrics=metrics,
-                      seconds=time.time() - t_start,
-                      extra={"mismatches": examples, "template": template.describe()})
-
-
+    return folder.record("render", state="done", config=cfg, counts=counts, metrics=tally.metrics(),
+                         seconds=time.time() - t_start,
+                         extra={"mismatches": examples, "template": template.describe()})
