@@ -1,8 +1,10 @@
 """plan: the disk, memory and time bill of a run before it starts, from the target's config alone.
 
-No weights are read. The target's config.json gives its shape; a model built on the meta device
-gives its parameter counts (total, routed experts, active per token); the drafter is built from
-`specdraft.drafters.eagle3` on the meta device too, so its parameter count is the trainer's own.
+No weights are read. The target is the stages' own `specdraft.targets.Target`, read from its config
+alone (its shape, family, aux layers, quantization, chat template); a model built on the meta device
+gives its parameter counts (total, routed experts, active per token); the drafter is the trainer's
+(`DrafterConfig.from_target`), built on the meta device too, and the hidden states are billed at
+extract's own bytes per token (`specdraft.hidden.store`).
 Figures a run has already measured (tokens rendered, tokens/s of each stage) replace the assumed
 ones, and every figure says where it came from.
 
@@ -15,30 +17,23 @@ from __future__ import annotations
 
 import fnmatch
 import hashlib
-import json
 import math
 import re
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from types import SimpleNamespace
 
 from specdraft import environment
 from specdraft.config import Recipe
 from specdraft.data.sources import prompts
 from specdraft.drafters.eagle3 import DrafterConfig, Eagle3Drafter
+from specdraft.hidden.store import TOKEN_BYTES, bytes_per_token, disk_bytes_per_token
 from specdraft.run import RunFolder
-from specdraft.targets import BUNDLED, resolve
+from specdraft.targets import Target, template_thinking_markers
 
 GiB = 2**30
 TiB = 2**40
 
-# Bytes per stored value of each hidden-state storage dtype (`extract.store_dtype`). fp8 keeps one
-# float32 scale per stored row (one state of one token) beside the values.
-STORAGE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "fp8_e4m3": 1}
-FP8_ROW_SCALE_BYTES = 4
-# What extract stores per token beside the states: input_ids (int32) + loss_mask (uint8).
-TOKEN_RECORD_BYTES = 4 + 1
 # Weight bytes per parameter of a quantized target (for the memory of a target resident in online
 # mode): int4 carries a bf16 scale per group of 32 (4.5 / 8 bytes), mxfp4 an 8-bit one (4.25 / 8).
 QUANT_BYTES = {"fp8": 1.0, "int4": 4.5 / 8, "mxfp4": 4.25 / 8}
@@ -81,56 +76,36 @@ REFERENCES = {
         "eval": (12.0, "eager HF generate at batch 1, H200 (FACTS.md)"),
     },
 }
-# Reasoning markers a chat template may contain: (open, close) as the template writes them.
-THINKING_MARKERS = [("<think>", "</think>"), ("◁think▷", "◁/think▷"),
-                    ("<|channel|>analysis", "<|end|>")]
-
-
-class PlanError(ValueError):
-    """A target config or run that cannot be planned."""
 
 
 # --- the target, from its config ---------------------------------------------------------------
 
 @dataclass
 class TargetSpec:
-    source: str  # the config.json read
-    raw: dict  # its JSON
-    text: object  # the transformers config of the language model (Kimi-K2.5 wraps one)
-    params: dict  # total / embedding / head / routed_experts / active / matmul_per_token
-    template: str | None  # the chat template text, when the folder has one
+    """A target as plan bills it: the stages' own `Target` (read from its config alone) and the parameter
+    counts of its language model."""
+
+    target: Target
+    params: dict  # total / embedding / head / routed_experts / active / quantized / matmul_per_token
+
+    @property
+    def source(self) -> str:
+        return str(self.target.config_file)
 
     @property
     def num_layers(self) -> int:
-        return self.text.num_hidden_layers
+        return self.target.num_layers
 
     @property
     def hidden_size(self) -> int:
-        return self.text.hidden_size
-
-    def num_experts(self) -> int | None:
-        for name in ("n_routed_experts", "num_experts", "num_local_experts"):
-            if getattr(self.text, name, None):
-                return getattr(self.text, name)
-        return None
-
-    def quantization(self) -> dict | None:
-        q = self.raw.get("quantization_config") or self.raw.get("text_config", {}).get("quantization_config")
-        if not q:
-            return None
-        method = q.get("quant_method")
-        bits = None
-        for group in (q.get("config_groups") or {}).values():
-            bits = (group.get("weights") or {}).get("num_bits", bits)
-        kind = {"fp8": "fp8", "mxfp4": "mxfp4"}.get(method) or (f"int{bits}" if bits else method)
-        return {"method": method, "kind": kind}
+        return self.target.hidden_size
 
     def weight_bytes(self) -> int:
         """The target's weights in memory as stored: the quantized matrices at their width (those the
         quantization config does not exempt), everything else in the checkpoint dtype."""
-        q = self.quantization()
+        q = self.target.architecture()["quantization"]
         per_param = QUANT_BYTES.get(q["kind"]) if q else None
-        dtype = getattr(self.text, "dtype", None) or self.raw.get("torch_dtype") or "bfloat16"
+        dtype = self.target.text_config.dtype or self.target.raw_config.get("torch_dtype") or "bfloat16"
         plain = DTYPE_BYTES.get(str(dtype).removeprefix("torch."), BF16)
         if per_param is None:
             return int(self.params["total"] * plain)
@@ -138,69 +113,35 @@ class TargetSpec:
         return int((self.params["total"] - quantized) * plain + quantized * per_param)
 
     def describe(self) -> dict:
-        """The target as its config says it is (what STATUS.md shows under "Target as discovered")."""
-        t = self.text
-        n_experts = self.num_experts()
-        markers = [list(m) for m in THINKING_MARKERS if self.template and m[0] in self.template]
+        """The target as its config says it is (what STATUS.md shows under "Target as discovered"):
+        `Target.architecture()` under the names STATUS.md reads, with the parameters and chat template."""
+        t, arch = self.target.text_config, self.target.architecture()
+        experts, template = arch["experts"], self.target.chat_template
         return {
             "config": self.source,
-            "architectures": self.raw.get("architectures"),
-            "model_type": self.raw.get("model_type"),
-            "text_model_type": t.model_type,
-            "num_layers": t.num_hidden_layers,
-            "hidden_size": t.hidden_size,
+            "architectures": self.target.raw_config.get("architectures"),
+            "model_type": arch["model_type"],
+            "text_model_type": arch["text_model_type"],
+            "num_layers": arch["layers"],
+            "hidden_size": arch["hidden_size"],
             "intermediate_size": getattr(t, "intermediate_size", None),
-            "num_attention_heads": t.num_attention_heads,
-            "num_key_value_heads": getattr(t, "num_key_value_heads", None),
+            "num_attention_heads": arch["attention_heads"],
+            "num_key_value_heads": arch["kv_heads"],
             "head_dim": getattr(t, "head_dim", None),
-            "vocab_size": t.vocab_size,
-            "tie_word_embeddings": bool(getattr(t, "tie_word_embeddings", False)),
-            "moe": None if not n_experts else {
-                "routed_experts": n_experts,
-                "shared_experts": getattr(t, "n_shared_experts", None) or 0,
-                "top_k": t.num_experts_per_tok,
-                "expert_intermediate_size": getattr(t, "moe_intermediate_size", None) or t.intermediate_size,
-                "dense_layers": getattr(t, "first_k_dense_replace", None),
+            "vocab_size": arch["vocab_size"],
+            "tie_word_embeddings": arch["tied_embeddings"],
+            "moe": None if not experts else {
+                "routed_experts": experts["routed"], "shared_experts": experts["shared"], "top_k": experts["top_k"],
+                "expert_intermediate_size": experts["intermediate_size"], "dense_layers": experts["dense_layers"],
             },
-            "mla": None if not getattr(t, "kv_lora_rank", None) else {
-                "q_lora_rank": t.q_lora_rank, "kv_lora_rank": t.kv_lora_rank,
-                "qk_nope_head_dim": t.qk_nope_head_dim, "qk_rope_head_dim": t.qk_rope_head_dim,
-                "v_head_dim": t.v_head_dim,
-            },
-            # DeepSeek-V3's multi-token-prediction layers (absent from transformers' model; counted here).
-            "mtp_layers": getattr(t, "num_nextn_predict_layers", None) or 0,
-            "quantization": self.quantization(),
-            "chat_template_sha256": (hashlib.sha256(self.template.encode()).hexdigest()[:16]
-                                     if self.template is not None else None),
-            "thinking_markers": markers,
+            "mla": arch["mla"],
+            # Multi-token-prediction layers (absent from transformers' model; counted here).
+            "mtp_layers": arch["mtp_layers"],
+            "quantization": arch["quantization"],
+            "chat_template_sha256": hashlib.sha256(template.encode()).hexdigest()[:16] if template is not None else None,
+            "thinking_markers": [list(m) for m in template_thinking_markers(template)],
             "parameters": self.params,
         }
-
-
-def _config_json(model: str) -> Path:
-
-    if model in BUNDLED:
-        return resolve(model) / "config.json"
-    path = Path(model).expanduser()
-    if path.is_dir():
-        path = path / "config.json"
-    elif path.suffix == ".gguf":
-        return resolve(str(path)) / "config.json"
-    if not path.is_file():
-        raise PlanError(f"target {model!r}: no config.json there (a config.json path, a folder with one, "
-                        f"a .gguf file or a bundled name: {sorted(BUNDLED)})")
-    return path
-
-
-def _chat_template(folder: Path) -> str | None:
-    jinja = folder / "chat_template.jinja"
-    if jinja.exists():
-        return jinja.read_text()
-    tok_config = folder / "tokenizer_config.json"
-    if tok_config.exists():
-        template = json.loads(tok_config.read_text()).get("chat_template")
-        return template if isinstance(template, str) else None
-    return None
 
 
 def _exempt(name: str, patterns: list[str]) -> bool:
@@ -215,15 +156,16 @@ def _exempt(name: str, patterns: list[str]) -> bool:
     return False
 
 
-def _count_params(text, quantization: dict | None) -> dict:
+def _count_params(target: Target) -> dict:
     """Parameter counts of the language model, built on the meta device (no memory, no weights)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(text)
+        model = AutoModelForCausalLM.from_config(target.text_config)
+    quantization = target.quantization_config or {}
     # compressed-tensors names what it leaves alone in "ignore", mxfp4 in "modules_to_not_convert".
-    exempt = (quantization or {}).get("ignore") or (quantization or {}).get("modules_to_not_convert") or []
+    exempt = quantization.get("ignore") or quantization.get("modules_to_not_convert") or []
     total = experts = quantized = 0
     embed_weight = model.get_input_embeddings().weight
     head_weight = model.get_output_embeddings().weight
@@ -242,9 +184,8 @@ def _count_params(text, quantization: dict | None) -> dict:
     head = head_weight.numel()
     tied = embed_weight is head_weight
     total += embedding if tied else 0
-    n_experts = next((getattr(text, n) for n in ("n_routed_experts", "num_experts", "num_local_experts")
-                      if getattr(text, n, None)), None)
-    active = total - experts + (experts * text.num_experts_per_tok // n_experts if n_experts else 0)
+    moe = target.architecture()["experts"]
+    active = total - experts + (experts * moe["top_k"] // moe["routed"] if moe else 0)
     return {"total": total, "embedding": embedding, "head": head, "tied_head": tied, "routed_experts": experts,
             "active": active, "quantized": quantized,
             # Weights one token multiplies through: the active ones less the embedding, a lookup (a tied
@@ -252,44 +193,11 @@ def _count_params(text, quantization: dict | None) -> dict:
             "matmul_per_token": active - (0 if tied else embedding)}
 
 
-def read_target(model: str) -> TargetSpec:
-    """A target's shape from its config.json alone (a path to it, a folder with it, or a bundled name)."""
-    from transformers import AutoConfig
-
-    path = _config_json(model)
-    try:
-        raw = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise PlanError(f"{path}:{e.lineno}: not JSON ({e.msg})") from None
-    try:
-        config = AutoConfig.from_pretrained(str(path))
-        text = getattr(config, "text_config", None) or config
-    except (ValueError, KeyError):
-        # A wrapper transformers does not know (Kimi-K2.5's kimi_k25): its language model is a
-        # known architecture under text_config.
-        if "text_config" not in raw:
-            raise PlanError(f"{path}: model_type {raw.get('model_type')!r} is unknown to transformers "
-                            f"and the config has no text_config") from None
-        text = AutoConfig.for_model(**raw["text_config"])
-    quantization = raw.get("quantization_config") or raw.get("text_config", {}).get("quantization_config")
-    return TargetSpec(source=str(path), raw=raw, text=text, params=_count_params(text, quantization),
-                      template=_chat_template(path.parent))
-
-
-def default_aux_layer_ids(num_layers: int) -> list[int]:
-    """EAGLE-3's low / mid / high layers, the rule vLLM applies when a drafter names none (and
-    `Target.default_aux_layer_ids` uses)."""
-    return [2, num_layers // 2, num_layers - 3]
-
-
-# --- hidden states -------------------------------------------------------------------------------
-
-def bytes_per_token(n_states: int, hidden_size: int, store_dtype: str) -> int:
-    """Hidden-state bytes per token: n_states rows of hidden_size values (+ a scale per row in fp8)."""
-    if store_dtype not in STORAGE_BYTES:
-        raise PlanError(f"storage dtype {store_dtype!r}: expected one of {sorted(STORAGE_BYTES)}")
-    scale = FP8_ROW_SCALE_BYTES if store_dtype.startswith("fp8") else 0
-    return n_states * (hidden_size * STORAGE_BYTES[store_dtype] + scale)
+def read_target(model: str, aux_layer_ids: list[int] | None = None) -> TargetSpec:
+    """A target from its config alone (a config.json by any name, a folder with one, a .gguf file or a
+    bundled name), as `Target` reads it for every stage, with its parameter counts."""
+    target = Target(model, aux_layer_ids)
+    return TargetSpec(target=target, params=_count_params(target))
 
 
 def turns_answered(recipe: Recipe) -> int:
@@ -313,18 +221,17 @@ def expected_tokens(recipe: Recipe, folder: RunFolder | None, tokens_per_sample:
         c = render["counts"]
         return {"samples": c["samples"], "tokens": c["tokens"], "tokens_per_sample": c["tokens"] / c["samples"],
                 "source": "measured: stages.render.counts (the rendered data)"}
-    # gen.num_samples, where the recipe has and sets it, overrides data.num_train.
-    samples = getattr(recipe.gen, "num_samples", 0) or recipe.data.num_train
+    # gen.num_samples, where the recipe sets it, overrides data.num_train.
+    samples = recipe.gen.num_samples or recipe.data.num_train
     counted = ""
     if not samples:
-
         # data.num_train = 0 means every usable train conversation. Counted without the tokenizer, so
         # prompts over max_prompt_tokens are in too: an upper bound, like the length below.
         d = recipe.data
         samples = len(prompts(d.source, "train", d.eval_fraction, d.split_seed))
         counted = "; samples: every train conversation of data.source (data.num_train = 0), an upper bound"
-    extra = getattr(recipe.gen, "self_instruct_samples", 0)
-    if extra and not getattr(recipe.gen, "self_instruct", False):
+    extra = recipe.gen.self_instruct_samples
+    if extra and not recipe.gen.self_instruct:
         samples += extra
         counted += f" + gen.self_instruct_samples ({extra:,})"
     if tokens_per_sample is not None:
@@ -344,21 +251,9 @@ def expected_tokens(recipe: Recipe, folder: RunFolder | None, tokens_per_sample:
 
 # --- the drafter and its training memory ---------------------------------------------------------
 
-def drafter_head_dim(text) -> int:
-    """The drafter's attention head width: a Llama-style layer cannot copy MLA's split rope / no-rope
-    heads, so MLA targets (DeepSeek-V3, Kimi) use the value head width, as the published Kimi-K2 drafter
-    does (64 heads x 128); others their own head_dim (the rule of `Target.drafter_head_dim`)."""
-    return (getattr(text, "v_head_dim", None) or getattr(text, "head_dim", None)
-            or text.hidden_size // text.num_attention_heads)
-
-
-def drafter_config(spec: TargetSpec, aux_layer_ids: list[int], draft_vocab_size: int):
-    """The trainer's own drafter config for this target (`DrafterConfig.from_target`)."""
-
-    head_dim = drafter_head_dim(spec.text)
-    cfg = DrafterConfig.from_target(SimpleNamespace(text_config=spec.text, aux_layer_ids=aux_layer_ids,
-                                                    drafter_head_dim=head_dim), draft_vocab_size)
-    return replace(cfg, head_dim=head_dim)
+def drafter_config(spec: TargetSpec, aux_layer_ids: list[int], draft_vocab_size: int) -> DrafterConfig:
+    """The trainer's own drafter config for this target (`DrafterConfig.from_target`: head width and all)."""
+    return replace(DrafterConfig.from_target(spec.target, draft_vocab_size), aux_layer_ids=list(aux_layer_ids))
 
 
 def drafter_parameters(cfg, frozen_head: bool = False) -> dict:
@@ -516,8 +411,7 @@ def time_table(recipe: Recipe, spec: TargetSpec, tokens: dict, parts: dict, stag
     return rows
 
 
-def _reference_drafter(draft_vocab_size: int):
-
+def _reference_drafter(draft_vocab_size: int) -> DrafterConfig:
     return DrafterConfig(**REFERENCE_DRAFTER, draft_vocab_size=draft_vocab_size)
 
 
@@ -539,16 +433,16 @@ def machine(run_path: Path | None, gpus: int | None, gpu_memory_gib: float | Non
 def make_plan(recipe: Recipe, folder: RunFolder | None = None, *, target: str | None = None,
               tokens_per_sample: int | None = None, gpus: int | None = None,
               gpu_memory_gib: float | None = None) -> dict:
-    spec = read_target(target or recipe.target.model)
-    L = spec.num_layers
-    aux = sorted(set(recipe.target.aux_layer_ids)) or default_aux_layer_ids(L)
-    if not all(1 <= k < L for k in aux):
-        raise PlanError(f"aux layer ids {aux} outside 1..{L - 1} for {spec.source}")
+    # The target as every stage reads it: its aux layers (the recipe's, sorted, or its family's default)
+    # checked against its depth.
+    spec = read_target(target or recipe.target.model, recipe.target.aux_layer_ids)
+    aux = spec.target.aux_layer_ids
     store_dtype = recipe.extract.store_dtype  # bf16, or fp8 with a per-row scale
     n_states = len(aux) + 1
+    # extract's own bytes: the states, and (on disk) each token's id and loss mask
     per_token = bytes_per_token(n_states, spec.hidden_size, store_dtype)
     tokens = expected_tokens(recipe, folder, tokens_per_sample)
-    hidden_bytes = tokens["tokens"] * (per_token + TOKEN_RECORD_BYTES)
+    hidden_bytes = tokens["tokens"] * disk_bytes_per_token(n_states, spec.hidden_size, store_dtype)
     dcfg = drafter_config(spec, aux, recipe.train.draft_vocab_size)
     params = drafter_parameters(dcfg, frozen_head=recipe.train.lm_head_init == "target-frozen")
     mach = machine(folder.path if folder is not None else None, gpus, gpu_memory_gib)
@@ -579,7 +473,7 @@ def make_plan(recipe: Recipe, folder: RunFolder | None = None, *, target: str | 
         "aux_layer_ids_source": "recipe target.aux_layer_ids" if recipe.target.aux_layer_ids
         else "default (2, L//2, L-3)",
         "hidden": {"mode": recipe.train.hidden, "store_dtype": store_dtype, "states_per_token": n_states,
-                   "bytes_per_token": per_token, "record_bytes_per_token": TOKEN_RECORD_BYTES,
+                   "bytes_per_token": per_token, "record_bytes_per_token": TOKEN_BYTES,
                    "disk_bytes": hidden_bytes if not online else 0,
                    "disk_bytes_if_disk": hidden_bytes,
                    # Shards already extracted take no more free disk than they have.
@@ -594,13 +488,17 @@ def make_plan(recipe: Recipe, folder: RunFolder | None = None, *, target: str | 
         "total_seconds": round(sum(r["seconds"] for r in times), 1),
         "machine": mach,
     }
-    plan["checks"], plan["recommendations"] = _check(plan, recipe, spec, tokens, per_token, memory,
-                                                     fit_batch_tokens)
+    plan["checks"], plan["recommendations"] = _check(plan, recipe, spec, tokens, memory, fit_batch_tokens)
     return plan
 
 
-def _check(plan: dict, recipe: Recipe, spec: TargetSpec, tokens: dict, per_token: int, memory,
-           fit_batch_tokens) -> tuple:
+def _check(plan: dict, recipe: Recipe, spec: TargetSpec, tokens: dict, memory, fit_batch_tokens) -> tuple:
+    checks, recs = _check_disk(plan, recipe, spec, tokens)
+    checks.append(_check_memory(plan, memory, fit_batch_tokens, recs))
+    return checks, recs
+
+
+def _check_disk(plan: dict, recipe: Recipe, spec: TargetSpec, tokens: dict) -> tuple[list, list]:
     mach = plan["machine"]
     checks, recs = [], []
     free = mach["disk_free_bytes"]
@@ -615,27 +513,38 @@ def _check(plan: dict, recipe: Recipe, spec: TargetSpec, tokens: dict, per_token
                             f"of weights) runs beside the trainer and repeats its forward every epoch "
                             f"({recipe.train.epochs} epochs)"})
         if recipe.extract.store_dtype != "fp8_e4m3":
-            fp8 = tokens["tokens"] * (bytes_per_token(len(plan["aux_layer_ids"]) + 1, spec.hidden_size, "fp8_e4m3")
-                                      + TOKEN_RECORD_BYTES)
+            fp8 = tokens["tokens"] * disk_bytes_per_token(plan["hidden"]["states_per_token"], spec.hidden_size,
+                                                          "fp8_e4m3")
             recs.append({"do": "--set extract.store_dtype=fp8_e4m3",
                          "why": f"{human_bytes(fp8)} instead of {human_bytes(need)} "
                                 f"({'fits' if fp8 <= usable else 'still does not fit'}); its effect on tau is "
                                 f"measured by bench/fp8_tau.py, not assumed"})
-        fitting = int(usable // (tokens["tokens_per_sample"] * (per_token + TOKEN_RECORD_BYTES)))
+        per_token = plan["hidden"]["bytes_per_token"] + plan["hidden"]["record_bytes_per_token"]
+        fitting = int(usable // (tokens["tokens_per_sample"] * per_token))
         recs.append({"do": f"--num-train {fitting}",
                      "why": f"{fitting:,} samples of ~{tokens['tokens_per_sample']:,.0f} tokens fit "
                             f"{human_bytes(usable)} (of {tokens['samples']:,} planned)"})
+    return checks, recs
+
+
+def _check_memory(plan: dict, memory, fit_batch_tokens, recs: list) -> dict:
+    """The training-memory check (recommending FSDP or a smaller batch into `recs` where it fails)."""
+    mach = plan["machine"]
     n_gpus = mach["gpus"]
     mem = plan["train_memory"]["per_gpu"]
+    if n_gpus and mach["gpu_memory_bytes"] is None:
+        # --gpus on a machine without (that many) GPUs: nothing to read their memory from.
+        return {"check": "train memory", "ok": None, "need_bytes": mem["total"], "usable_bytes": None,
+                "text": f"training {human_bytes(mem['total'])} per device over {n_gpus} GPU(s) of unknown memory "
+                        f"(none detected here): give --gpu-memory-gib (141 for an H200) to check it"}
     if n_gpus:
         limit = int(mach["gpu_memory_bytes"] * MEMORY_HEADROOM)
         where = f"{n_gpus} GPU(s) of {human_bytes(mach['gpu_memory_bytes'])}"
     else:
         limit = int((mach["ram_bytes"] or 0) * MEMORY_HEADROOM)
         where = f"CPU RAM {human_bytes(mach['ram_bytes'] or 0)}"
-    checks.append({"check": "train memory", "ok": mem["total"] <= limit, "need_bytes": mem["total"],
-                   "usable_bytes": limit,
-                   "text": f"training {human_bytes(mem['total'])} per device vs {human_bytes(limit)} usable ({where})"})
+    check = {"check": "train memory", "ok": mem["total"] <= limit, "need_bytes": mem["total"], "usable_bytes": limit,
+             "text": f"training {human_bytes(mem['total'])} per device vs {human_bytes(limit)} usable ({where})"}
     if mem["total"] > limit and n_gpus > 1 and not plan["train_memory"]["fsdp"]:
         sharded = memory(fsdp=True)
         recs.append({"do": f"FSDP over {n_gpus} GPUs (torchrun)",
@@ -647,7 +556,7 @@ def _check(plan: dict, recipe: Recipe, spec: TargetSpec, tokens: dict, per_token
         if fit:
             recs.append({"do": f"--batch-tokens {fit}",
                          "why": f"the largest batch whose training memory fits {human_bytes(limit)}"})
-    return checks, recs
+    return check
 
 
 def _tree_bytes(path: Path) -> int:

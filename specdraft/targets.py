@@ -3,6 +3,10 @@
 What differs between model families is data in `FAMILIES`, not code: where the decoder layers and
 the final norm live, and which default aux layers EAGLE-3 uses. The chat template always comes from
 the target's own tokenizer.
+
+A target is described from its config alone: `Target` reads no weights until asked for tensors, so a
+folder holding only config.json, or a config.json by any name (the published configs of
+tests/data/configs), is a target too, and `plan` bills from the same description the stages use.
 """
 
 from __future__ import annotations
@@ -52,9 +56,9 @@ class Family:
     # MLA's split rope/no-rope heads, so MLA families use the value head width (128: the published
     # Kimi-K2 drafter's 64 heads x 128).
     drafter_head_dim: str = "head_dim"
-    # The config field counting multi-token-prediction layers stored after the decoder layers (DeepSeek's
-    # `num_nextn_predict_layers`); transformers skips them, aux ids never reach them.
-    mtp_field: str = ""
+    # The config field counting multi-token-prediction layers stored after the decoder layers (DeepSeek's,
+    # GLM-4.5's, MiMo's `num_nextn_predict_layers`); transformers skips them, aux ids never reach them.
+    mtp_field: str = "num_nextn_predict_layers"
     # Whether the serving engine can capture aux states from this family and run an EAGLE-3 drafter on it
     # (vLLM: the model class implements SupportsEagle3, checked in vllm 0.32; SGLang: it implements
     # set_eagle3_layers_to_capture).
@@ -65,8 +69,8 @@ class Family:
     thinking: tuple[str, str] | None = None
 
 
-_SERVED = dict(vllm_eagle3=True, sglang_eagle3=True)
-_MLA = dict(attention="mla", drafter_head_dim="v_head_dim", mtp_field="num_nextn_predict_layers", **_SERVED)
+_SERVED = {"vllm_eagle3": True, "sglang_eagle3": True}
+_MLA = {"attention": "mla", "drafter_head_dim": "v_head_dim"}
 
 # model_type -> Family; families absent here use the Llama layout, which most HF decoders share. A
 # multimodal wrapper is looked up by its own model_type first, then by its text model's.
@@ -76,15 +80,16 @@ FAMILIES: dict[str, Family] = {
     "qwen2": Family(**_SERVED),
     "qwen3": Family(**_SERVED),
     "qwen3_moe": Family(**_SERVED),
-    "deepseek_v2": Family(**_MLA),
-    "deepseek_v3": Family(**_MLA),
+    "deepseek_v2": Family(**_MLA, **_SERVED),
+    "deepseek_v3": Family(**_MLA, **_SERVED),
     # Kimi-K2.5: a vision tower and projector around a DeepSeek-V3 text model. transformers loads it as
     # model.language_model (decoder) + lm_head; the published checkpoint names its tensors
     # language_model.model.* and language_model.lm_head.* (transformers renames them on load and save).
     "kimi_k25": Family(
         decoder="model.language_model", layers="model.language_model.layers", norm="model.language_model.norm",
         embed="language_model.model.embed_tokens.weight", head="language_model.lm_head.weight",
-        norm_weight="language_model.model.norm.weight", auto_class="AutoModelForImageTextToText", **_MLA),
+        norm_weight="language_model.model.norm.weight", auto_class="AutoModelForImageTextToText", **_MLA,
+        **_SERVED),
     "gpt_oss": Family(attention="gqa+sliding", **_SERVED),
     # (1 + w) final norm. vLLM 0.32 captures no EAGLE-3 aux states from Gemma 3; SGLang unchecked, so
     # marked not served rather than guessed.
@@ -105,8 +110,21 @@ def _first(config, names: tuple[str, ...]):
     return None
 
 
-# Reasoning markers seen as added tokens in thinking models' tokenizers, most common first.
-THINKING_MARKERS = [("<think>", "</think>"), ("<thinking>", "</thinking>")]
+def family_of(config, text_config) -> Family:
+    """The family of a config: its own model_type's, else its text model's; an unlisted model with
+    DeepSeek's latent attention (its config gives kv_lora_rank) is MLA all the same, so its drafter
+    takes the value head width as the listed ones do (engine support unchecked: not marked served)."""
+    family = FAMILIES.get(config.model_type) or FAMILIES.get(text_config.model_type)
+    if family is None:
+        family = Family(**_MLA) if getattr(text_config, "kv_lora_rank", None) else Family()
+    return family
+
+
+# Reasoning markers around a thinking model's reasoning, (start, end), most common first: as added
+# tokens in its tokenizer (Qwen3, DeepSeek-R1, Kimi-K2: <think>) or as its chat template writes them
+# (Kimi-VL-Thinking's ◁think▷, gpt-oss's analysis channel, whose start is two pieces of text).
+THINKING_MARKERS = [("<think>", "</think>"), ("<thinking>", "</thinking>"), ("◁think▷", "◁/think▷"),
+                    ("<|channel|>analysis", "<|end|>")]
 
 
 def tokenizer_thinking_markers(tokenizer) -> tuple[str, str] | None:
@@ -116,6 +134,11 @@ def tokenizer_thinking_markers(tokenizer) -> tuple[str, str] | None:
         if start in added and end in added:
             return start, end
     return None
+
+
+def template_thinking_markers(template: str | None) -> list[tuple[str, str]]:
+    """The THINKING_MARKERS pairs a chat template's text writes (without loading the tokenizer)."""
+    return [(start, end) for start, end in THINKING_MARKERS if template and start in template]
 
 
 def resolve_device(name: str) -> str:
@@ -240,18 +263,46 @@ def _sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
+def _load_config(config_file: Path) -> tuple[dict, object, object]:
+    """(the JSON, its transformers config, the language model's config) of a config.json."""
+    from transformers import AutoConfig, PretrainedConfig
+
+    try:
+        raw = json.loads(config_file.read_text())
+    except json.JSONDecodeError as e:
+        raise TargetError(f"{config_file}:{e.lineno}: not JSON ({e.msg})") from None
+    try:
+        # A folder's config.json is read through its folder (what transformers records as its name).
+        config = AutoConfig.from_pretrained(str(config_file.parent if config_file.name == "config.json"
+                                                else config_file))
+    except (ValueError, KeyError):
+        # A wrapper transformers does not know: its language model is a known architecture under
+        # text_config (as Kimi-K2.5's was before transformers had kimi_k25).
+        if "text_config" not in raw:
+            raise TargetError(f"{config_file}: model_type {raw.get('model_type')!r} is unknown to transformers "
+                              f"and the config has no text_config") from None
+        config = PretrainedConfig(**{k: v for k, v in raw.items() if k != "text_config"})
+        config.text_config = AutoConfig.for_model(**raw["text_config"])
+    return raw, config, getattr(config, "text_config", None) or config
+
+
 class Target:
-    """A target model folder: its config, tokenizer and tensors, loaded only when asked for."""
+    """A target model folder: its config, tokenizer and tensors, loaded only when asked for.
+
+    `model` is a bundled name, an HF folder, a .gguf file, or a config.json by any name (its folder's
+    tokenizer files, where it has any, are the target's)."""
 
     def __init__(self, model: str, aux_layer_ids: list[int] | None = None):
-        from transformers import AutoConfig
-
         self.name = model
-        self.path = resolve(model)
-        self.config = AutoConfig.from_pretrained(self.path)
-        text = getattr(self.config, "text_config", None) or self.config
+        path = Path(model).expanduser()
+        if model not in BUNDLED and path.suffix == ".json" and path.is_file():
+            self.config_file, self.path = path, path.parent
+        else:
+            self.path = resolve(model)
+            self.config_file = self.path / "config.json"
+        self.raw_config, self.config, text = _load_config(self.config_file)
         self.text_config = text
-        self.family = FAMILIES.get(self.config.model_type) or FAMILIES.get(text.model_type, Family())
+        self.family = family_of(self.config, text)
         self.num_layers: int = text.num_hidden_layers
         self.hidden_size: int = text.hidden_size
         self.vocab_size: int = text.vocab_size
@@ -276,12 +327,34 @@ class Target:
 
     @property
     def mtp_layers(self) -> int:
-        return int(getattr(self.text_config, self.family.mtp_field, 0) or 0) if self.family.mtp_field else 0
+        return int(getattr(self.text_config, self.family.mtp_field, 0) or 0)
 
     @property
     def drafter_head_dim(self) -> int:
+        """The drafter's attention head width: the target's own, or for MLA the value head width -- a
+        Llama-style drafter layer cannot copy MLA's split rope/no-rope heads, and the published drafters
+        of MLA targets are 128 wide (Kimi-K2/K2.5: 64 heads x 128; DeepSeek-V3: 56 heads of 7168/56),
+        not transformers' DeepSeek `head_dim`, which is the rope part alone (64)."""
         c = self.text_config
         return getattr(c, self.family.drafter_head_dim, None) or c.hidden_size // c.num_attention_heads
+
+    @property
+    def quantization_config(self) -> dict | None:
+        """The checkpoint's quantization_config as written (a wrapper may keep it in its text_config)."""
+        raw = self.raw_config
+        return raw.get("quantization_config") or raw.get("text_config", {}).get("quantization_config")
+
+    @property
+    def chat_template(self) -> str | None:
+        """The chat template's text as the folder ships it, read without loading the tokenizer."""
+        jinja = self.path / "chat_template.jinja"
+        if jinja.exists():
+            return jinja.read_text()
+        tok_config = self.path / "tokenizer_config.json"
+        if tok_config.exists():
+            template = json.loads(tok_config.read_text()).get("chat_template")
+            return template if isinstance(template, str) else None
+        return None
 
     def architecture(self) -> dict:
         """What kind of model this is, for STATUS.md and plan: attention kind (with MLA ranks), experts
@@ -299,8 +372,6 @@ class Target:
                 # DeepSeek keeps its first k layers dense.
                 "dense_layers": int(getattr(c, "first_k_dense_replace", 0) or 0),
             }
-        raw = json.loads((self.path / "config.json").read_text())
-        quant = raw.get("quantization_config") or raw.get("text_config", {}).get("quantization_config")
         return {
             "model_type": self.config.model_type,
             "text_model_type": c.model_type,
@@ -315,7 +386,7 @@ class Target:
             "sliding_window": getattr(c, "sliding_window", None) if self.family.attention == "gqa+sliding" else None,
             "experts": experts,
             "mtp_layers": self.mtp_layers,
-            "quantization": _quantization(quant),
+            "quantization": _quantization(self.quantization_config),
             "tied_embeddings": self.tied,
             "final_norm": "rms (1+w)" if self.family.norm_offset else "rms",
             "eagle3_serving": {"vllm": self.family.vllm_eagle3, "sglang": self.family.sglang_eagle3},
@@ -366,8 +437,7 @@ class Target:
 
     def fingerprint(self) -> dict:
         """Hashes that tie artifacts to this exact target: config and tokenizer."""
-        cfg = json.loads((self.path / "config.json").read_text())
-        cfg.pop("_name_or_path", None)
+        cfg = {k: v for k, v in self.raw_config.items() if k != "_name_or_path"}
         tok_file = self.path / "tokenizer.json"
         return {
             "config_sha256": hashlib.sha256(json.dumps(cfg, sort_keys=True).encode()).hexdigest()[:16],
@@ -429,13 +499,15 @@ class Target:
 
 
 def _quantization(quant: dict | None) -> dict | None:
-    """The checkpoint's quantization in a few words: method, weight bits and group size where given."""
+    """The checkpoint's quantization in a few words: method, weight bits and group size where given, and
+    the kind of its weights ("fp8", "mxfp4", "int4": what `billing` sizes them by)."""
     if not quant:
         return None
     weights = next(iter(quant.get("config_groups", {}).values()), {}).get("weights", {})
-    out = {"method": quant.get("quant_method"), "format": quant.get("format") or quant.get("fmt"),
-           "bits": weights.get("num_bits"), "group_size": weights.get("group_size"),
-           "block": quant.get("weight_block_size")}
+    method, bits = quant.get("quant_method"), weights.get("num_bits")
+    out = {"method": method, "format": quant.get("format") or quant.get("fmt"),
+           "bits": bits, "group_size": weights.get("group_size"), "block": quant.get("weight_block_size"),
+           "kind": method if method in ("fp8", "mxfp4") else f"int{bits}" if bits else method}
     return {k: v for k, v in out.items() if v is not None}
 
 

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from specdraft.cli import main
-from specdraft.targets import FAMILIES, Target, get_attr
 from specdraft.run import RunFolder
+from specdraft.targets import FAMILIES, Target, get_attr
 
 CONFIGS = Path(__file__).parent / "data" / "configs"
 FULL = ["deepseek-v3", "kimi-k2.5", "qwen3-moe", "gpt-oss"]
@@ -117,19 +117,19 @@ def test_full_size_configs_describe_the_published_models(full_size):
     assert kimi["attention"] == "mla" and kimi["mla"]["kv_lora_rank"] == 512 and kimi["mla"]["q_lora_rank"] == 1536
     assert kimi["mtp_layers"] == 0 and not kimi["tied_embeddings"]
     assert kimi["quantization"] == {"method": "compressed-tensors", "format": "pack-quantized", "bits": 4,
-                                    "group_size": 32}
+                                    "group_size": 32, "kind": "int4"}
     assert full_size["kimi-k2.5"].aux_layer_ids == [2, 30, 58]  # FACTS.md: the published Kimi-K2 drafter's
 
     ds = full_size["deepseek-v3"].architecture()
     assert ds["experts"]["routed"] == 256 and ds["experts"]["dense_layers"] == 3 and ds["mtp_layers"] == 1
-    assert ds["quantization"]["method"] == "fp8"
+    assert ds["quantization"]["method"] == ds["quantization"]["kind"] == "fp8"
     qwen = full_size["qwen3-moe"].architecture()
     assert qwen["experts"] == {"routed": 128, "shared": 0, "top_k": 8, "intermediate_size": 768, "dense_layers": 0}
     assert qwen["attention"] == "gqa" and qwen["mla"] is None and qwen["kv_heads"] == 4
     oss = full_size["gpt-oss"].architecture()
     assert oss["experts"]["routed"] == 128 and oss["experts"]["top_k"] == 4
     assert oss["attention"] == "gqa+sliding" and oss["sliding_window"] == 128
-    assert oss["quantization"] == {"method": "mxfp4"}
+    assert oss["quantization"] == {"method": "mxfp4", "kind": "mxfp4"}
     for t in full_size.values():
         assert t.architecture()["eagle3_serving"] == {"vllm": True, "sglang": True}
 
@@ -142,6 +142,26 @@ def test_mla_drafter_takes_the_value_head_width(full_size):
     cfg = DrafterConfig.from_target(full_size["kimi-k2.5"], 32000)
     assert (cfg.num_attention_heads, cfg.head_dim, cfg.intermediate_size) == (64, 128, 18432)
     assert DrafterConfig.from_target(full_size["qwen3-moe"], 32000).head_dim == 128
+
+
+def test_an_unlisted_mla_family_is_mla_all_the_same(tmp_path):
+    """LongCat-Flash (model_type longcat_flash, absent from FAMILIES) has DeepSeek's latent attention:
+    transformers' head_dim is its rope part (64), the published drafter (SpecForge's longcat-flash-eagle3)
+    is 64 heads x 128 = v_head_dim. The MLA rule follows the config, not the family list, and plan's
+    drafter is the same."""
+    from transformers import CONFIG_MAPPING
+
+    from specdraft.billing import make_plan
+    from specdraft.config import load_recipe
+
+    config = CONFIG_MAPPING["longcat_flash"]()
+    assert "longcat_flash" not in FAMILIES and (config.head_dim, config.v_head_dim) == (64, 128)
+    config.save_pretrained(tmp_path)
+    t = Target(str(tmp_path))
+    assert t.architecture()["attention"] == "mla" and t.drafter_head_dim == 128
+    assert t.architecture()["eagle3_serving"] == {"vllm": False, "sglang": False}  # unchecked: not claimed
+    plan = make_plan(load_recipe("smollm2-cpu"), target=str(tmp_path), tokens_per_sample=512)
+    assert plan["drafter"]["config"]["head_dim"] == 128
 
 
 def test_kimi_recipe_loads_and_names_the_published_drafter_layout(full_size):

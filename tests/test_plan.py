@@ -12,9 +12,10 @@ from pathlib import Path
 
 import pytest
 
+from specdraft.billing import make_plan, read_target
 from specdraft.cli import main
 from specdraft.config import load_recipe
-from specdraft.billing import PlanError, make_plan, read_target
+from specdraft.targets import TargetError
 
 CONFIGS = Path(__file__).parent / "data" / "configs"
 TiB = 2**40
@@ -174,8 +175,13 @@ def test_rows_span_one_document_on_either_device_and_the_batch_that_fits_is_the_
     and the next step up does not."""
     from dataclasses import replace
 
+    from specdraft.billing import (
+        BATCH_TOKENS_STEP,
+        drafter_parameters,
+        fitting_batch_tokens,
+        training_memory,
+    )
     from specdraft.drafters.eagle3 import DrafterConfig
-    from specdraft.billing import BATCH_TOKENS_STEP, drafter_parameters, fitting_batch_tokens, training_memory
     from specdraft.targets import Target
 
     recipe = load_recipe("smollm2-h200")
@@ -200,16 +206,65 @@ def test_rows_span_one_document_on_either_device_and_the_batch_that_fits_is_the_
 def test_bad_config_names_the_file_and_line(tmp_path):
     bad = tmp_path / "config.json"
     bad.write_text('{\n  "model_type": "llama",\n  "hidden_size": ,\n}\n')
-    with pytest.raises(PlanError, match=rf"{bad}:3"):
-        read_target(str(bad))
-    with pytest.raises(PlanError, match="no config.json"):
+    for where in (bad, tmp_path):  # the file, or its folder
+        with pytest.raises(TargetError, match=rf"{bad}:3"):
+            read_target(str(where))
+    with pytest.raises(TargetError, match="no such file or folder"):
         read_target(str(tmp_path / "missing"))
+
+
+def test_gpus_without_their_memory_plan_without_the_memory_check(monkeypatch):
+    """--gpus on a machine without GPUs and no --gpu-memory-gib: the plan is made (it was a TypeError), its
+    memory check says the memory is unknown and how to give it, and nothing is recommended for memory."""
+    from specdraft import environment
+
+    describe = environment.describe
+    monkeypatch.setattr(environment, "describe", lambda path: {**describe(path), "gpus": []})
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        assert main(["plan", str(Path(__file__).parents[1] / "recipes" / "kimi-k2.5-8gpu.toml"),
+                     "--target", str(CONFIGS / "kimi-k2.5.json"), "--gpus", "8"]) == 0
+    line = next(x for x in buf.getvalue().splitlines() if "train memory" in x)
+    assert line.split()[0] == "SKIP" and "unknown" in line and "--gpu-memory-gib" in line
+    plan = make_plan(_recipe(), target=str(CONFIGS / "kimi-k2.5.json"), tokens_per_sample=4096, gpus=8)
+    mem = next(c for c in plan["checks"] if c["check"] == "train memory")
+    assert mem["ok"] is None and mem["usable_bytes"] is None and mem["need_bytes"] > 0
+    assert not any(r["do"].startswith(("FSDP", "--batch-tokens")) for r in plan["recommendations"])
+
+
+def test_plan_bills_the_target_the_stages_read(tmp_path, monkeypatch):
+    """One model of the target: plan's aux ids are the family's rule, its drafter the trainer's
+    (`DrafterConfig.from_target`), its bytes/token extract's (hidden/store.py), its thinking markers the
+    targets table's (here a pair the template writes that plan's own table lacked)."""
+    from dataclasses import replace
+
+    from specdraft import targets
+    from specdraft.drafters.eagle3 import DrafterConfig
+    from specdraft.hidden.store import TOKEN_BYTES, bytes_per_token
+
+    folder = tmp_path / "kimi"
+    folder.mkdir()
+    shutil.copy(CONFIGS / "kimi-k2.5.json", folder / "config.json")
+    (folder / "chat_template.jinja").write_text("{{ '<thinking>' + m.reasoning + '</thinking>' }}")
+    plan = make_plan(_recipe(), target=str(folder), tokens_per_sample=4096)
+    kimi = targets.Target(str(folder))
+    assert plan["target"]["thinking_markers"] == [["<thinking>", "</thinking>"]]
+    assert plan["drafter"]["config"] == DrafterConfig.from_target(kimi, 32_000).to_dict()
+    assert plan["hidden"]["bytes_per_token"] == bytes_per_token(4, 7168, "bfloat16")
+    assert plan["hidden"]["record_bytes_per_token"] == TOKEN_BYTES
+    # A config.json by another name is the same target.
+    assert targets.Target(str(CONFIGS / "kimi-k2.5.json")).architecture() == kimi.architecture()
+
+    # A family's own aux-layer rule is plan's too.
+    kimi_family = replace(targets.FAMILIES["kimi_k25"], aux_layers=lambda n: [3, 20, n - 2])
+    monkeypatch.setitem(targets.FAMILIES, "kimi_k25", kimi_family)
+    assert make_plan(_recipe(), target=str(folder), tokens_per_sample=4096)["aux_layer_ids"] == [3, 20, 59]
 
 
 def test_every_turn_raises_the_token_bound_to_the_render_cut():
     """gen.max_turns = 0 replays every user turn until render.max_length: the disk bill must say so."""
-    from specdraft.config import Recipe
     from specdraft.billing import expected_tokens
+    from specdraft.config import Recipe
 
     recipe = Recipe()
     recipe.data.num_train, recipe.data.max_prompt_tokens, recipe.gen.max_new_tokens = 100, 512, 256

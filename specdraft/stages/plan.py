@@ -45,7 +45,8 @@ def render_text(plan: dict) -> str:
     lines.append(f"  total    {human_seconds(plan['total_seconds']):>10s}")
     lines += ["", f"machine: {plan['machine']['hardware']}"]
     for c in plan["checks"]:
-        lines.append(f"  {'OK  ' if c['ok'] else 'FAIL'} {c['check']}: {c['text']}")
+        # ok None: not checked (the memory of GPUs named by --gpus alone is unknown)
+        lines.append(f"  {({True: 'OK  ', False: 'FAIL', None: 'SKIP'})[c['ok']]} {c['check']}: {c['text']}")
     if plan["recommendations"]:
         lines += ["", "recommended:"]
         lines += [f"  {r['do']}: {r['why']}" for r in plan["recommendations"]]
