@@ -1,11 +1,12 @@
 """specdraft's own checkpoint of a drafter: its weights (safetensors), its config and what it was
 trained on (meta.json), and a completeness marker written last, so a folder cut off mid-save is never
-read as a checkpoint.
+read as a checkpoint. A training checkpoint adds trainer.pt, what resuming needs besides the weights.
 """
 
 from __future__ import annotations
 
 import json
+import random
 import shutil
 from pathlib import Path
 
@@ -41,6 +42,60 @@ def save_checkpoint(drafter: Eagle3Drafter, path: Path, meta: dict, extra: dict 
         path.rename(old)
     tmp.rename(path)
     shutil.rmtree(old, ignore_errors=True)
+
+
+def rng_state() -> dict:
+    return {"torch": torch.get_rng_state(), "python": random.getstate(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+
+
+def save_training(path: Path, wrapped, optimizers: list, schedulers: list, config: DrafterConfig, meta: dict,
+                  state: dict, rank: int) -> None:
+    """A resumable checkpoint of the drafter in training: its weights, plus the trainable weights,
+    optimizer and scheduler states, `state` (step, tokens, ...) and RNG in trainer.pt. `wrapped` is the
+    TTT module, under DDP or FSDP or neither. Every process calls it, since gathering the full state
+    dicts is collective; only rank 0 writes."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    full = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    model_state = get_model_state_dict(wrapped, options=full)
+    optim_state = get_optimizer_state_dict(wrapped, optimizers, options=full)
+    if rank != 0:
+        return
+    trainable = {k: v for k, v in model_state.items() if "embed_tokens" not in k}
+    extra = {"model": trainable, "optimizer": optim_state, "scheduler": [x.state_dict() for x in schedulers],
+             "state": dict(state), "rng": rng_state()}
+    drafter = Eagle3Drafter(config)
+    drafter.load_state_dict({k.removeprefix("drafter."): v for k, v in model_state.items()})
+    save_checkpoint(drafter, path, meta, extra)
+
+
+def load_training(path: Path, wrapped, optimizers: list, schedulers: list) -> dict:
+    """Restore what `save_training` wrote at `path` into the model, optimizers and schedulers, and the
+    RNG; returns the saved `state`."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    extra = torch.load(path / "trainer.pt", weights_only=False)
+    full = StateDictOptions(full_state_dict=True, strict=False)
+    set_model_state_dict(wrapped, extra["model"], options=full)
+    set_optimizer_state_dict(wrapped, optimizers, extra["optimizer"], options=full)
+    # trainer.pt written before there could be several optimizers holds one scheduler's state, not a list.
+    saved_schedulers = extra["scheduler"] if isinstance(extra["scheduler"], list) else [extra["scheduler"]]
+    for scheduler, saved_state in zip(schedulers, saved_schedulers, strict=True):
+        scheduler.load_state_dict(saved_state)
+    torch.set_rng_state(extra["rng"]["torch"])
+    random.setstate(extra["rng"]["python"])
+    if extra["rng"]["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(extra["rng"]["cuda"])
+    return extra["state"]
 
 
 def load_checkpoint(path: Path, embed: torch.Tensor | None = None) -> tuple[Eagle3Drafter, dict]:

@@ -116,7 +116,8 @@ class TTT(nn.Module):
         total = torch.zeros((), device=ids.device)
         stats = []
         chain = torch.ones_like(batch["loss_mask"])  # drafts correct so far, per position
-        for i, logits in enumerate(unroll(d, self.noisy(batch["aux"].float()), ids, docs, pos, self.steps, self.checkpointing)):
+        aux = self.noisy(batch["aux"].float())
+        for i, logits in enumerate(unroll(d, aux, ids, docs, pos, self.steps, self.checkpointing)):
             # x_{t+2+i}: an assistant token of the same document
             evaluable = shift(batch["loss_mask"], 2 + i, False) & (shift(docs, 2 + i, NO_DOCUMENT) == docs)
             where = evaluable & shift(inside, 1 + i, False)  # [B, T]
@@ -146,5 +147,8 @@ def summarize(stats: torch.Tensor) -> dict:
     for a in alpha:
         accepted *= a
         tau += accepted
-    r = lambda xs: [round(x, 4) for x in xs]  # noqa: E731
+
+    def r(xs):
+        return [round(x, 4) for x in xs]
+
     return {"loss": r(loss), "acc": r(acc), "cond_accept": r(alpha), "tau": round(tau, 4)}

@@ -1,12 +1,5 @@
-"""train: the EAGLE-3 drafter with training-time test (TTT), from the target's hidden states.
-
-Alignment (T tokens x_0..x_{T-1} of one document, target aux states h_t, final-norm states z_t): at
-drafting step i the drafter at position t reads token x_{t+1+i} and, at step 0, fc(h_t) (later: its
-own output of step i-1 at t). It predicts x_{t+2+i}, whose target distribution is
-softmax(lm_head(z_{t+1+i})) restricted to the draft vocabulary. The loss counts where x_{t+2+i} is an
-assistant token of the same document and the target's top token is inside the draft vocabulary
-(EAGLE-3's rule: elsewhere the drafter cannot be right). Step i runs at rotary positions t+i (counted
-from the document's start), as it does when drafting, and is weighted decay^i.
+"""train: the EAGLE-3 drafter with training-time test (TTT), from the target's hidden states. The
+objective (what the drafter reads and predicts at each drafting step) is specdraft/drafters/ttt.py's.
 
 Documents are packed into rows of `batch_tokens` tokens (no padding waste); attention and rotary
 positions stay per document, so a packed row computes exactly what the documents would alone.
@@ -20,6 +13,7 @@ lm_head weights; it never loads the target model.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -35,7 +29,12 @@ from torch import nn
 from specdraft.billing import MEMORY_HEADROOM, make_plan
 from specdraft.config import Recipe, TrainConfig, to_dict
 from specdraft.drafters import vocab
-from specdraft.drafters.checkpoint import COMPLETE, init_from, save_checkpoint
+from specdraft.drafters.checkpoint import (
+    COMPLETE,
+    init_from,
+    load_training,
+    save_training,
+)
 from specdraft.drafters.eagle3 import DrafterConfig, Eagle3Drafter
 from specdraft.drafters.ttt import (
     LOGIT_CHUNK,
@@ -127,8 +126,75 @@ def target_top_tokens(source, head: torch.Tensor, indices=None, device: torch.de
     return tops
 
 
+def split_holdout(n: int, fraction: float, seed: int) -> tuple[list[int], list[int]]:
+    """(train, held-out) sample indices: a seeded random `fraction` is held out (at least one sample
+    when fraction > 0 and there are two or more)."""
+    order = list(range(n))
+    random.Random(seed).shuffle(order)
+    k = min(n - 1, max(1, round(n * fraction))) if fraction > 0 and n > 1 else 0
+    return sorted(order[k:]), sorted(order[:k])
+
+
+def epoch_rows(train_idx: list[int], lengths: list[int], cfg: TrainConfig, epoch: int) -> list[list[int]]:
+    """The packed rows of one epoch, in a seeded order that depends only on (seed, epoch): a resumed
+    run sees the same rows in the same order."""
+    order = list(train_idx)
+    random.Random(cfg.seed * 1_000_003 + epoch).shuffle(order)
+    rows = pack(order, lengths, cfg.batch_tokens)
+    usable = len(rows) - len(rows) % cfg.micro_batches  # whole optimizer steps only
+    return rows[:usable] if usable else rows
+
+
+def epoch_steps(train_idx: list[int], lengths: list[int], cfg: TrainConfig) -> int:
+    """Optimizer steps per epoch: the fewest of any epoch. Packing each epoch's shuffle can give a
+    different number of rows, and the step count must be one number for the schedule and for resuming;
+    an epoch with more rows drops its last."""
+    return min(len(epoch_rows(train_idx, lengths, cfg, e)) for e in range(cfg.epochs)) // cfg.micro_batches
+
+
+def fixed_shape(cfg: TrainConfig, device: torch.device) -> bool:
+    """Whether batches keep one shape: what compiled kernels (CUDA FlexAttention, torch.compile) need."""
+    return cfg.compile or device.type == "cuda"
+
+
+class PackedRows(torch.utils.data.Dataset):
+    """Packed rows as batches of one row each, built in DataLoader workers (reading and packing the
+    hidden states overlaps the training step)."""
+
+    def __init__(self, source, rows: list[list[int]], tops, budget: int, fixed: bool):
+        self.source, self.rows, self.tops, self.budget, self.fixed = source, rows, tops, budget, fixed
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, k: int) -> dict:
+        return collate(self.source, [self.rows[k]], self.tops, self.budget, self.fixed)
+
+
+def step_batches(source, tops, train_idx, lengths, cfg: TrainConfig, step: int, steps_per_epoch: int,
+                 rank: int, world: int, device: torch.device):
+    """(epoch, this process's packed batches of the step) for every step from `step` to the end: each
+    step takes `micro_batches` consecutive rows of the epoch's order, this rank every world-th of them."""
+    workers = 0 if cfg.hidden == "online" else cfg.loader_workers  # an online target stays in this process
+    for epoch in range(step // steps_per_epoch, cfg.epochs):
+        first = step - epoch * steps_per_epoch if epoch == step // steps_per_epoch else 0
+        rows = epoch_rows(train_idx, lengths, cfg, epoch)
+        mine = [row for s in range(first, steps_per_epoch)
+                for row in rows[s * cfg.micro_batches:(s + 1) * cfg.micro_batches][rank::world]]
+        rows_of_mine = PackedRows(source, mine, tops, cfg.batch_tokens, fixed_shape(cfg, device))
+        loader = torch.utils.data.DataLoader(rows_of_mine, batch_size=None, num_workers=workers,
+                                             pin_memory=device.type == "cuda")
+        it = iter(loader)
+        for _ in range(first, steps_per_epoch):
+            yield epoch, [next(it) for _ in range(cfg.micro_batches // world)]
+
+
+def to_device(batch: dict, device: torch.device) -> dict:
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+
 # ---------------------------------------------------------------------------------------------------
-# Training-time test
+# Optimization
 
 
 def lr_factor(step: int, total: int, cfg: TrainConfig) -> float:
@@ -141,8 +207,24 @@ def lr_factor(step: int, total: int, cfg: TrainConfig) -> float:
     return 0.5 * (1 + math.cos(math.pi * progress))
 
 
-# ---------------------------------------------------------------------------------------------------
-# Checkpoints
+def make_optimizers(wrapped, cfg: TrainConfig) -> list:
+    """AdamW over every trainable parameter; or Muon over the weight matrices of fc and the layer with
+    AdamW over the rest (lm_head's rows are per-token classifiers, not a map Muon should orthogonalise,
+    and the norms are vectors)."""
+    named = [(n, p) for n, p in wrapped.named_parameters() if p.requires_grad]
+    if cfg.optimizer == "adamw":
+        return [torch.optim.AdamW([p for _, p in named], lr=cfg.lr, weight_decay=cfg.weight_decay)]
+    to_muon = {n: p.ndim == 2 and "lm_head" not in n for n, p in named}
+    matrices = [p for n, p in named if to_muon[n]]
+    rest = [p for n, p in named if not to_muon[n]]
+    out = [torch.optim.Muon(matrices, lr=cfg.lr, weight_decay=cfg.weight_decay, adjust_lr_fn="match_rms_adamw")]
+    return out + ([torch.optim.AdamW(rest, lr=cfg.lr, weight_decay=cfg.weight_decay)] if rest else [])
+
+
+def autocast_for(cfg: TrainConfig, device: torch.device) -> tuple[str, torch.autocast]:
+    """The dtype train.autocast_dtype means on `device` ("auto" resolved) and its autocast context."""
+    dtype = resolve_dtype(cfg.autocast_dtype, device.type)
+    return dtype, torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == "bfloat16")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -159,7 +241,7 @@ def distributed() -> tuple[int, int, torch.device]:
     if not dist.is_initialized():
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     if torch.cuda.is_available():
-        local = int(os.environ.get("LOCAL_RANK", 0))
+        local = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local)
         device = torch.device("cuda", local)
     else:
@@ -193,80 +275,12 @@ def all_sum(t: torch.Tensor, world: int) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------------
-# The stage
-
-
-def split_holdout(n: int, fraction: float, seed: int) -> tuple[list[int], list[int]]:
-    """(train, held-out) sample indices: a seeded random `fraction` is held out (at least one sample
-    when fraction > 0 and there are two or more)."""
-    order = list(range(n))
-    random.Random(seed).shuffle(order)
-    k = min(n - 1, max(1, round(n * fraction))) if fraction > 0 and n > 1 else 0
-    return sorted(order[k:]), sorted(order[:k])
-
-
-def epoch_rows(train_idx: list[int], lengths: list[int], cfg: TrainConfig, epoch: int) -> list[list[int]]:
-    """The packed rows of one epoch, in a seeded order that depends only on (seed, epoch): a resumed
-    run sees the same rows in the same order."""
-    order = list(train_idx)
-    random.Random(cfg.seed * 1_000_003 + epoch).shuffle(order)
-    rows = pack(order, lengths, cfg.batch_tokens)
-    usable = len(rows) - len(rows) % cfg.micro_batches  # whole optimizer steps only
-    return rows[:usable] if usable else rows
-
-
-def epoch_steps(train_idx: list[int], lengths: list[int], cfg: TrainConfig) -> int:
-    """Optimizer steps per epoch: the fewest of any epoch. Packing each epoch's shuffle gives a slightly
-    different number of rows (328 in one epoch, 327 in the twelfth of the smollm2-h200 run), and the step
-    count must be one number for the schedule and for resuming; an epoch with more rows drops its last."""
-    return min(len(epoch_rows(train_idx, lengths, cfg, e)) for e in range(cfg.epochs)) // cfg.micro_batches
-
-
-def fixed_shape(cfg: TrainConfig, device: torch.device) -> bool:
-    """Whether batches keep one shape: what compiled kernels (CUDA FlexAttention, torch.compile) need."""
-    return cfg.compile or device.type == "cuda"
-
-
-class PackedRows(torch.utils.data.Dataset):
-    """Packed rows as batches of one row each, built in DataLoader workers (reading and packing the
-    hidden states overlaps the training step)."""
-
-    def __init__(self, source, rows: list[list[int]], tops, budget: int, fixed: bool):
-        self.source, self.rows, self.tops, self.budget, self.fixed = source, rows, tops, budget, fixed
-
-    def __len__(self) -> int:
-        return len(self.rows)
-
-    def __getitem__(self, k: int) -> dict:
-        return collate(self.source, [self.rows[k]], self.tops, self.budget, self.fixed)
-
-
-def step_batches(source, tops, train_idx, lengths, cfg: TrainConfig, step: int, steps_per_epoch: int,
-                 rank: int, world: int, device: torch.device):
-    """(epoch, this process's packed batches of the step) for every step from `step` to the end: each
-    step takes `micro_batches` consecutive rows of the epoch's order, this rank every world-th of them."""
-    workers = 0 if cfg.hidden == "online" else cfg.loader_workers  # an online target stays in this process
-    for epoch in range(step // steps_per_epoch, cfg.epochs):
-        first = step - epoch * steps_per_epoch if epoch == step // steps_per_epoch else 0
-        rows = epoch_rows(train_idx, lengths, cfg, epoch)
-        mine = [row for s in range(first, steps_per_epoch)
-                for row in rows[s * cfg.micro_batches:(s + 1) * cfg.micro_batches][rank::world]]
-        loader = torch.utils.data.DataLoader(PackedRows(source, mine, tops, cfg.batch_tokens, fixed_shape(cfg, device)), batch_size=None,
-                                             num_workers=workers, pin_memory=device.type == "cuda")
-        it = iter(loader)
-        for _ in range(first, steps_per_epoch):
-            yield epoch, [next(it) for _ in range(cfg.micro_batches // world)]
-
-
-def autocast_for(cfg: TrainConfig, device: torch.device) -> tuple[str, torch.autocast]:
-    """The dtype train.autocast_dtype means on `device` ("auto" resolved) and its autocast context."""
-
-    dtype = resolve_dtype(cfg.autocast_dtype, device.type)
-    return dtype, torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == "bfloat16")
+# Held-out score and logs
 
 
 @torch.no_grad()
 def evaluate(model: TTT, source, rows, tops, cfg, device, autocast) -> dict:
+    """summarize()'s loss, accuracy, conditional acceptance and tau over the packed `rows`, the model in eval mode."""
     model.eval()
     total = torch.zeros(cfg.ttt_steps, len(STAT_COLUMNS), device=device)
     for row in rows:
@@ -278,8 +292,17 @@ def evaluate(model: TTT, source, rows, tops, cfg, device, autocast) -> dict:
     return summarize(total.cpu())
 
 
-def to_device(batch: dict, device: torch.device) -> dict:
-    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+def append_record(log_path: Path, record: dict) -> None:
+    with open(log_path, "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def tensorboard(logdir: Path, rank: int):
+    if rank != 0:
+        return None
+    from torch.utils.tensorboard import SummaryWriter
+
+    return SummaryWriter(str(logdir))
 
 
 def plot_curves(log_path: Path, png: Path) -> None:
@@ -306,6 +329,35 @@ def plot_curves(log_path: Path, png: Path) -> None:
     plt.close(fig)
 
 
+def keep_log_until(log_path: Path, step: int) -> None:
+    """Drop log records past `step` (written by a run killed after its last checkpoint), so a resumed
+    run's log has each step once."""
+    if not log_path.exists():
+        log_path.write_text("")
+        return
+    kept = [line for line in log_path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
+    tmp = log_path.with_suffix(".tmp")
+    tmp.write_text("".join(line + "\n" for line in kept))
+    tmp.rename(log_path)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Checks before training
+
+
+def check_choices(cfg: TrainConfig) -> None:
+    """The config's choices, checked before anything is loaded."""
+    if cfg.loss not in LOSSES:
+        raise ValueError(f"train.loss = {cfg.loss!r}: expected one of {', '.join(LOSSES)}")
+    if cfg.lm_head_init not in HEAD_INITS:
+        raise ValueError(f"train.lm_head_init = {cfg.lm_head_init!r}: expected one of {', '.join(HEAD_INITS)}")
+    if cfg.optimizer not in OPTIMIZERS:
+        raise ValueError(f"train.optimizer = {cfg.optimizer!r}: expected one of {', '.join(OPTIMIZERS)}")
+    if cfg.optimizer == "muon" and cfg.parallel == "fsdp":
+        # Muon orthogonalises whole matrices; FSDP holds each rank's shard only.
+        raise ValueError("train.optimizer = 'muon' needs whole weight matrices: use train.parallel = 'ddp'")
+
+
 class TrainMemoryError(RuntimeError):
     """The plan's training memory does not fit the device at all."""
 
@@ -315,7 +367,6 @@ def check_memory(recipe: Recipe, folder: RunFolder) -> None:
     out-of-memory kill would come at the first long batch, lose the steps since the last checkpoint and
     name no cause. Over the plan's headroom but within the memory, only a warning: the model is an
     estimate. Either way the message names the batch that fits."""
-
     try:
         plan = make_plan(recipe, folder)
     except Exception as e:  # noqa: BLE001 - a target the plan cannot read still trains, unchecked
@@ -332,265 +383,14 @@ def check_memory(recipe: Recipe, folder: RunFolder) -> None:
     print(f"train: warning: {text}", file=sys.stderr)
 
 
-def run(recipe: Recipe, folder: RunFolder) -> dict:
-    from tqdm import tqdm
-
-    cfg = recipe.train
-    if cfg.loss not in LOSSES:
-        raise ValueError(f"train.loss = {cfg.loss!r}: expected one of {', '.join(LOSSES)}")
-    if cfg.lm_head_init not in HEAD_INITS:
-        raise ValueError(f"train.lm_head_init = {cfg.lm_head_init!r}: expected one of {', '.join(HEAD_INITS)}")
-    if cfg.optimizer not in OPTIMIZERS:
-        raise ValueError(f"train.optimizer = {cfg.optimizer!r}: expected one of {', '.join(OPTIMIZERS)}")
-    if cfg.optimizer == "muon" and cfg.parallel == "fsdp":
-        # Muon orthogonalises whole matrices; FSDP holds each rank's shard only.
-        raise ValueError("train.optimizer = 'muon' needs whole weight matrices: use train.parallel = 'ddp'")
-    t_start = time.time()
-    if cfg.hidden == "disk":
-        folder.require("extract")
-    check_memory(recipe, folder)
-    rank, world, device = distributed()
-    if cfg.micro_batches % world:
-        raise ValueError(f"train.micro_batches = {cfg.micro_batches} must be a multiple of the "
-                         f"{world} torchrun processes")
-    torch.manual_seed(cfg.seed)
-    source = open_hidden(recipe, folder)
-    target = Target(recipe.target.model, source.aux_layer_ids)
-    samples = [source.tokens(i) for i in range(len(source))]
-    lengths = [len(ids) for ids, _ in samples]
-    train_idx, held_idx = split_holdout(len(source), cfg.holdout, cfg.seed)
-    if cfg.max_samples:
-        train_idx = train_idx[:cfg.max_samples]
-    counts = vocab.token_counts([samples[i] for i in train_idx], target.vocab_size)
-    dcfg = DrafterConfig.from_target(target, cfg.draft_vocab_size)  # its size: 0 and oversize resolved
-    d2t, t2d = vocab.build(counts, dcfg.draft_vocab_size)
-    coverage = vocab.coverage(counts, t2d)
-    dcfg.norm_before_fc, dcfg.fc_norm, dcfg.norm_output = cfg.norm_before_fc, cfg.fc_norm, cfg.norm_output
-    dcfg.norm_before_residual = cfg.norm_before_residual
-    drafter = Eagle3Drafter(dcfg)
-    embed = target.embed_weight().float()
-    drafter.embed_tokens.weight.data.copy_(embed)
-    drafter.d2t.copy_(d2t)
-    drafter.t2d.copy_(t2d)
-    if cfg.init_from:
-        # Its lm_head rows belong to its own draft vocabulary, so that vocabulary is kept.
-        init_from(drafter, Path(cfg.init_from), embed)
-        t2d = drafter.t2d.clone()
-        coverage = vocab.coverage(counts, t2d)
-    head = target.head_weight()
-    if cfg.lm_head_init.startswith("target") and not cfg.init_from:
-        drafter.lm_head.weight.data.copy_(head[t2d].float())
-        drafter.norm.weight.data.copy_(target.final_norm_weight())
-        # Frozen, the head is the target's own reading of a hidden state: the one layer learns to write
-        # states it reads right, rather than Vd x H more parameters from few answer tokens.
-        drafter.lm_head.weight.requires_grad_(cfg.lm_head_init == "target")
-    # Where a run's wall time goes, printed at its end: the steps are not all of it (bench/ablations.md).
-    phase = {"start-up": time.time() - t_start}
-    t_phase = time.time()
-    tops = target_top_tokens(source, head, train_idx + held_idx, device)
-    phase["top tokens"] = time.time() - t_phase
-    model = TTT(drafter, head[t2d].float(), cfg.ttt_steps, cfg.step_weight_decay, cfg.loss,
-                cfg.gradient_checkpointing, cfg.hidden_noise).to(device)
-    if cfg.compile:
-        model.drafter.compile()
-    wrapped = wrap(model, cfg.parallel, world, device)
-    params = [p for p in wrapped.parameters() if p.requires_grad]
-    n_trainable = sum(p.numel() for p in drafter.parameters() if p.requires_grad)
-    optimizers = make_optimizers(wrapped, cfg)
-    steps_per_epoch = epoch_steps(train_idx, lengths, cfg)
-    total_steps = cfg.epochs * steps_per_epoch
-    schedulers = [torch.optim.lr_scheduler.LambdaLR(o, lambda s: lr_factor(s, total_steps, cfg)) for o in optimizers]
-    autocast_dtype, autocast = autocast_for(cfg, device)
-    held_rows = pack(held_idx, lengths, cfg.batch_tokens)
-
-    ckpt_dir = folder.checkpoints
-    log_path = folder.train_log
-    meta = {"train": to_dict(cfg), "autocast": autocast_dtype, "aux_layer_ids": source.aux_layer_ids,
-            "target": target.describe(), "vocab_coverage": round(coverage, 4), "holdout_samples": held_idx}
-    state = {"step": 0, "tokens": 0, "seconds": 0.0, "best_tau": None}
-    # A stopped run (its stage not recorded done) continues from `latest`; a finished one is retrained.
-    previous = folder.stage("train")
-    resumed = (cfg.resume and (folder.checkpoint("latest") / COMPLETE).exists()
-               and (previous is None or previous["state"] != "done"))
-    if world > 1:
-        torch.distributed.barrier()  # every rank has decided before rank 0 rewrites the manifest
-    if resumed:
-        resume_from(folder.checkpoint("latest"), cfg, wrapped, optimizers, schedulers, state)
-    if rank == 0:
-        if not resumed:
-            shutil.rmtree(ckpt_dir, ignore_errors=True)
-        ckpt_dir.mkdir(parents=True, exist_ok=True)
-        folder.record("train", state="partial", config=cfg)
-        keep_log_until(log_path, state["step"])
-        print(f"train: {len(train_idx)} samples (+{len(held_idx)} held out), draft vocab "
-              f"{dcfg.draft_vocab_size} (covers {coverage:.1%} of answer tokens), {n_trainable / 1e6:.2f} M "
-              f"trainable parameters, {total_steps} steps on {world} process(es)"
-              + (f", resumed at step {state['step']}" if resumed else ""))
-    writer = tensorboard(folder.tensorboard, rank)
-
-    def checkpoint(name: str, metrics: dict | None = None):
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            get_model_state_dict,
-            get_optimizer_state_dict,
-        )
-
-        full = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        model_state = get_model_state_dict(wrapped, options=full)
-        optim_state = get_optimizer_state_dict(wrapped, optimizers, options=full)
-        if rank != 0:
-            return
-        trainable = {k: v for k, v in model_state.items() if "embed_tokens" not in k}
-        extra = {"model": trainable, "optimizer": optim_state, "scheduler": [x.state_dict() for x in schedulers],
-                 "state": dict(state), "rng": rng_state()}
-        save = Eagle3Drafter(dcfg)
-        save.load_state_dict({k.removeprefix("drafter."): v for k, v in model_state.items()})
-        save_checkpoint(save, folder.checkpoint(name), {**meta, "step": state["step"], "metrics": metrics}, extra)
-
-    bar = tqdm(total=total_steps, initial=state["step"], desc="train", unit="step", disable=rank != 0)
-    last_eval = None
-    phase.update({"steps": 0.0, "held-out": 0.0, "checkpoints": 0.0})
-    t_loop, seconds_before = time.time(), state["seconds"]  # state["seconds"] sums the steps (from resume)
-    for epoch, micro in step_batches(source, tops, train_idx, lengths, cfg, state["step"], steps_per_epoch,
-                                     rank, world, device):
-        t0 = time.time()
-        step_stats = torch.zeros(cfg.ttt_steps, len(STAT_COLUMNS), device=device)
-        tokens = 0
-        for m, batch in enumerate(micro):
-            tokens += int((batch["documents"] != PAD_DOCUMENT).sum())
-            batch = to_device(batch, device)
-            sync = m == len(micro) - 1
-            ctx = wrapped.no_sync() if (not sync and hasattr(wrapped, "no_sync")) else _null()
-            with ctx:
-                with autocast:
-                    loss, stats = wrapped(batch)
-                (loss / len(micro)).backward()
-            step_stats += stats
-        torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
-        for optimizer, scheduler in zip(optimizers, schedulers):
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
-        step_tokens = all_sum(torch.tensor(float(tokens), device=device), world)
-        all_sum(step_stats, world)
-        state["step"] += 1
-        state["tokens"] += int(step_tokens.item())
-        state["seconds"] += time.time() - t0
-        if rank == 0:
-            s = summarize(step_stats.cpu())
-            weighted = sum(cfg.step_weight_decay ** i * x for i, x in enumerate(s["loss"]))
-            record = {"kind": "train", "step": state["step"], "epoch": epoch, "lr": schedulers[0].get_last_lr()[0],
-                      "weighted_loss": round(weighted, 6), **s}
-            with open(log_path, "a") as f:
-                f.write(json.dumps(record) + "\n")
-            if writer and state["step"] % cfg.log_every == 0:
-                writer.add_scalar("train/loss", weighted, state["step"])
-                for i in range(cfg.ttt_steps):
-                    writer.add_scalar(f"train/loss_{i}", s["loss"][i], state["step"])
-                    writer.add_scalar(f"train/acc_{i}", s["acc"][i], state["step"])
-                    writer.add_scalar(f"train/cond_accept_{i}", s["cond_accept"][i], state["step"])
-                writer.add_scalar("train/lr", record["lr"], state["step"])
-            bar.update(1)
-            bar.set_postfix(loss=f"{weighted:.3f}", acc0=f"{s['acc'][0]:.2f}",
-                            tok_s=f"{state['tokens'] / max(state['seconds'], 1e-9):,.0f}")
-        done = state["step"] == total_steps
-        t_phase = time.time()
-        if held_rows and (state["step"] % cfg.eval_every == 0 or done):
-            # `model` is the unwrapped module under DDP (no gradient hooks needed) and the sharded one under FSDP.
-            last_eval = evaluate(model, source, held_rows, tops, cfg, device, autocast)
-            if rank == 0:
-                with open(log_path, "a") as f:
-                    f.write(json.dumps({"kind": "eval", "step": state["step"], **last_eval}) + "\n")
-                if writer:
-                    writer.add_scalar("heldout/tau", last_eval["tau"], state["step"])
-                    for i, a in enumerate(last_eval["cond_accept"]):
-                        writer.add_scalar(f"heldout/cond_accept_{i}", a, state["step"])
-                tqdm.write(f"step {state['step']}: held-out tau {last_eval['tau']:.3f}, conditional "
-                           f"acceptance {' / '.join(f'{a:.3f}' for a in last_eval['cond_accept'])}")
-            phase["held-out"] += time.time() - t_phase
-            t_phase = time.time()
-            if state["best_tau"] is None or last_eval["tau"] > state["best_tau"]:
-                state["best_tau"] = last_eval["tau"]
-                checkpoint("best", last_eval)
-        if state["step"] % cfg.checkpoint_every == 0 or done:
-            checkpoint("latest", last_eval)
-        phase["checkpoints"] += time.time() - t_phase
-    bar.close()
-    t_phase = time.time()
-    checkpoint("final", last_eval)
-    phase["checkpoints"] += time.time() - t_phase
-    phase["steps"] = state["seconds"] - seconds_before
-    # What the loop spent neither stepping, scoring nor saving: waiting for the loader's next batch.
-    phase["data wait"] = time.time() - t_loop - phase["steps"] - phase["held-out"] - phase["checkpoints"]
-    if writer:
-        writer.close()
-    if rank != 0:
-        return {}
-    if log_path.exists() and log_path.stat().st_size:
-        plot_curves(log_path, folder.curves)
-    # The export stage reads `best` when held-out data chose one, else the final weights.
-    chosen = "best" if (folder.checkpoint("best") / COMPLETE).exists() else "final"
-    metrics = {"tokens_per_s": round(state["tokens"] / state["seconds"], 1) if state["seconds"] else None,
-               "heldout": last_eval, "best_tau": state["best_tau"], "vocab_coverage": round(coverage, 4)}
-    counts_out = {"steps": state["step"], "epochs": cfg.epochs, "samples": len(train_idx),
-                  "heldout_samples": len(held_idx), "trainable_params": n_trainable, "processes": world}
-    phase = {k: round(v, 1) for k, v in phase.items()}
-    print(f"train: {time.time() - t_start:.0f} s: " + ", ".join(f"{k} {v:.0f} s" for k, v in phase.items()))
-    metrics["phase_seconds"] = phase
-    print(f"next: specdraft export --run {folder.path}")
-    return folder.record("train", state="done", config=cfg, counts=counts_out, metrics=metrics,
-                      seconds=time.time() - t_start, extra={"checkpoint": str(folder.checkpoint(chosen).relative_to(folder.path))})
-
-
-class _null:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
-
-
-def tensorboard(logdir: Path, rank: int):
-    if rank != 0:
-        return None
-    from torch.utils.tensorboard import SummaryWriter
-
-    return SummaryWriter(str(logdir))
-
-
-def rng_state() -> dict:
-    return {"torch": torch.get_rng_state(), "python": random.getstate(),
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
-
-
 # Fields that fix the data order, the schedule or the shapes: a resumed run must keep them.
 RESUME_FIXED = ("seed", "batch_tokens", "micro_batches", "epochs", "holdout", "draft_vocab_size", "ttt_steps",
                 "lr", "warmup_steps", "schedule", "norm_before_fc", "fc_norm", "norm_output", "norm_before_residual",
                 "lm_head_init", "optimizer")
 
 
-def make_optimizers(wrapped, cfg: TrainConfig) -> list:
-    """AdamW over every trainable parameter; or Muon over the weight matrices of fc and the layer with
-    AdamW over the rest (lm_head's rows are per-token classifiers, not a map Muon should orthogonalise,
-    and the norms are vectors)."""
-    named = [(n, p) for n, p in wrapped.named_parameters() if p.requires_grad]
-    if cfg.optimizer == "adamw":
-        return [torch.optim.AdamW([p for _, p in named], lr=cfg.lr, weight_decay=cfg.weight_decay)]
-    to_muon = {n: p.ndim == 2 and "lm_head" not in n for n, p in named}
-    matrices = [p for n, p in named if to_muon[n]]
-    rest = [p for n, p in named if not to_muon[n]]
-    out = [torch.optim.Muon(matrices, lr=cfg.lr, weight_decay=cfg.weight_decay, adjust_lr_fn="match_rms_adamw")]
-    return out + ([torch.optim.AdamW(rest, lr=cfg.lr, weight_decay=cfg.weight_decay)] if rest else [])
-
-
-def resume_from(path: Path, cfg: TrainConfig, wrapped, optimizers: list, schedulers: list, state: dict) -> None:
-    """Load model, optimizer, scheduler, data position and RNG from a complete checkpoint."""
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        set_model_state_dict,
-        set_optimizer_state_dict,
-    )
-
+def check_resumable(path: Path, cfg: TrainConfig) -> None:
+    """Refuse to resume the checkpoint at `path` with a config that changes a RESUME_FIXED field."""
     saved = json.loads((path / "config.json").read_text())["train"]
     defaults = TrainConfig()  # a field newer than the checkpoint had its default then
     changed = [f"{k}: {saved.get(k, getattr(defaults, k))!r} -> {getattr(cfg, k)!r}" for k in RESUME_FIXED
@@ -599,27 +399,275 @@ def resume_from(path: Path, cfg: TrainConfig, wrapped, optimizers: list, schedul
         raise ValueError(f"{path}: cannot resume with a changed train config ({'; '.join(changed)}); restore "
                          "those fields, or start over with --set train.resume=false (checkpoints are replaced)")
 
-    extra = torch.load(path / "trainer.pt", weights_only=False)
-    full = StateDictOptions(full_state_dict=True, strict=False)
-    set_model_state_dict(wrapped, extra["model"], options=full)
-    set_optimizer_state_dict(wrapped, optimizers, extra["optimizer"], options=full)
-    saved_schedulers = extra["scheduler"] if isinstance(extra["scheduler"], list) else [extra["scheduler"]]
-    for scheduler, saved_state in zip(schedulers, saved_schedulers, strict=True):
-        scheduler.load_state_dict(saved_state)
-    state.update(extra["state"])
-    torch.set_rng_state(extra["rng"]["torch"])
-    random.setstate(extra["rng"]["python"])
-    if extra["rng"]["cuda"] is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(extra["rng"]["cuda"])
+
+# ---------------------------------------------------------------------------------------------------
+# The stage
 
 
-def keep_log_until(log_path: Path, step: int) -> None:
-    """Drop log records past `step` (written by a run killed after its last checkpoint), so a resumed
-    run's log has each step once."""
-    if not log_path.exists():
-        log_path.write_text("")
-        return
-    kept = [line for line in log_path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
-    tmp = log_path.with_suffix(".tmp")
-    tmp.write_text("".join(line + "\n" for line in kept))
-    tmp.rename(log_path)
+class Trainer:
+    """One run of the stage. Setting it up (the constructor) loads the samples, builds the drafter and
+    its optimizers and resumes from `latest` where a stopped run left one; `train` is the loop. Every
+    process of a torchrun makes one; rank 0 alone writes the run folder."""
+
+    def __init__(self, recipe: Recipe, folder: RunFolder):
+        self.t_start = time.time()
+        self.recipe, self.folder, self.cfg = recipe, folder, recipe.train
+        if self.cfg.hidden == "disk":
+            folder.require("extract")
+        check_memory(recipe, folder)
+        self.rank, self.world, self.device = distributed()
+        if self.cfg.micro_batches % self.world:
+            raise ValueError(f"train.micro_batches = {self.cfg.micro_batches} must be a multiple of the "
+                             f"{self.world} torchrun processes")
+        torch.manual_seed(self.cfg.seed)
+        counts = self.load_samples()
+        head = self.build_drafter(counts)
+        # Where a run's wall time goes, printed at its end: the steps are not all of it (bench/ablations.md).
+        self.phase = {"start-up": time.time() - self.t_start}
+        t_phase = time.time()
+        self.tops = target_top_tokens(self.source, head, self.train_idx + self.held_idx, self.device)
+        self.phase["top tokens"] = time.time() - t_phase
+        self.build_model(head)
+        self.resume_or_start()
+        self.writer = tensorboard(folder.tensorboard, self.rank)
+        self.last_eval = None
+
+    def load_samples(self) -> torch.Tensor:
+        """The hidden states' source, its lengths and train / held-out split; returns the training
+        samples' answer-token counts, which choose the draft vocabulary."""
+        cfg = self.cfg
+        self.source = open_hidden(self.recipe, self.folder)
+        self.target = Target(self.recipe.target.model, self.source.aux_layer_ids)
+        samples = [self.source.tokens(i) for i in range(len(self.source))]
+        self.lengths = [len(ids) for ids, _ in samples]
+        self.train_idx, self.held_idx = split_holdout(len(self.source), cfg.holdout, cfg.seed)
+        if cfg.max_samples:
+            self.train_idx = self.train_idx[:cfg.max_samples]
+        return vocab.token_counts([samples[i] for i in self.train_idx], self.target.vocab_size)
+
+    def build_drafter(self, counts: torch.Tensor) -> torch.Tensor:
+        """The drafter on the target's embedding, with the draft vocabulary of `counts` (or init_from's)
+        and lm_head as train.lm_head_init says; returns the target's lm_head weight."""
+        cfg, target = self.cfg, self.target
+        dcfg = DrafterConfig.from_target(target, cfg.draft_vocab_size)  # its size: 0 and oversize resolved
+        d2t, t2d = vocab.build(counts, dcfg.draft_vocab_size)
+        dcfg.norm_before_fc, dcfg.fc_norm, dcfg.norm_output = cfg.norm_before_fc, cfg.fc_norm, cfg.norm_output
+        dcfg.norm_before_residual = cfg.norm_before_residual
+        drafter = Eagle3Drafter(dcfg)
+        embed = target.embed_weight().float()
+        drafter.embed_tokens.weight.data.copy_(embed)
+        drafter.d2t.copy_(d2t)
+        drafter.t2d.copy_(t2d)
+        if cfg.init_from:
+            # Its lm_head rows belong to its own draft vocabulary, so that vocabulary is kept.
+            init_from(drafter, Path(cfg.init_from), embed)
+            t2d = drafter.t2d.clone()
+        head = target.head_weight()
+        if cfg.lm_head_init.startswith("target") and not cfg.init_from:
+            drafter.lm_head.weight.data.copy_(head[t2d].float())
+            drafter.norm.weight.data.copy_(target.final_norm_weight())
+            # Frozen, the head is the target's own reading of a hidden state: the one layer learns to write
+            # states it reads right, rather than Vd x H more parameters from few answer tokens.
+            drafter.lm_head.weight.requires_grad_(cfg.lm_head_init == "target")
+        self.dcfg, self.drafter, self.t2d = dcfg, drafter, t2d
+        self.coverage = vocab.coverage(counts, t2d)
+        return head
+
+    def build_model(self, head: torch.Tensor) -> None:
+        """The TTT module (wrapped for DDP / FSDP under torchrun), its optimizers and schedules, and
+        the held-out rows."""
+        cfg = self.cfg
+        self.model = TTT(self.drafter, head[self.t2d].float(), cfg.ttt_steps, cfg.step_weight_decay, cfg.loss,
+                         cfg.gradient_checkpointing, cfg.hidden_noise).to(self.device)
+        if cfg.compile:
+            self.model.drafter.compile()
+        self.wrapped = wrap(self.model, cfg.parallel, self.world, self.device)
+        self.params = [p for p in self.wrapped.parameters() if p.requires_grad]
+        self.n_trainable = sum(p.numel() for p in self.drafter.parameters() if p.requires_grad)
+        self.optimizers = make_optimizers(self.wrapped, cfg)
+        self.steps_per_epoch = epoch_steps(self.train_idx, self.lengths, cfg)
+        total_steps = self.total_steps = cfg.epochs * self.steps_per_epoch
+        self.schedulers = [torch.optim.lr_scheduler.LambdaLR(o, lambda s: lr_factor(s, total_steps, cfg))
+                           for o in self.optimizers]
+        self.autocast_dtype, self.autocast = autocast_for(cfg, self.device)
+        self.held_rows = pack(self.held_idx, self.lengths, cfg.batch_tokens)
+
+    def resume_or_start(self) -> None:
+        """Continue from `latest` where a stopped run left it (its stage not recorded done), else start
+        over: a finished run is retrained."""
+        cfg, folder = self.cfg, self.folder
+        self.meta = {"train": to_dict(cfg), "autocast": self.autocast_dtype,
+                     "aux_layer_ids": self.source.aux_layer_ids, "target": self.target.describe(),
+                     "vocab_coverage": round(self.coverage, 4), "holdout_samples": self.held_idx}
+        self.state = {"step": 0, "tokens": 0, "seconds": 0.0, "best_tau": None}
+        previous = folder.stage("train")
+        resumed = (cfg.resume and (folder.checkpoint("latest") / COMPLETE).exists()
+                   and (previous is None or previous["state"] != "done"))
+        if self.world > 1:
+            torch.distributed.barrier()  # every rank has decided before rank 0 rewrites the manifest
+        if resumed:
+            check_resumable(folder.checkpoint("latest"), cfg)
+            self.state.update(load_training(folder.checkpoint("latest"), self.wrapped, self.optimizers,
+                                            self.schedulers))
+        if self.rank == 0:
+            if not resumed:
+                shutil.rmtree(folder.checkpoints, ignore_errors=True)
+            folder.checkpoints.mkdir(parents=True, exist_ok=True)
+            folder.record("train", state="partial", config=cfg)
+            keep_log_until(folder.train_log, self.state["step"])
+            print(f"train: {len(self.train_idx)} samples (+{len(self.held_idx)} held out), draft vocab "
+                  f"{self.dcfg.draft_vocab_size} (covers {self.coverage:.1%} of answer tokens), "
+                  f"{self.n_trainable / 1e6:.2f} M trainable parameters, {self.total_steps} steps on "
+                  f"{self.world} process(es)" + (f", resumed at step {self.state['step']}" if resumed else ""))
+
+    @contextlib.contextmanager
+    def timed(self, phase: str):
+        t0 = time.time()
+        yield
+        self.phase[phase] += time.time() - t0
+
+    def train(self) -> dict:
+        """The loop: one optimizer step and its log line per packed batch, the held-out score and the
+        checkpoints when due; then the final checkpoint and the stage's record."""
+        from tqdm import tqdm
+
+        cfg, state = self.cfg, self.state
+        self.bar = tqdm(total=self.total_steps, initial=state["step"], desc="train", unit="step",
+                        disable=self.rank != 0)
+        self.phase.update({"steps": 0.0, "held-out": 0.0, "checkpoints": 0.0})
+        t_loop, seconds_before = time.time(), state["seconds"]  # state["seconds"] sums the steps (from resume)
+        for epoch, micro in step_batches(self.source, self.tops, self.train_idx, self.lengths, cfg, state["step"],
+                                         self.steps_per_epoch, self.rank, self.world, self.device):
+            stats = self.train_step(micro)
+            self.log(epoch, stats)
+            done = state["step"] == self.total_steps
+            score = bool(self.held_rows) and (state["step"] % cfg.eval_every == 0 or done)
+            if score:
+                with self.timed("held-out"):
+                    self.evaluate_held_out()
+            with self.timed("checkpoints"):
+                if score:
+                    self.keep_best()
+                if state["step"] % cfg.checkpoint_every == 0 or done:
+                    self.checkpoint("latest")
+        self.bar.close()
+        with self.timed("checkpoints"):
+            self.checkpoint("final")
+        self.phase["steps"] = state["seconds"] - seconds_before
+        # What the loop spent neither stepping, scoring nor saving: waiting for the loader's next batch.
+        self.phase["data wait"] = (time.time() - t_loop - self.phase["steps"] - self.phase["held-out"]
+                                   - self.phase["checkpoints"])
+        return self.finish()
+
+    def train_step(self, micro: list[dict]) -> torch.Tensor:
+        """One optimizer step on this process's packed batches of the step; returns the step's TTT
+        statistics [ttt_steps, len(STAT_COLUMNS)], summed over every process."""
+        cfg, device, wrapped = self.cfg, self.device, self.wrapped
+        t0 = time.time()
+        step_stats = torch.zeros(cfg.ttt_steps, len(STAT_COLUMNS), device=device)
+        tokens = 0
+        for m, batch in enumerate(micro):
+            tokens += int((batch["documents"] != PAD_DOCUMENT).sum())
+            batch = to_device(batch, device)
+            # DDP reduces the gradients once, at the step's last batch.
+            sync = m == len(micro) - 1
+            with wrapped.no_sync() if (not sync and hasattr(wrapped, "no_sync")) else contextlib.nullcontext():
+                with self.autocast:
+                    loss, stats = wrapped(batch)
+                (loss / len(micro)).backward()
+            step_stats += stats
+        torch.nn.utils.clip_grad_norm_(self.params, cfg.grad_clip)
+        for optimizer, scheduler in zip(self.optimizers, self.schedulers):
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+        step_tokens = all_sum(torch.tensor(float(tokens), device=device), self.world)
+        all_sum(step_stats, self.world)
+        self.state["step"] += 1
+        self.state["tokens"] += int(step_tokens.item())
+        self.state["seconds"] += time.time() - t0
+        return step_stats
+
+    def log(self, epoch: int, step_stats: torch.Tensor) -> None:
+        """The step's line in train_log.jsonl, its tensorboard scalars (every log_every steps) and the
+        progress bar."""
+        if self.rank != 0:
+            return
+        cfg, state, writer = self.cfg, self.state, self.writer
+        step = state["step"]
+        s = summarize(step_stats.cpu())
+        weighted = sum(cfg.step_weight_decay ** i * x for i, x in enumerate(s["loss"]))
+        record = {"kind": "train", "step": step, "epoch": epoch, "lr": self.schedulers[0].get_last_lr()[0],
+                  "weighted_loss": round(weighted, 6), **s}
+        append_record(self.folder.train_log, record)
+        if writer and step % cfg.log_every == 0:
+            writer.add_scalar("train/loss", weighted, step)
+            for i in range(cfg.ttt_steps):
+                writer.add_scalar(f"train/loss_{i}", s["loss"][i], step)
+                writer.add_scalar(f"train/acc_{i}", s["acc"][i], step)
+                writer.add_scalar(f"train/cond_accept_{i}", s["cond_accept"][i], step)
+            writer.add_scalar("train/lr", record["lr"], step)
+        self.bar.update(1)
+        self.bar.set_postfix(loss=f"{weighted:.3f}", acc0=f"{s['acc'][0]:.2f}",
+                             tok_s=f"{state['tokens'] / max(state['seconds'], 1e-9):,.0f}")
+
+    def evaluate_held_out(self) -> None:
+        """The held-out samples' loss, acceptance and tau, logged and kept as the checkpoints' metrics."""
+        from tqdm import tqdm
+
+        step = self.state["step"]
+        # `model` is the unwrapped module under DDP (no gradient hooks needed) and the sharded one under FSDP.
+        self.last_eval = evaluate(self.model, self.source, self.held_rows, self.tops, self.cfg, self.device,
+                                  self.autocast)
+        if self.rank != 0:
+            return
+        append_record(self.folder.train_log, {"kind": "eval", "step": step, **self.last_eval})
+        if self.writer:
+            self.writer.add_scalar("heldout/tau", self.last_eval["tau"], step)
+            for i, a in enumerate(self.last_eval["cond_accept"]):
+                self.writer.add_scalar(f"heldout/cond_accept_{i}", a, step)
+        tqdm.write(f"step {step}: held-out tau {self.last_eval['tau']:.3f}, conditional "
+                   f"acceptance {' / '.join(f'{a:.3f}' for a in self.last_eval['cond_accept'])}")
+
+    def keep_best(self) -> None:
+        """The `best` checkpoint, when the last held-out tau is the best so far."""
+        if self.state["best_tau"] is None or self.last_eval["tau"] > self.state["best_tau"]:
+            self.state["best_tau"] = self.last_eval["tau"]
+            self.checkpoint("best")
+
+    def checkpoint(self, name: str) -> None:
+        """The checkpoint `name` ("latest", "best" or "final") with the last held-out metrics; every
+        process takes part."""
+        meta = {**self.meta, "step": self.state["step"], "metrics": self.last_eval}
+        save_training(self.folder.checkpoint(name), self.wrapped, self.optimizers, self.schedulers, self.dcfg,
+                      meta, self.state, self.rank)
+
+    def finish(self) -> dict:
+        """The curves, the wall-time breakdown and the stage's record in the manifest (rank 0)."""
+        folder, state, cfg = self.folder, self.state, self.cfg
+        if self.writer:
+            self.writer.close()
+        if self.rank != 0:
+            return {}
+        if folder.train_log.exists() and folder.train_log.stat().st_size:
+            plot_curves(folder.train_log, folder.curves)
+        # The export stage reads `best` when held-out data chose one, else the final weights.
+        chosen = "best" if (folder.checkpoint("best") / COMPLETE).exists() else "final"
+        metrics = {"tokens_per_s": round(state["tokens"] / state["seconds"], 1) if state["seconds"] else None,
+                   "heldout": self.last_eval, "best_tau": state["best_tau"],
+                   "vocab_coverage": round(self.coverage, 4)}
+        counts = {"steps": state["step"], "epochs": cfg.epochs, "samples": len(self.train_idx),
+                  "heldout_samples": len(self.held_idx), "trainable_params": self.n_trainable,
+                  "processes": self.world}
+        phase = {k: round(v, 1) for k, v in self.phase.items()}
+        print(f"train: {time.time() - self.t_start:.0f} s: " + ", ".join(f"{k} {v:.0f} s" for k, v in phase.items()))
+        metrics["phase_seconds"] = phase
+        print(f"next: specdraft export --run {folder.path}")
+        return folder.record("train", state="done", config=cfg, counts=counts, metrics=metrics,
+                             seconds=time.time() - self.t_start,
+                             extra={"checkpoint": str(folder.checkpoint(chosen).relative_to(folder.path))})
+
+
+def run(recipe: Recipe, folder: RunFolder) -> dict:
+    check_choices(recipe.train)
+    return Trainer(recipe, folder).train()
