@@ -75,6 +75,7 @@ def test_interrupted_extraction_shows_progress_and_resumes(tiny_run, tmp_path):
     for stage in ("extract", "train"):
         del m["stages"][stage]
     (run / "manifest.json").write_text(json.dumps(m))
+    shutil.rmtree(run / "checkpoints")  # a kill mid-extraction comes before any training
 
     assert main(["status", str(run)]) == 0
     text = (run / "STATUS.md").read_text()
@@ -158,3 +159,22 @@ def test_plan_of_the_run_uses_its_measurements(tiny_run):
     status = collect(RunFolder(run))
     assert status["remaining"]["rows"][-1]["phase"] == "eval"
     assert status["remaining"]["seconds"] == pytest.approx(rows["eval"]["seconds"], abs=0.1)
+
+
+def test_interrupted_training_shows_its_latest_checkpoint(tiny_run, tmp_path):
+    """Training cut off before it recorded itself: STATUS.md shows the step of checkpoints/latest and the
+    command that resumes from it."""
+    src, _ = tiny_run
+    run = tmp_path / "run"
+    shutil.copytree(src, run)
+    m = json.loads((run / "manifest.json").read_text())
+    for stage in ("train", "export", "eval"):
+        m["stages"].pop(stage, None)
+    (run / "manifest.json").write_text(json.dumps(m))
+    step = json.loads((RunFolder(run).checkpoint("latest") / "config.json").read_text())["step"]
+    assert main(["status", str(run)]) == 0
+    text = (run / "STATUS.md").read_text()
+    row = next(line for line in text.splitlines() if "| train |" in line)
+    assert row.startswith("| 🔄 | train | in progress |")
+    assert f"checkpoint at step {step}" in row
+    assert f"**Next:** `specdraft train --run {run}` (resumes from what is on disk)" in text
