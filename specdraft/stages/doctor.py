@@ -19,9 +19,9 @@ from specdraft.data.tokens import load_tokens
 from specdraft.decoding.runners import TargetRunner
 from specdraft.drafters.formats import EAGLE31_FLAGS, FLAT_ARCHITECTURE, read_drafter
 from specdraft.drafters.vocab import token_counts
+from specdraft.hidden.store import INDEX
 from specdraft.run import RunFolder
 from specdraft.targets import Target
-from specdraft.hidden.store import INDEX
 
 # The measured checks: the drafter drafts for the target on a few held-out ShareGPT conversations and
 # its first-step top-1 (mapped through d2t) is compared with the target's next token at every answer

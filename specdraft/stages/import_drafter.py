@@ -18,9 +18,9 @@ from specdraft.drafters.formats import (
     fit_problems,
     read_published,
 )
+from specdraft.hidden.store import INDEX
 from specdraft.run import RunFolder
 from specdraft.targets import Target
-from specdraft.hidden.store import INDEX
 
 
 def import_drafter(folder: Path, target, out: Path,
