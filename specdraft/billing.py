@@ -51,7 +51,7 @@ BATCH_TOKENS_STEP = 256
 FP32, BF16 = 4, 2
 ADAMW_STATES = 2
 
-# Reference throughputs, measured on SmolLM2-135M-Instruct (FACTS.md), scaled to another model by
+# Reference throughputs, measured on SmolLM2-135M-Instruct (bench/RESULTS.md), scaled to another model by
 # forward FLOPs per token. SmolLM2 has 134,515,008 parameters, its tied head counted once: all of
 # them are matmul weights per token (the embedding lookup is free, the head matmul is not).
 REFERENCE_MODEL = "SmolLM2-135M-Instruct"
@@ -64,16 +64,16 @@ REFERENCE_DRAFTER = {"hidden_size": 576, "num_attention_heads": 9, "num_key_valu
 REFERENCES = {
     # phase -> (tok/s, what was measured; draft vocab and TTT steps of the training reference)
     "cpu": {
-        "gen": (20.0, "greedy bf16 decode, 2-core CPU (FACTS.md)"),
-        "extract": (814.0, "bf16 forward + hidden states over 8x512 tokens, 2-core CPU (FACTS.md)"),
+        "gen": (20.0, "greedy bf16 decode, 2-core CPU, bench/RESULTS.md"),
+        "extract": (814.0, "bf16 forward + hidden states over 8x512 tokens, 2-core CPU, bench/RESULTS.md"),
         "train": (86.7, "specdraft train, draft vocab 512, 3 TTT steps, 2-core CPU (tests' tiny run)", 512, 3),
-        "eval": (10.0, "greedy fp32 decode, 2-core CPU (FACTS.md)"),
+        "eval": (10.0, "greedy fp32 decode, 2-core CPU, bench/RESULTS.md"),
     },
     "gpu": {
-        "gen": (3361.0, "HF generate, batches of <= 512, H200 (FACTS.md peer run)"),
-        "extract": (460_000.0, "forward + 4 hidden states over 16x2048 tokens, H200 (FACTS.md)"),
-        "train": (160_000.0, "speculators trainer, draft vocab 8192, 3 TTT steps, H200 (FACTS.md)", 8192, 3),
-        "eval": (12.0, "eager HF generate at batch 1, H200 (FACTS.md)"),
+        "gen": (3361.0, "HF generate, batches of <= 512, H200, bench/RESULTS.md"),
+        "extract": (460_000.0, "forward + 4 hidden states over 16x2048 tokens, H200, bench/RESULTS.md"),
+        "train": (160_000.0, "speculators trainer, draft vocab 8192, 3 TTT steps, H200, bench/RESULTS.md", 8192, 3),
+        "eval": (12.0, "eager HF generate at batch 1, H200, bench/RESULTS.md"),
     },
 }
 

@@ -193,7 +193,7 @@ def bundled_gguf(name: str) -> Path:
 def _fix_special_tokens(tokenizer, config) -> None:
     """Make the tokenizer's eos/pad agree with the model config.
 
-    Tokenizers converted from GGUF can come back with eos = <|im_start|> and no pad token (FACTS.md);
+    Tokenizers converted from GGUF can come back with eos = <|im_start|> and no pad token (seen with transformers 5.17);
     generation would then never stop. The model config's eos_token_id is the authority.
     """
     eos_id = config.eos_token_id

@@ -118,7 +118,7 @@ def test_full_size_configs_describe_the_published_models(full_size):
     assert kimi["mtp_layers"] == 0 and not kimi["tied_embeddings"]
     assert kimi["quantization"] == {"method": "compressed-tensors", "format": "pack-quantized", "bits": 4,
                                     "group_size": 32, "kind": "int4"}
-    assert full_size["kimi-k2.5"].aux_layer_ids == [2, 30, 58]  # FACTS.md: the published Kimi-K2 drafter's
+    assert full_size["kimi-k2.5"].aux_layer_ids == [2, 30, 58]  # the published Kimi-K2 drafter's
 
     ds = full_size["deepseek-v3"].architecture()
     assert ds["experts"]["routed"] == 256 and ds["experts"]["dense_layers"] == 3 and ds["mtp_layers"] == 1
@@ -166,7 +166,7 @@ def test_an_unlisted_mla_family_is_mla_all_the_same(tmp_path):
 
 def test_kimi_recipe_loads_and_names_the_published_drafter_layout(full_size):
     """recipes/kimi-k2.5-8gpu.toml loads (unknown keys would be errors) and, on the real config, gives the
-    published Kimi-K2 drafter: aux [2, 30, 58], 64 heads x 128, 1,190.9 M trainable parameters (FACTS.md)."""
+    published Kimi-K2 drafter: aux [2, 30, 58], 64 heads x 128, 1,190.9 M trainable parameters (bench/RESULTS.md)."""
     from specdraft.config import load_recipe
     from specdraft.drafters.eagle3 import DrafterConfig, Eagle3Drafter
 

@@ -1,4 +1,4 @@
-"""plan: the bill of a run from the target's config alone, checked against published figures (FACTS.md,
+"""plan: the bill of a run from the target's config alone, checked against published figures (bench/RESULTS.md,
 the model cards) and against the drafter the trainer really builds."""
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def _recipe(num_train=10_000, draft_vocab=32_000, **train):
 
 
 def test_kimi_k25_reference_figures():
-    """FACTS.md's reference run: 4 bf16 states = 57,344 bytes/token, ~2.1 TiB for 10 K x 4 K tokens, and a
+    """The Kimi-K2.5 reference run (bench/RESULTS.md): 4 bf16 states = 57,344 bytes/token, ~2.1 TiB for 10 K x 4 K tokens, and a
     drafter of 1190.9 M trainable / 1403.8 M frozen (embedding + the teacher's draft-vocab lm_head)."""
     plan = make_plan(_recipe(), target=str(CONFIGS / "kimi-k2.5.json"), tokens_per_sample=4096, gpus=8,
                      gpu_memory_gib=141)

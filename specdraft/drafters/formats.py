@@ -9,7 +9,7 @@ one-layer Llama config with `architectures: ["LlamaForCausalLMEagle3"]`, `draft_
 (`midlayer.*`; vLLM renames it to `layers.0.*`).
 
 Every field an engine reads is written explicitly, never left to its default: the speculators path
-reads a missing `norm_before_residual` as True and the flat path as False (FACTS.md), so an omitted
+reads a missing `norm_before_residual` as True and the flat path as False (docs/engine-facts.md), so an omitted
 flag would serve a different network from the one trained. The flat format carries the aux layer ids
 twice, once per engine convention, because the engines count them differently:
 

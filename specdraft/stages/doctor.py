@@ -1,7 +1,7 @@
 """doctor: the checks that catch a drafter that loads but would accept almost nothing when served.
 
 Each check is a pass / fail line with the fix. The failures it looks for are the ones seen in the
-field (FACTS.md): aux layer ids missing or not the ones the hidden states were extracted with, d2t
+field (docs/engine-facts.md): aux layer ids missing or not the ones the hidden states were extracted with, d2t
 missing or holding absolute ids, sizes that do not fit the target, norm flags left to an engine's
 default, and training data rendered with another chat template than the one served.
 """
