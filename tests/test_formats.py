@@ -175,26 +175,7 @@ def test_missing_d2t_reads_as_the_engines_keep_it_and_is_said(fmt, tmp_path):
     assert any(n.startswith("d2t: ABSENT") for n in published.notes), published.notes
 
 
-UNIMPLEMENTED_NORMS = [f for f in formats.EAGLE31_FLAGS if f not in formats.IMPLEMENTED_NORMS]
-
-
-@pytest.mark.skipif(not UNIMPLEMENTED_NORMS, reason="this DrafterConfig implements every EAGLE-3.1 norm")
-@pytest.mark.parametrize("fmt", ["vllm", "sglang"])
-@pytest.mark.parametrize("flag", UNIMPLEMENTED_NORMS)
-def test_eagle31_norms_the_drafter_lacks_are_refused(fmt, flag, tmp_path):
-    out = export(fmt, tiny_drafter(target_hidden_size=48), tmp_path / fmt)
-    _edit_config(out, lambda c: c.update({flag: True}))
-    with pytest.raises(ValueError, match=f"{flag}=true: EAGLE-3.1 norms"):
-        read_drafter(out)
-    if fmt == "sglang" and flag == "norm_before_fc":  # vLLM's flat path reads it from eagle_config first
-        _edit_config(out, lambda c: c.update({flag: False, "eagle_config": {**c["eagle_config"], flag: True}}))
-        with pytest.raises(ValueError, match="norm_before_fc=true"):
-            read_drafter(out)
-
-
-@pytest.mark.parametrize("flag,tensor", [(f, t) for f, t in [("norm_before_fc", "input_norm.weight"),
-                                                              ("fc_norm", "fc_norm.0.weight")]
-                                         if f in formats.IMPLEMENTED_NORMS])
+@pytest.mark.parametrize("flag,tensor", [("norm_before_fc", "input_norm.weight"), ("fc_norm", "fc_norm.0.weight")])
 def test_eagle31_norm_on_without_its_tensor_is_named(flag, tensor, tmp_path):
     out = export("vllm", tiny_drafter(target_hidden_size=48), tmp_path / "vllm")
     _edit_config(out, lambda c: c.update({flag: True}))
@@ -364,8 +345,7 @@ def test_export_takes_k_from_an_eval_newer_than_the_drafter(tmp_path, monkeypatc
     assert entry["speculative_tokens"]["source"].startswith("recipe")
 
 
-@pytest.mark.skipif(not formats.IMPLEMENTED_NORMS, reason="this DrafterConfig has no EAGLE-3.1 norms")
-@pytest.mark.parametrize("flag", formats.IMPLEMENTED_NORMS)
+@pytest.mark.parametrize("flag", formats.EAGLE31_FLAGS)
 def test_eagle31_norms_round_trip_through_vllm_and_are_refused_by_sglang(flag, tmp_path):
     d = tiny_drafter(target_hidden_size=48, **{flag: True})
     for name, t in d.state_dict().items():
