@@ -1,7 +1,8 @@
 """How close is plan's training-memory estimate to the trainer's real peak? One training step of the real
-TTT loss (specdraft.stages.train.ttt_loss, backward, AdamW) on one packed batch of random target states, for the
-drafter plan builds for a target config; prints one JSON line: plan's bytes by part next to the measured
-peak (CUDA: torch.cuda.max_memory_allocated; CPU: the growth of the process's peak RSS, coarser).
+TTT objective (specdraft.drafters.ttt.TTT, the module the trainer runs: forward, backward, AdamW) on one
+packed batch of random target states, for the drafter plan builds for a target config; prints one JSON
+line: plan's bytes by part next to the measured peak (CUDA: torch.cuda.max_memory_allocated; CPU: the
+growth of the process's peak RSS, coarser).
 
     python bench/plan_memory.py                                   # bundled SmolLM2, tiny on a CPU
     python bench/plan_memory.py --target tests/data/configs/qwen3-moe.json --batch-tokens 8192  # on a GPU
@@ -16,10 +17,16 @@ import resource
 import torch
 
 from specdraft import environment
+from specdraft.billing import (
+    drafter_config,
+    drafter_parameters,
+    read_target,
+    training_memory,
+)
 from specdraft.config import load_recipe
+from specdraft.drafters import vocab
 from specdraft.drafters.eagle3 import Eagle3Drafter
-from specdraft.billing import drafter_config, drafter_parameters, read_target, training_memory
-from specdraft.stages.train import ttt_loss
+from specdraft.drafters.ttt import TTT
 
 
 def peak_bytes(device: str) -> int:
@@ -29,7 +36,7 @@ def peak_bytes(device: str) -> int:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default="smollm2", help="a config.json, a folder with one, or a bundled name")
     ap.add_argument("--recipe", default="smollm2-cpu")
     ap.add_argument("--batch-tokens", type=int, default=512, help="one row of this many tokens")
@@ -50,22 +57,30 @@ def main() -> None:
 
     torch.manual_seed(0)
     before = peak_bytes(device)
-    drafter = Eagle3Drafter(cfg).to(device)
-    teacher = torch.randn(cfg.draft_vocab_size, cfg.hidden_size, device=device)  # the frozen teacher head
-    trainable = [p for p in drafter.parameters() if p.requires_grad]
+    train = recipe.train
+    drafter = Eagle3Drafter(cfg)
+    d2t, t2d = vocab.build(torch.zeros(cfg.vocab_size), cfg.draft_vocab_size)  # the first ids: the shapes count
+    drafter.d2t.copy_(d2t)
+    drafter.t2d.copy_(t2d)
+    teacher = torch.randn(cfg.draft_vocab_size, cfg.target_hidden_size)  # the draft vocab's rows of the target's lm_head
+    model = TTT(drafter, teacher, train.ttt_steps, train.step_weight_decay, train.loss,
+                train.gradient_checkpointing, train.hidden_noise).to(device)
+    trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=1e-4)
+    # One packed row of one document, every token an answer token: the batch the trainer's collate builds.
     T = args.batch_tokens
     n_aux = len(cfg.aux_layer_ids)
     batch = {
-        "aux": torch.randn(1, T, n_aux * cfg.target_hidden_size, device=device, dtype=torch.bfloat16),
         "input_ids": torch.randint(0, cfg.vocab_size, (1, T), device=device),
         "loss_mask": torch.ones(1, T, dtype=torch.bool, device=device),
+        "documents": torch.zeros(1, T, dtype=torch.long, device=device),
+        "positions": torch.arange(T, device=device)[None],
+        "top": torch.randint(0, cfg.draft_vocab_size, (1, T), device=device),  # inside the draft vocab
+        "aux": torch.randn(1, T, n_aux * cfg.target_hidden_size, device=device, dtype=torch.bfloat16),
+        "last": torch.randn(1, T, cfg.target_hidden_size, device=device, dtype=torch.bfloat16),
     }
-    last = torch.randn(1, T, cfg.hidden_size, device=device, dtype=torch.bfloat16)
-    probs = torch.softmax(last.float() @ teacher.T, dim=-1)
-    inside = torch.ones(1, T, dtype=torch.bool, device=device)
     with torch.autocast(device, dtype=torch.bfloat16):
-        loss, _ = ttt_loss(drafter, batch, probs, inside, recipe.train)
+        loss, _ = model(batch)
     loss.backward()
     optimizer.step()
     if device == "cuda":
@@ -73,7 +88,7 @@ def main() -> None:
     measured = peak_bytes(device) - (before if device == "cpu" else 0)
     print(json.dumps({
         "bench": "plan_memory", "hardware": environment.hardware_line(), "device": device,
-        "target": spec.source, "batch_tokens": T, "ttt_steps": recipe.train.ttt_steps,
+        "target": spec.source, "batch_tokens": T, "ttt_steps": train.ttt_steps,
         "draft_vocab_size": cfg.draft_vocab_size, "trainable_params": params["trainable"],
         "plan_bytes": plan, "measured_peak_bytes": measured,
         "measured_over_plan": round(measured / plan["total"], 3),

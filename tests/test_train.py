@@ -58,7 +58,8 @@ def test_checkpoints_logs_and_manifest(uninterrupted):
     for name in ("latest", "best", "final"):
         assert (ckpt / name / COMPLETE).exists(), name
         assert (ckpt / name / "model.safetensors").exists(), name
-    assert (ckpt / "latest" / "trainer.pt").exists()
+    assert (ckpt / "latest" / "trainer.safetensors").exists() and (ckpt / "latest" / "trainer.json").exists()
+    assert not list(ckpt.glob("*/trainer.pt")), "no pickle"
     assert not list(ckpt.glob(".*tmp")), "no temporary folder is left behind"
     assert (ckpt / "curves.png").stat().st_size > 0
     assert list((ckpt / "tensorboard").glob("events.out.tfevents.*"))
@@ -348,7 +349,7 @@ def test_muon_trains_the_matrices_and_resumes(extracted_run, tmp_path, capsys):
 
 
 def test_training_checkpoint_restores_what_resuming_needs(tmp_path):
-    """save_training writes the drafter and trainer.pt (only on rank 0); load_training puts the trainable
+    """save_training writes the drafter and its trainer state (only on rank 0); load_training puts the trainable
     weights, the optimizer and schedule and the RNG back and returns the saved data position."""
     import random
 
@@ -379,7 +380,7 @@ def test_training_checkpoint_restores_what_resuming_needs(tmp_path):
     assert not (tmp_path / "not-rank-0").exists()
     rng = torch.get_rng_state(), random.getstate()
     save_training(tmp_path / "latest", model, [optimizer], [scheduler], cfg, {"step": 1}, state, rank=0)
-    assert (tmp_path / "latest" / COMPLETE).exists() and (tmp_path / "latest" / "trainer.pt").exists()
+    assert (tmp_path / "latest" / COMPLETE).exists() and (tmp_path / "latest" / "trainer.safetensors").exists()
 
     embed = model.drafter.embed_tokens.weight.detach()
     saved, meta = load_checkpoint(tmp_path / "latest", embed)

@@ -1,6 +1,17 @@
 """specdraft's own checkpoint of a drafter: its weights (safetensors), its config and what it was
-trained on (meta.json), and a completeness marker written last, so a folder cut off mid-save is never
-read as a checkpoint. A training checkpoint adds trainer.pt, what resuming needs besides the weights.
+trained on (config.json), and a completeness marker written last, so a folder cut off mid-save is never
+read as a checkpoint. A training checkpoint adds what resuming needs besides the weights, without
+pickle (a checkpoint folder passed between people or machines must not run code when it is read):
+
+    trainer.safetensors   every tensor of the trainer state, named by its path ("optimizer/state/<fqn>/exp_avg")
+    trainer.json          {"format": "specdraft trainer state", "version": 1, "state": skeleton}: the rest
+                          of the state as JSON, each tensor replaced by {"__tensor__": its name}
+
+The state is {"model": trainable weights, "optimizer": the full optimizer state dict (every optimizer
+of the run, FSDP-gathered), "scheduler": [each schedule's state dict], "state": the data position,
+"rng": torch CPU / CUDA, python `random` and numpy states}. The skeleton keeps what JSON alone would
+lose: tuples ({"__tuple__": [...]}) and dicts with keys other than plain strings
+({"__items__": [[key, value], ...]}, e.g. an optimizer's integer parameter ids).
 """
 
 from __future__ import annotations
@@ -19,12 +30,97 @@ from specdraft.run import RunFolder, write_json
 from specdraft.targets import Target
 
 COMPLETE = "COMPLETE"  # written last into a checkpoint folder: a folder without it is ignored
+TRAINER_TENSORS = "trainer.safetensors"
+TRAINER_JSON = "trainer.json"
+TRAINER_FORMAT, TRAINER_VERSION = "specdraft trainer state", 1
+PICKLED = "trainer.pt"  # what specdraft wrote before: a pickle, never read
+
+_TAGS = ("__tensor__", "__tuple__", "__items__")
+
+
+def flatten_state(state) -> tuple[dict[str, torch.Tensor], object]:
+    """(named tensors, JSON skeleton) of a nested state of dicts, lists, tuples, tensors and JSON
+    scalars; anything else is refused (TypeError naming its path), since only pickle could write it."""
+    tensors: dict[str, torch.Tensor] = {}
+    storages: set[int] = set()
+
+    def walk(x, path: list[str]):
+        if isinstance(x, torch.Tensor):
+            name = "/".join(path) or "tensor"
+            if name in tensors:
+                raise TypeError(f"trainer state: two tensors named {name!r}")
+            t = x.detach().cpu().contiguous()
+            if t.untyped_storage().data_ptr() in storages:  # safetensors takes no two names of one storage
+                t = t.clone()
+            storages.add(t.untyped_storage().data_ptr())
+            tensors[name] = t
+            return {"__tensor__": name}
+        if x is None or isinstance(x, (bool, int, float, str)):
+            return x
+        if isinstance(x, list):
+            return [walk(v, [*path, str(i)]) for i, v in enumerate(x)]
+        if isinstance(x, tuple):
+            return {"__tuple__": [walk(v, [*path, str(i)]) for i, v in enumerate(x)]}
+        if isinstance(x, dict):
+            if all(isinstance(k, str) and k not in _TAGS for k in x):
+                return {k: walk(v, [*path, k]) for k, v in x.items()}
+            return {"__items__": [[walk(k, [*path, "key"]), walk(v, [*path, str(k)])] for k, v in x.items()]}
+        raise TypeError(f"trainer state: {'/'.join(path)} is a {type(x).__name__}, which only pickle could save")
+
+    return tensors, walk(state, [])
+
+
+def unflatten_state(skeleton, tensors: dict[str, torch.Tensor]):
+    """The nested state `flatten_state` took apart."""
+    if isinstance(skeleton, list):
+        return [unflatten_state(v, tensors) for v in skeleton]
+    if not isinstance(skeleton, dict):
+        return skeleton
+    if set(skeleton) == {"__tensor__"}:
+        return tensors[skeleton["__tensor__"]]
+    if set(skeleton) == {"__tuple__"}:
+        return tuple(unflatten_state(v, tensors) for v in skeleton["__tuple__"])
+    if set(skeleton) == {"__items__"}:
+        return {unflatten_state(k, tensors): unflatten_state(v, tensors) for k, v in skeleton["__items__"]}
+    return {k: unflatten_state(v, tensors) for k, v in skeleton.items()}
+
+
+def save_trainer_state(folder: Path, state: dict) -> None:
+    from safetensors.torch import save_file
+
+    tensors, skeleton = flatten_state(state)
+    save_file(tensors, str(folder / TRAINER_TENSORS))
+    write_json(folder / TRAINER_JSON, {"format": TRAINER_FORMAT, "version": TRAINER_VERSION, "state": skeleton})
+
+
+def check_trainer_state(path: Path) -> None:
+    """Refuse, in one line, a checkpoint whose trainer state cannot be read without pickle or is absent."""
+    if (path / TRAINER_JSON).exists() and (path / TRAINER_TENSORS).exists():
+        return
+    if (path / PICKLED).exists():
+        raise ValueError(f"{path / PICKLED}: a trainer state an older specdraft saved as a pickle, which is "
+                         "never loaded (unpickling a file can run any code in it); start over with "
+                         "--set train.resume=false (checkpoints are replaced)")
+    raise ValueError(f"{path}: no trainer state ({TRAINER_JSON} + {TRAINER_TENSORS}) to resume from; "
+                     "start over with --set train.resume=false (checkpoints are replaced)")
+
+
+def load_trainer_state(path: Path) -> dict:
+    """What `save_trainer_state` wrote into the folder `path`, read with safetensors and json only."""
+    from safetensors.torch import load_file
+
+    check_trainer_state(path)
+    doc = json.loads((path / TRAINER_JSON).read_text())
+    if doc.get("format") != TRAINER_FORMAT or doc.get("version") != TRAINER_VERSION:
+        raise ValueError(f"{path / TRAINER_JSON}: not a {TRAINER_FORMAT} version {TRAINER_VERSION} "
+                         f"(format {doc.get('format')!r}, version {doc.get('version')!r})")
+    return unflatten_state(doc["state"], load_file(str(path / TRAINER_TENSORS), device="cpu"))
 
 
 def save_checkpoint(drafter: Eagle3Drafter, path: Path, meta: dict, extra: dict | None = None) -> None:
     """A checkpoint folder, written whole under a temporary name, marked complete, then renamed. The
     embedding is left out: it is the target's, read from there on load. `extra` (optimizer, scheduler,
-    data position, RNG) goes to trainer.pt for resuming."""
+    data position, RNG) goes to trainer.safetensors + trainer.json for resuming."""
     from safetensors.torch import save_file
 
     tmp = path.with_name(f".{path.name}.tmp")
@@ -34,7 +130,7 @@ def save_checkpoint(drafter: Eagle3Drafter, path: Path, meta: dict, extra: dict 
     save_file(state, str(tmp / "model.safetensors"))
     write_json(tmp / "config.json", {"drafter": drafter.config.to_dict(), **meta})
     if extra is not None:
-        torch.save(extra, tmp / "trainer.pt")
+        save_trainer_state(tmp, extra)
     (tmp / COMPLETE).write_text("")
     old = path.with_name(f".{path.name}.old")
     shutil.rmtree(old, ignore_errors=True)
@@ -45,16 +141,32 @@ def save_checkpoint(drafter: Eagle3Drafter, path: Path, meta: dict, extra: dict 
 
 
 def rng_state() -> dict:
+    import numpy as np
+
+    name, keys, pos, has_gauss, cached = np.random.get_state()
     return {"torch": torch.get_rng_state(), "python": random.getstate(),
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+            "numpy": [name, torch.from_numpy(keys.astype("int64")), pos, has_gauss, cached]}
+
+
+def set_rng_state(rng: dict) -> None:
+    import numpy as np
+
+    torch.set_rng_state(rng["torch"])
+    random.setstate(rng["python"])
+    if rng["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(rng["cuda"])
+    name, keys, pos, has_gauss, cached = rng["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
 
 
 def save_training(path: Path, wrapped, optimizers: list, schedulers: list, config: DrafterConfig, meta: dict,
                   state: dict, rank: int) -> None:
     """A resumable checkpoint of the drafter in training: its weights, plus the trainable weights,
-    optimizer and scheduler states, `state` (step, tokens, ...) and RNG in trainer.pt. `wrapped` is the
-    TTT module, under DDP or FSDP or neither. Every process calls it, since gathering the full state
-    dicts is collective; only rank 0 writes."""
+    optimizer and scheduler states, `state` (step, tokens, ...) and RNG (see the module's doc). `wrapped`
+    is the TTT module, under DDP or FSDP or neither. Every process calls it, since gathering the full
+    state dicts is collective; only rank 0 writes. It draws nothing from the RNG: a run that goes on
+    after it continues the stream a run resumed from it starts with."""
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         get_model_state_dict,
@@ -69,32 +181,29 @@ def save_training(path: Path, wrapped, optimizers: list, schedulers: list, confi
     trainable = {k: v for k, v in model_state.items() if "embed_tokens" not in k}
     extra = {"model": trainable, "optimizer": optim_state, "scheduler": [x.state_dict() for x in schedulers],
              "state": dict(state), "rng": rng_state()}
-    drafter = Eagle3Drafter(config)
+    # The copy written out is built on the CPU, and building it initialises weights from torch's RNG.
+    with torch.random.fork_rng(devices=[]):
+        drafter = Eagle3Drafter(config)
     drafter.load_state_dict({k.removeprefix("drafter."): v for k, v in model_state.items()})
     save_checkpoint(drafter, path, meta, extra)
 
 
 def load_training(path: Path, wrapped, optimizers: list, schedulers: list) -> dict:
     """Restore what `save_training` wrote at `path` into the model, optimizers and schedulers, and the
-    RNG; returns the saved `state`."""
+    RNG; returns the saved `state`. A trainer state saved as a pickle (trainer.pt) is refused unread."""
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         set_model_state_dict,
         set_optimizer_state_dict,
     )
 
-    extra = torch.load(path / "trainer.pt", weights_only=False)
+    extra = load_trainer_state(path)
     full = StateDictOptions(full_state_dict=True, strict=False)
     set_model_state_dict(wrapped, extra["model"], options=full)
     set_optimizer_state_dict(wrapped, optimizers, extra["optimizer"], options=full)
-    # trainer.pt written before there could be several optimizers holds one scheduler's state, not a list.
-    saved_schedulers = extra["scheduler"] if isinstance(extra["scheduler"], list) else [extra["scheduler"]]
-    for scheduler, saved_state in zip(schedulers, saved_schedulers, strict=True):
+    for scheduler, saved_state in zip(schedulers, extra["scheduler"], strict=True):
         scheduler.load_state_dict(saved_state)
-    torch.set_rng_state(extra["rng"]["torch"])
-    random.setstate(extra["rng"]["python"])
-    if extra["rng"]["cuda"] is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(extra["rng"]["cuda"])
+    set_rng_state(extra["rng"])
     return extra["state"]
 
 

@@ -31,6 +31,7 @@ from specdraft.config import Recipe, TrainConfig, to_dict
 from specdraft.drafters import vocab
 from specdraft.drafters.checkpoint import (
     COMPLETE,
+    check_trainer_state,
     init_from,
     load_training,
     save_training,
@@ -182,8 +183,11 @@ def step_batches(source, tops, train_idx, lengths, cfg: TrainConfig, step: int, 
         mine = [row for s in range(first, steps_per_epoch)
                 for row in rows[s * cfg.micro_batches:(s + 1) * cfg.micro_batches][rank::world]]
         rows_of_mine = PackedRows(source, mine, tops, cfg.batch_tokens, fixed_shape(cfg, device))
+        # Its own generator: a loader drawing its workers' seed from torch's RNG would move the stream
+        # the steps draw from (hidden_noise) by one draw per epoch started, and a resumed run starts one.
         loader = torch.utils.data.DataLoader(rows_of_mine, batch_size=None, num_workers=workers,
-                                             pin_memory=device.type == "cuda")
+                                             pin_memory=device.type == "cuda",
+                                             generator=torch.Generator().manual_seed(cfg.seed + epoch))
         it = iter(loader)
         for _ in range(first, steps_per_epoch):
             yield epoch, [next(it) for _ in range(cfg.micro_batches // world)]
@@ -419,6 +423,7 @@ class Trainer:
         if self.cfg.micro_batches % self.world:
             raise ValueError(f"train.micro_batches = {self.cfg.micro_batches} must be a multiple of the "
                              f"{self.world} torchrun processes")
+        self.resuming = self.will_resume()
         torch.manual_seed(self.cfg.seed)
         counts = self.load_samples()
         head = self.build_drafter(counts)
@@ -492,21 +497,29 @@ class Trainer:
         self.autocast_dtype, self.autocast = autocast_for(cfg, self.device)
         self.held_rows = pack(self.held_idx, self.lengths, cfg.batch_tokens)
 
-    def resume_or_start(self) -> None:
-        """Continue from `latest` where a stopped run left it (its stage not recorded done), else start
-        over: a finished run is retrained."""
+    def will_resume(self) -> bool:
+        """Whether this run continues from `latest`: a stopped run left it (its stage not recorded done);
+        else it starts over, and a finished run is retrained. A checkpoint it cannot resume from (another
+        config, a trainer state saved as a pickle) is refused here, before the set-up's long parts."""
         cfg, folder = self.cfg, self.folder
+        previous = folder.stage("train")
+        resuming = (cfg.resume and (folder.checkpoint("latest") / COMPLETE).exists()
+                    and (previous is None or previous["state"] != "done"))
+        if resuming:
+            check_resumable(folder.checkpoint("latest"), cfg)
+            check_trainer_state(folder.checkpoint("latest"))
+        return resuming
+
+    def resume_or_start(self) -> None:
+        """Continue from `latest` (will_resume), else start over."""
+        cfg, folder, resumed = self.cfg, self.folder, self.resuming
         self.meta = {"train": to_dict(cfg), "autocast": self.autocast_dtype,
                      "aux_layer_ids": self.source.aux_layer_ids, "target": self.target.describe(),
                      "vocab_coverage": round(self.coverage, 4), "holdout_samples": self.held_idx}
         self.state = {"step": 0, "tokens": 0, "seconds": 0.0, "best_tau": None}
-        previous = folder.stage("train")
-        resumed = (cfg.resume and (folder.checkpoint("latest") / COMPLETE).exists()
-                   and (previous is None or previous["state"] != "done"))
         if self.world > 1:
             torch.distributed.barrier()  # every rank has decided before rank 0 rewrites the manifest
         if resumed:
-            check_resumable(folder.checkpoint("latest"), cfg)
             self.state.update(load_training(folder.checkpoint("latest"), self.wrapped, self.optimizers,
                                             self.schedulers))
         if self.rank == 0:
