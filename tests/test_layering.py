@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -28,19 +30,16 @@ def test_the_package_keeps_its_layers():
     assert "0 broken" in result.stdout
 
 
-def test_a_stage_importing_another_stage_breaks_the_contracts(tmp_path):
+@pytest.mark.parametrize("importer,line,broken", [
+    ("stages/eval.py", "from specdraft.stages.gen import run as _gen_run", "specdraft.stages.eval -> specdraft.stages.gen"),
+    ("hidden/store.py", "from specdraft.stages import extract as _extract",
+     "specdraft.hidden.store -> specdraft.stages.extract"),
+])
+def test_a_forbidden_import_breaks_the_contracts(importer, line, broken, tmp_path):
+    """A stage importing another stage, or a library module importing a stage, on a copy of the package."""
     shutil.copytree(ROOT / "specdraft", tmp_path / "specdraft", ignore=shutil.ignore_patterns("__pycache__"))
-    evaluate = tmp_path / "specdraft" / "stages" / "eval.py"
-    evaluate.write_text(evaluate.read_text() + "\nfrom specdraft.stages.gen import run as _gen_run  # noqa\n")
+    module = tmp_path / "specdraft" / importer
+    module.write_text(module.read_text() + f"\n{line}  # noqa\n")
     result = lint_imports(tmp_path)
     assert result.returncode != 0
-    assert "specdraft.stages.eval -> specdraft.stages.gen" in result.stdout
-
-
-def test_a_library_module_importing_a_stage_breaks_the_contracts(tmp_path):
-    shutil.copytree(ROOT / "specdraft", tmp_path / "specdraft", ignore=shutil.ignore_patterns("__pycache__"))
-    store = tmp_path / "specdraft" / "hidden" / "store.py"
-    store.write_text(store.read_text() + "\nfrom specdraft.stages import extract as _extract  # noqa\n")
-    result = lint_imports(tmp_path)
-    assert result.returncode != 0
-    assert "specdraft.hidden.store -> specdraft.stages.extract" in result.stdout
+    assert broken in result.stdout
