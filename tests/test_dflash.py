@@ -1,0 +1,211 @@
+"""The DFlash drafter: its attention pattern, packed blocks equal to blocks drafted one at a time, and
+its vLLM folder written and read back giving the same logits, bit for bit."""
+
+import copy
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from specdraft.drafters import dflash_format, vocab
+from specdraft.drafters.dflash import DFlashConfig, DFlashDrafter
+from specdraft.drafters.dflash_format import read_dflash, write_dflash
+
+VOCAB, T, BS, TARGET_LAYERS = 50, 12, 4, 12
+
+
+def tiny(seed=0, **overrides) -> DFlashDrafter:
+    """A random two-layer drafter with bf16-exact shared embedding / lm_head (a bf16 target's) and
+    non-trivial norms (so a swapped or dropped norm changes the logits)."""
+    torch.manual_seed(seed)
+    fields = {"hidden_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
+              "intermediate_size": 64, "num_layers": 2, "vocab_size": VOCAB, "draft_vocab_size": VOCAB,
+              "target_hidden_size": 32, "mask_token_id": 7, "block_size": BS, "aux_layer_ids": [1, 5, 9],
+              "rope_theta": 50000.0, "rms_norm_eps": 1e-6}
+    d = DFlashDrafter(DFlashConfig(**{**fields, **overrides}))
+    for name, t in d.state_dict().items():
+        if name.endswith("norm.weight"):
+            torch.nn.init.uniform_(t, 0.5, 1.5)
+    torch.nn.init.normal_(d.embed_tokens.weight)
+    d.embed_tokens.weight.data = d.embed_tokens.weight.data.to(torch.bfloat16).float()
+    if d.config.shares_lm_head:
+        d.lm_head.weight.data = torch.randn_like(d.lm_head.weight).to(torch.bfloat16).float()
+    else:
+        d2t, t2d = vocab.build(torch.randint(0, 100, (VOCAB,)), d.config.draft_vocab_size)
+        d.d2t.copy_(d2t)
+        d.t2d.copy_(t2d)
+    return d.eval()
+
+
+def inputs(d, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    aux = torch.randn(1, T, 3 * d.config.target_hidden_size, generator=g)
+    ids = torch.randint(0, VOCAB, (1, T), generator=g)
+    return aux, ids
+
+
+def blocks_at(d, aux, ids, anchors: list[int]):
+    """Logits of one block per anchor, packed into one forward: block a sees context positions < a."""
+    positions = torch.arange(T)[None]
+    context = d.context(aux, positions)
+    anchor_t = torch.tensor([anchors])
+    block_ids = d.block_inputs(ids[:, anchor_t[0]])  # [1, N*bs]
+    block_pos = (anchor_t[..., None] + torch.arange(BS)).reshape(1, -1)  # [1, N*bs]
+    visible = positions[:, None, :] < anchor_t.repeat_interleave(BS, dim=1)[..., None]  # [1, N*bs, T]
+    with torch.no_grad():
+        return d(block_ids, block_pos, context, visible)
+
+
+def test_packed_blocks_equal_blocks_drafted_one_at_a_time():
+    """Training packs many blocks into one forward; inference drafts one block over a context cut at
+    its anchor. Both must give the same logits, or training teaches another network than vLLM runs."""
+    d = tiny()
+    aux, ids = inputs(d)
+    anchors = [1, 4, 5, 8]
+    packed = blocks_at(d, aux, ids, anchors)  # [1, 4*bs, V]
+    for n, a in enumerate(anchors):
+        context = d.context(aux[:, :a], torch.arange(a)[None])
+        ids_a = d.block_inputs(ids[:, a:a + 1])
+        with torch.no_grad():
+            alone = d(ids_a, torch.arange(a, a + BS)[None], context, torch.ones(1, BS, a, dtype=torch.bool))
+        torch.testing.assert_close(packed[:, n * BS:(n + 1) * BS], alone, rtol=1e-5, atol=1e-5)
+    drafted = d.draft(d.context(aux[:, :5], torch.arange(5)[None]), int(ids[0, 5]), 5)
+    assert drafted == packed[0, 2 * BS + 1:3 * BS].argmax(-1).tolist()
+
+
+def test_a_block_sees_its_context_before_the_anchor_and_its_whole_block_only():
+    d = tiny()
+    aux, ids = inputs(d)
+    base = blocks_at(d, aux, ids, [4, 8])
+    # The context at and after the first anchor: the first block must not see it, the second must.
+    later = aux.clone()
+    later[:, 4:] += torch.randn_like(later[:, 4:])
+    changed = blocks_at(d, later, ids, [4, 8])
+    torch.testing.assert_close(changed[:, :BS], base[:, :BS], rtol=0, atol=0)
+    assert (changed[:, BS:] - base[:, BS:]).abs().max() > 1e-3
+    # Another block's anchor token: no effect on this block.
+    other = ids.clone()
+    other[0, 8] = (other[0, 8] + 1) % VOCAB
+    torch.testing.assert_close(blocks_at(d, aux, other, [4, 8])[:, :BS], base[:, :BS], rtol=0, atol=0)
+    # The block is bidirectional: slot 1 sees the anchor, and the anchor's slot sees the masks after it.
+    d2 = copy.deepcopy(d)
+    d2.config.mask_token_id = 8
+    masked = blocks_at(d2, aux, ids, [4, 8])
+    assert (masked[:, 0] - base[:, 0]).abs().max() > 1e-3  # slot 0 (the anchor) changed by the masks
+
+
+def test_the_mask_slots_read_the_targets_embedding_row_of_the_mask_token():
+    d = tiny()
+    aux, ids = inputs(d)
+    base = blocks_at(d, aux, ids, [5])
+    d.embed_tokens.weight.data[d.config.mask_token_id] += 1.0
+    assert (blocks_at(d, aux, ids, [5]) - base).abs().max() > 1e-3
+
+
+def export(d, out):
+    return write_dflash(d, out, target_num_layers=TARGET_LAYERS, provenance={"run": "test"})
+
+
+def bf16(d):
+    return copy.deepcopy(d).to(torch.bfloat16).float()
+
+
+@pytest.mark.parametrize("draft_vocab_size", [VOCAB, 20])
+def test_round_trip_gives_identical_logits(draft_vocab_size, tmp_path):
+    d = tiny(draft_vocab_size=draft_vocab_size)
+    out = export(d, tmp_path / "dflash")
+    embed = d.embed_tokens.weight.detach().to(torch.bfloat16)
+    head = d.lm_head.weight.detach().to(torch.bfloat16) if d.config.shares_lm_head else None
+    served = read_dflash(out, embed, head)
+    assert served.config == d.config
+    aux, ids = inputs(d)
+    torch.testing.assert_close(blocks_at(served, aux, ids, [2, 6]), blocks_at(bf16(d), aux, ids, [2, 6]),
+                               rtol=0, atol=0)
+    assert torch.equal(served.d2t, d.d2t) and torch.equal(served.t2d, d.t2d)
+
+
+def test_tensor_names_and_config_are_the_ones_vllm_reads(tmp_path):
+    d = tiny()
+    out = export(d, tmp_path / "dflash")
+    tensors = load_file(str(out / "model.safetensors"))
+    layer = ["input_layernorm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+             "self_attn.q_norm", "self_attn.k_norm", "post_attention_layernorm", "mlp.gate_proj", "mlp.up_proj",
+             "mlp.down_proj"]
+    # No embedding and no lm_head: vLLM gives the drafter the target's (the mask row included).
+    assert set(tensors) == ({"fc.weight", "hidden_norm.weight", "norm.weight"}
+                            | {f"layers.{i}.{n}.weight" for i in range(2) for n in layer})
+    for ours, t in d.state_dict().items():  # each under its own name, none swapped
+        if ours in tensors:
+            assert torch.equal(tensors[ours], t.to(torch.bfloat16)), ours
+    assert tensors["fc.weight"].shape == (32, 96) and tensors["layers.0.self_attn.q_norm.weight"].shape == (8,)
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["DFlashDraftModel"] and config["model_type"] == "qwen3"
+    # Both conventions name the same layers: vLLM's (residual after k layers) and DFlash's (output of layer j).
+    assert config["eagle_aux_hidden_state_layer_ids"] == [1, 5, 9]
+    assert config["dflash_config"] == {"mask_token_id": 7, "target_layer_ids": [0, 4, 8], "causal": False,
+                                       "use_aux_hidden_state": True}
+    explicit = {"hidden_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
+                "intermediate_size": 64, "num_hidden_layers": 2, "hidden_act": "silu", "rms_norm_eps": 1e-6,
+                "rope_parameters": {"rope_type": "default", "rope_theta": 50000.0}, "is_neox_style": True,
+                "attention_bias": False, "tie_word_embeddings": False,
+                "layer_types": ["full_attention", "full_attention"], "use_sliding_window": False,
+                "sliding_window": None, "vocab_size": VOCAB, "draft_vocab_size": VOCAB, "target_hidden_size": 32,
+                "num_target_layers": TARGET_LAYERS, "block_size": BS}
+    assert {k: config.get(k) for k in explicit} == explicit
+    assert dflash_format.serve_spec(out, d.config) == {"method": "dflash", "model": str(out),
+                                                       "num_speculative_tokens": BS - 1}
+
+
+def test_a_draft_vocabulary_ships_its_lm_head_and_d2t(tmp_path):
+    d = tiny(draft_vocab_size=20)
+    tensors = load_file(str(export(d, tmp_path / "dflash") / "model.safetensors"))
+    assert tensors["lm_head.weight"].shape == (20, 32)
+    assert tensors["d2t"].dtype == torch.int64 and torch.equal(tensors["d2t"], d.d2t)
+
+
+@pytest.mark.parametrize("overrides,match", [
+    ({"mask_token_id": VOCAB}, "mask_token_id 50 outside"),
+    ({"mask_token_id": -1}, "mask_token_id -1 outside"),
+    ({"aux_layer_ids": [1, 5, TARGET_LAYERS]}, "outside 1..11"),
+    ({"aux_layer_ids": [0, 5, 9]}, "outside 1..11"),
+    ({"aux_layer_ids": [9, 5, 1]}, "not strictly ascending"),
+    ({"block_size": 1}, "block_size 1"),
+    ({"target_hidden_size": 48}, "hidden_size 32 differs"),
+])
+def test_export_refuses_what_vllm_would_refuse_or_serve_wrong(overrides, match, tmp_path):
+    d = tiny(**overrides) if "target_hidden_size" not in overrides else DFlashDrafter(
+        DFlashConfig(**{**tiny().config.to_dict(), **overrides}))
+    with pytest.raises(ValueError, match=match):
+        export(d, tmp_path / "dflash")
+    assert not (tmp_path / "dflash").exists()
+
+
+def _edit(folder, edit):
+    path = folder / "config.json"
+    config = json.loads(path.read_text())
+    edit(config)
+    path.write_text(json.dumps(config))
+
+
+def test_reader_names_what_is_missing_or_disagrees(tmp_path):
+    d = tiny()
+    out = export(d, tmp_path / "dflash")
+    embed = d.embed_tokens.weight.detach()
+    # Only DFlash's list (published folders): read as vLLM reads it, k = j + 1.
+    _edit(out, lambda c: c.pop("eagle_aux_hidden_state_layer_ids"))
+    assert read_dflash(out, embed).config.aux_layer_ids == [1, 5, 9]
+    _edit(out, lambda c: c.update(eagle_aux_hidden_state_layer_ids=[0, 4, 8]))
+    with pytest.raises(ValueError, match="different layers"):
+        read_dflash(out, embed)
+    _edit(out, lambda c: c.update(eagle_aux_hidden_state_layer_ids=[1, 5, 9], dflash_config={
+        **c["dflash_config"], "causal": True}))
+    with pytest.raises(ValueError, match="causal"):
+        read_dflash(out, embed)
+    _edit(out, lambda c: c.update(dflash_config={**c["dflash_config"], "causal": False}))
+    path = out / "model.safetensors"
+    tensors = load_file(str(path))
+    del tensors["layers.1.self_attn.k_norm.weight"]
+    save_file(tensors, str(path))
+    with pytest.raises(ValueError, match=r"missing tensor\(s\) \['layers.1.self_attn.k_norm.weight'\]"):
+        read_dflash(out, embed)
