@@ -209,3 +209,123 @@ def test_reader_names_what_is_missing_or_disagrees(tmp_path):
     save_file(tensors, str(path))
     with pytest.raises(ValueError, match=r"missing tensor\(s\) \['layers.1.self_attn.k_norm.weight'\]"):
         read_dflash(out, embed)
+
+
+# --- the training objective ---------------------------------------------------------------------
+
+def packed_batch(d, seed=2):
+    """Two rows: row 0 packs two documents (prompt then answer each), row 1 one document and padding;
+    the target's final-norm state at t points at x_{t+1} (its greedy next token)."""
+    from specdraft.drafters.ttt import PAD_DOCUMENT
+
+    g = torch.Generator().manual_seed(seed)
+    B, L = 2, 24
+    ids = torch.randint(0, VOCAB, (B, L), generator=g)
+    documents = torch.full((B, L), PAD_DOCUMENT)
+    documents[0, :10], documents[0, 10:], documents[1, :18] = 0, 1, 0
+    positions = torch.zeros(B, L, dtype=torch.long)
+    positions[0, :10], positions[0, 10:], positions[1, :18] = torch.arange(10), torch.arange(14), torch.arange(18)
+    loss_mask = torch.zeros(B, L, dtype=torch.bool)
+    loss_mask[0, 4:10], loss_mask[0, 15:], loss_mask[1, 6:18] = True, True, True
+    head = d.lm_head.weight.detach()
+    nxt = torch.cat([ids[:, 1:], ids[:, :1]], dim=1)
+    return {"input_ids": ids, "documents": documents, "positions": positions, "loss_mask": loss_mask,
+            "aux": torch.randn(B, L, 3 * d.config.target_hidden_size, generator=g),
+            "last": 8 * head[nxt] / head[nxt].norm(dim=-1, keepdim=True), "top": nxt}
+
+
+def test_blocks_see_and_are_supervised_only_inside_their_document():
+    from specdraft.drafters.dflash_objective import DFlashObjective
+
+    d = tiny()
+    batch = packed_batch(d)
+    objective = DFlashObjective(d, d.lm_head.weight.detach(), max_anchors=64)
+    objective.generator = torch.Generator().manual_seed(0)
+    b = objective.blocks(batch)
+    docs, mask = batch["documents"], batch["loss_mask"]
+    for r in range(2):
+        for n, a in enumerate(b["anchors"][r].tolist()):
+            if not b["real"][r, n]:
+                assert not b["visible"][r, n * BS:(n + 1) * BS].any() and not b["supervised"][r, n * BS:(n + 1) * BS].any()
+                continue
+            assert mask[r, a] and mask[r, a + 1] and docs[r, a + 1] == docs[r, a]  # an anchor with a label after it
+            seen = b["visible"][r, n * BS].nonzero().flatten().tolist()
+            assert seen == [t for t in range(a) if docs[r, t] == docs[r, a]]  # its document, before the anchor
+            for j in range(BS):
+                q = n * BS + j
+                assert b["block_positions"][r, q] == batch["positions"][r, a] + j
+                inside = a + j < docs.shape[1] and docs[r, a + j] == docs[r, a] and mask[r, a + j]
+                assert bool(b["supervised"][r, q]) == (j > 0 and bool(inside))
+    # Every candidate of these short rows is drawn: an answer token followed by another one, 5 + 8 in
+    # row 0 (answers 4..9 and 15..23), 11 in row 1 (6..17).
+    assert b["real"].sum(1).tolist() == [13, 11]
+
+
+def test_slot_weights_decay_from_the_first_drafted_slot():
+    from specdraft.drafters.dflash_objective import slot_weights
+
+    w = slot_weights(16, 7.0)
+    assert w[0] == 0 and w[1] == 1 and torch.isclose(w[15], torch.exp(torch.tensor(-2.0)))
+    assert (w[2:] < w[1:-1]).all()
+
+
+def test_the_objective_trains_a_drafter_to_draft_the_targets_tokens():
+    """A few hundred steps on one batch: the drafter learns the target's tokens, slot by slot (what the
+    statistics say is what drafting one block at a time gives)."""
+    from specdraft.drafters.dflash_objective import DFlashObjective
+    from specdraft.drafters.ttt import summarize
+
+    d = tiny()
+    d.train()
+    batch = packed_batch(d)
+    objective = DFlashObjective(d, d.lm_head.weight.detach(), gamma=7.0, max_anchors=64)
+    objective.generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        before = summarize(objective(batch)[1])
+    optimizer = torch.optim.AdamW([p for p in d.parameters() if p.requires_grad], lr=1e-2)
+    for _ in range(150):
+        loss, _ = objective(batch)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    d.eval()
+    with torch.no_grad():
+        after = summarize(objective(batch)[1])
+    assert before["tau"] < 1.3 and after["tau"] > 1 + 0.9 * (BS - 1), (before, after)
+    # Drafting block by block at inference gives the target's tokens too: row 1, anchored at 8.
+    context = d.context(batch["aux"][1:, :8], batch["positions"][1:, :8])
+    assert d.draft(context, int(batch["input_ids"][1, 8]), 8) == batch["input_ids"][1, 9:9 + BS - 1].tolist()
+
+
+def test_the_objective_teaches_the_drafter_to_read_the_context():
+    """Two rows identical at and after every anchor (tokens, positions) whose continuations differ:
+    only the target states of the context tell them apart, so a drafter that drafts both right reads
+    the context through fc and the injected keys and values."""
+    from specdraft.drafters.dflash_objective import DFlashObjective
+    from specdraft.drafters.ttt import summarize
+
+    d = tiny(seed=3)
+    d.train()
+    batch = packed_batch(d, seed=4)
+    for name in ("input_ids", "documents", "positions", "loss_mask", "aux"):
+        batch[name] = batch[name][1:].repeat(2, *([1] * (batch[name].dim() - 1)))
+    g = torch.Generator().manual_seed(5)
+    batch["input_ids"][1, 7:] = torch.randint(0, VOCAB, (17,), generator=g)  # other answers in row 1...
+    batch["input_ids"][1, 6::2] = batch["input_ids"][0, 6::2]  # ...same tokens at even positions (the anchors)
+    batch["aux"][1, :6] = torch.randn(6, batch["aux"].shape[-1], generator=g)  # and another prompt's states
+    head = d.lm_head.weight.detach()
+    nxt = torch.cat([batch["input_ids"][:, 1:], batch["input_ids"][:, :1]], dim=1)
+    batch["top"], batch["last"] = nxt, 8 * head[nxt] / head[nxt].norm(dim=-1, keepdim=True)
+    objective = DFlashObjective(d, head, max_anchors=64)
+    optimizer = torch.optim.AdamW([p for p in d.parameters() if p.requires_grad], lr=1e-2)
+    for _ in range(200):
+        loss, _ = objective(batch)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    d.eval()
+    with torch.no_grad():
+        after = summarize(objective(batch)[1])
+    # Anchors 6..16 in each row; at the 6 even ones both rows have the same token at the same position
+    # and different next tokens: without the context, at most (5 + 5 + 6) / 22 = 0.73 of slot 1 is right.
+    assert after["acc"][0] > 0.95, after
