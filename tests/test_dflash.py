@@ -329,3 +329,28 @@ def test_the_objective_teaches_the_drafter_to_read_the_context():
     # Anchors 6..16 in each row; at the 6 even ones both rows have the same token at the same position
     # and different next tokens: without the context, at most (5 + 5 + 6) / 22 = 0.73 of slot 1 is right.
     assert after["acc"][0] > 0.95, after
+
+
+def test_default_mask_token_is_a_token_the_chat_template_never_writes(target):
+    from types import SimpleNamespace
+
+    from specdraft.drafters.dflash import default_mask_token
+
+    tok = target.tokenizer
+    mask = default_mask_token(tok, target.vocab_size)
+    assert tok.convert_ids_to_tokens(mask) == "<empty_output>"  # SmolLM2: no mask token, no spare row
+    chat = target.chat_ids([{"role": "user", "content": "Hi there"}, {"role": "assistant", "content": "Hello!"}],
+                           add_generation_prompt=False)
+    assert mask not in chat  # the chat template never writes it (only a message quoting it literally would)
+
+    class Tok(SimpleNamespace):
+        def __len__(self):
+            return self.n
+
+    special = SimpleNamespace(special=True)
+    assert default_mask_token(Tok(mask_token_id=5, n=10), 10) == 5
+    assert default_mask_token(Tok(mask_token_id=None, n=10), 16) == 10  # the first unused row (Qwen3's way)
+    with pytest.raises(ValueError, match="no mask token"):
+        default_mask_token(Tok(mask_token_id=None, n=10, chat_template="<s>", bos_token_id=0, eos_token_id=1,
+                               added_tokens_decoder={0: SimpleNamespace(content="<s>", **vars(special)),
+                                                     1: SimpleNamespace(content="</s>", **vars(special))}), 10)
