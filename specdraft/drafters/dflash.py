@@ -1,0 +1,258 @@
+"""The DFlash drafter (block diffusion drafting, arXiv 2602.06036), top to bottom: config, context,
+attention, layer, drafter.
+
+A drafter of a few Qwen3-style decoder layers that drafts a whole block in one forward pass. The
+block's first slot holds the last token the target produced (the "anchor" or bonus token, whose
+hidden state the target has not computed yet); the other block_size - 1 slots hold the mask token.
+Slot j sits at position anchor + j and predicts the token *at* that position (no shift): the
+drafted tokens are read off slots 1 .. block_size - 1.
+
+What it knows of the context comes from the target alone: the target's aux states at every earlier
+position, concatenated and projected by `fc`, then normed (`hidden_norm`), give one context feature
+per position. Every layer projects those features with its own k/v projections into keys and values
+of the context (the paper's "KV injection"), so the context costs no query and no MLP.
+
+Attention in every layer: a block's queries see the context keys before the anchor (of the same
+document, in packed training rows) and every key of their own block, in both directions (the block
+is not causal). Nothing else: not another block, not the anchor's own context position.
+
+Rotary positions: context keys at their own positions, block slot j at anchor + j (NeoX layout, the
+drafter's own theta). Queries and keys are RMS-normed per head before rotation (Qwen3's q_norm,
+k_norm), the context keys too.
+
+The token embedding and, unless a smaller draft vocabulary is chosen, the lm_head are the target's,
+frozen: the mask slots' input is the target's embedding row of `mask_token_id`, exactly what vLLM
+feeds them (docs/dflash.md).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+import torch
+from torch import nn
+
+from specdraft.drafters.eagle3 import MLP, RMSNorm, apply_rotary, rotary
+
+# The block size the paper and the published drafters use (15 drafted tokens per round).
+DEFAULT_BLOCK_SIZE = 16
+
+
+@dataclass
+class DFlashConfig:
+    hidden_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    num_layers: int  # the drafter's decoder layers (the published drafters have 5)
+    vocab_size: int  # the target's vocabulary (rows of the shared embedding)
+    draft_vocab_size: int  # rows of lm_head: == vocab_size means the target's own lm_head, shared
+    target_hidden_size: int
+    mask_token_id: int  # the token whose (target) embedding fills the mask slots
+    block_size: int = DEFAULT_BLOCK_SIZE  # anchor + (block_size - 1) drafted tokens
+    # Our convention (targets.py): id k is the residual stream after k target layers.
+    aux_layer_ids: list[int] = field(default_factory=list)
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 8192
+
+    @classmethod
+    def from_target(cls, target, *, mask_token_id: int, block_size: int = DEFAULT_BLOCK_SIZE,
+                    num_layers: int = 1, draft_vocab_size: int | None = None) -> DFlashConfig:
+        """A drafter as wide as the target (so it shares its embedding and lm_head), reading the
+        target's aux layers."""
+        c = target.text_config
+        rope = getattr(c, "rope_parameters", None) or {}
+        vocab = c.vocab_size
+        return cls(
+            hidden_size=c.hidden_size,
+            num_attention_heads=c.num_attention_heads,
+            num_key_value_heads=c.num_key_value_heads,
+            head_dim=target.drafter_head_dim,
+            intermediate_size=c.intermediate_size,
+            num_layers=num_layers,
+            vocab_size=vocab,
+            draft_vocab_size=min(draft_vocab_size, vocab) if draft_vocab_size else vocab,
+            target_hidden_size=c.hidden_size,
+            mask_token_id=mask_token_id,
+            block_size=block_size,
+            aux_layer_ids=list(target.aux_layer_ids),
+            rms_norm_eps=c.rms_norm_eps,
+            rope_theta=rope.get("rope_theta", getattr(c, "rope_theta", 10000.0)),
+            max_position_embeddings=c.max_position_embeddings,
+        )
+
+    @property
+    def shares_lm_head(self) -> bool:
+        """The target's lm_head drafts over the whole vocabulary; a smaller draft vocabulary has its own."""
+        return self.draft_vocab_size == self.vocab_size
+
+    @property
+    def speculative_tokens(self) -> int:
+        """Tokens drafted per round: every slot but the anchor (vLLM's num_speculative_tokens)."""
+        return self.block_size - 1
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def default_mask_token(tokenizer, vocab_size: int) -> int:
+    """The mask token of a target with none chosen: the tokenizer's own mask token; else the first
+    embedding row past the tokenizer's ids (Qwen3's checkpoints have such rows, and the published
+    drafters use one); else the highest-numbered special token that is none of bos / eos / pad / unk
+    and that the chat template never writes (SmolLM2: `<empty_output>`, a code-pretraining marker).
+    The mask slots' input is the target's row of this id, so it must never be a token of the data."""
+    if getattr(tokenizer, "mask_token_id", None) is not None:
+        return int(tokenizer.mask_token_id)
+    if len(tokenizer) < vocab_size:
+        return len(tokenizer)
+    template = getattr(tokenizer, "chat_template", None) or ""
+    taken = {getattr(tokenizer, f"{role}_token_id", None) for role in ("bos", "eos", "pad", "unk")}
+    specials = [i for i, t in tokenizer.added_tokens_decoder.items()
+                if t.special and i < vocab_size and i not in taken and t.content not in template]
+    if not specials:
+        raise ValueError("no mask token: the tokenizer has none, no unused embedding row and no spare special "
+                         "token; name one (a token id the training data never contains)")
+    return max(specials)
+
+
+KV = tuple[torch.Tensor, torch.Tensor]
+
+
+def attend(q: torch.Tensor, context: KV, block: KV, visible: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Exact softmax attention of a row of blocks over the context and their own block.
+
+    q [B, nh, Q, d] with Q = N * block_size (N blocks, each block_size consecutive queries); context
+    keys / values [B, nkv, T, d] under `visible` [B, Q, T] (bool: which context positions each query
+    sees); block keys / values [B, nkv, Q, d], of which each query sees its own block's, all of them.
+    One softmax over both key sets, without a [Q, Q] score matrix. -> [B, nh, Q, d]."""
+    B, nh, Q, d = q.shape
+    nkv, N = context[0].shape[1], Q // block_size
+    g = nh // nkv
+    scale = 1.0 / math.sqrt(d)
+    qg = q.reshape(B, nkv, g, Q, d)  # [B, nkv, g, Q, d]
+    ctx = (qg @ context[0][:, :, None].transpose(-1, -2)).float() * scale  # [B, nkv, g, Q, T]
+    ctx = ctx.masked_fill(~visible[:, None, None], float("-inf"))
+    qb = qg.reshape(B, nkv, g, N, block_size, d)  # [B, nkv, g, N, bs, d]
+    kb = block[0].reshape(B, nkv, 1, N, block_size, d)  # [B, nkv, 1, N, bs, d]
+    vb = block[1].reshape(B, nkv, 1, N, block_size, d)  # [B, nkv, 1, N, bs, d]
+    blk = (qb @ kb.transpose(-1, -2)).float() * scale  # [B, nkv, g, N, bs, bs]
+    blk = blk.reshape(B, nkv, g, Q, block_size)  # [B, nkv, g, Q, bs]
+    # Softmax over [context keys, own block's keys] together.
+    p = torch.cat([ctx, blk], dim=-1).softmax(-1).to(q.dtype)  # [B, nkv, g, Q, T+bs]
+    p_ctx, p_blk = p.split([ctx.shape[-1], block_size], dim=-1)
+    out = p_ctx @ context[1][:, :, None]  # [B, nkv, g, Q, d]
+    p_blk = p_blk.reshape(B, nkv, g, N, block_size, block_size)  # [B, nkv, g, N, bs, bs]
+    out = out + (p_blk @ vb).reshape(B, nkv, g, Q, d)  # [B, nkv, g, Q, d]
+    return out.reshape(B, nh, Q, d)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: DFlashConfig):
+        super().__init__()
+        self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.theta, self.block_size = cfg.rope_theta, cfg.block_size
+        self.q_proj = nn.Linear(cfg.hidden_size, self.n_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)  # per head, before rotation
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+
+    def keys_values(self, x: torch.Tensor, positions: torch.Tensor) -> KV:
+        """Rotated, normed keys and values of x [B, T, H] at positions [B, T] -> 2 x [B, nkv, T, d]."""
+        B, T, _ = x.shape
+        k = self.k_norm(self.k_proj(x).view(B, T, self.n_kv, self.head_dim)).transpose(1, 2)  # [B, nkv, T, d]
+        v = self.v_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)  # [B, nkv, T, d]
+        cos, sin = rotary(positions, self.head_dim, self.theta)  # [B, 1, T, d]
+        return apply_rotary(k, cos, sin), v
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, context: KV, visible: torch.Tensor) -> torch.Tensor:
+        """x [B, Q, H] (the blocks' normed states) at positions [B, Q]; context keys/values of this
+        layer, 2 x [B, nkv, T, d]; visible [B, Q, T]. -> [B, Q, H]."""
+        B, Q, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(B, Q, self.n_heads, self.head_dim)).transpose(1, 2)  # [B, nh, Q, d]
+        cos, sin = rotary(positions, self.head_dim, self.theta)  # [B, 1, Q, d]
+        q = apply_rotary(q, cos, sin)
+        block = self.keys_values(x, positions)  # 2 x [B, nkv, Q, d]
+        out = attend(q, context, block, visible, self.block_size)  # [B, nh, Q, d]
+        return self.o_proj(out.transpose(1, 2).reshape(B, Q, self.n_heads * self.head_dim))  # [B, Q, H]
+
+
+class DecoderLayer(nn.Module):
+    """A pre-norm Qwen3 layer whose attention also reads the context's keys and values."""
+
+    def __init__(self, cfg: DFlashConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, hidden, positions, context: KV, visible):
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), positions, context, visible)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class DFlashDrafter(nn.Module):
+    def __init__(self, cfg: DFlashConfig):
+        super().__init__()
+        self.config = cfg
+        self.fc = nn.Linear(len(cfg.aux_layer_ids) * cfg.target_hidden_size, cfg.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)  # on fc's output: the context feature
+        # Copied from the target and frozen: the blocks' tokens, the mask slots included, are read the
+        # way the target reads them (vLLM feeds the target's embedding row of mask_token_id).
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.layers = nn.ModuleList([DecoderLayer(cfg) for _ in range(cfg.num_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
+        if cfg.shares_lm_head:  # the target's, frozen (not exported: vLLM shares the target's)
+            self.lm_head.weight.requires_grad_(False)
+        # target id of draft id i is i + d2t[i] (all zeros when the vocabulary is the target's).
+        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
+        self.register_buffer("t2d", torch.ones(cfg.vocab_size, dtype=torch.bool) if cfg.shares_lm_head
+                             else torch.zeros(cfg.vocab_size, dtype=torch.bool))
+
+    def context(self, aux: torch.Tensor, positions: torch.Tensor) -> list[KV]:
+        """The context of every layer from the target's aux states [B, T, n_aux*Ht] at positions
+        [B, T]: one feature per position, hidden_norm(fc(aux)) [B, T, H], projected by each layer
+        into its keys and values, 2 x [B, nkv, T, d] (what vLLM writes into the drafter's KV cache)."""
+        feature = self.hidden_norm(self.fc(aux))  # [B, T, H]
+        return [layer.self_attn.keys_values(feature, positions) for layer in self.layers]
+
+    def block_inputs(self, anchor_tokens: torch.Tensor) -> torch.Tensor:
+        """Block token ids [B, N*bs] for N anchors [B, N]: each block is [anchor, mask, ..., mask]."""
+        B, N = anchor_tokens.shape
+        ids = torch.full((B, N, self.config.block_size), self.config.mask_token_id, dtype=torch.long,
+                         device=anchor_tokens.device)  # [B, N, bs]
+        ids[:, :, 0] = anchor_tokens
+        return ids.reshape(B, N * self.config.block_size)
+
+    def forward(self, block_ids: torch.Tensor, block_positions: torch.Tensor, context: list[KV],
+                visible: torch.Tensor) -> torch.Tensor:
+        """Draft N blocks at once: block_ids, block_positions [B, Q] (Q = N * block_size, each block
+        its anchor then masks, at anchor + 0 .. block_size - 1), every layer's context (`context`)
+        and which context positions each query sees (`visible` [B, Q, T]). -> logits [B, Q, Vd];
+        slot j of a block predicts the token at its own position."""
+        hidden = self.embed_tokens(block_ids).to(self.fc.weight.dtype)  # [B, Q, H]
+        for layer, ctx in zip(self.layers, context):
+            hidden = layer(hidden, block_positions, ctx, visible)
+        return self.lm_head(self.norm(hidden))  # [B, Q, Vd]
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids + self.d2t[draft_ids]
+
+    @torch.no_grad()
+    def draft(self, context: list[KV], anchor_token: int, anchor_position: int) -> list[int]:
+        """One block at inference: the target ids of the block_size - 1 tokens after the anchor,
+        seeing the whole context (every cached position precedes the anchor)."""
+        bs = self.config.block_size
+        dev = context[0][0].device
+        ids = self.block_inputs(torch.tensor([[anchor_token]], device=dev))  # [1, bs]
+        positions = torch.arange(anchor_position, anchor_position + bs, device=dev)[None]  # [1, bs]
+        visible = torch.ones(1, bs, context[0][0].shape[2], dtype=torch.bool, device=dev)  # [1, bs, T]
+        logits = self(ids, positions, context, visible)  # [1, bs, Vd]
+        return self.to_target_ids(logits[0, 1:].argmax(-1)).tolist()

@@ -1,0 +1,274 @@
+"""The DFlash folder vLLM 0.32 loads for `method: "dflash"`: writer and reader.
+
+The format is the one the published DFlash drafters use (z-lab, SpecForge): a Qwen3 config.json with
+`architectures: ["DFlashDraftModel"]`, the DFlash fields under `dflash_config`, and the drafter's
+tensors without the embedding or lm_head, which vLLM takes from the target (docs/dflash.md). vLLM
+resolves the architecture to its `qwen3_dflash` drafter, whatever the target's family.
+
+Every field vLLM reads is written, never left to its default:
+
+- the target layers, twice, in the two conventions: `dflash_config.target_layer_ids` (id j = the
+  output of target layer j, DFlash's convention, to which vLLM adds 1) and the top-level
+  `eagle_aux_hidden_state_layer_ids` (ours and vLLM's: id k = the residual after k layers; vLLM reads
+  it first). Both name the same states;
+- `dflash_config.mask_token_id`: the mask slots' input is the target's embedding row of this id;
+- `dflash_config.causal: false`: the block's attention is bidirectional (vLLM would also take a
+  missing flag as false for full-attention layers, unless a top-level `is_causal` said otherwise);
+- `block_size`, which vLLM does *not* read: it drafts `num_speculative_tokens` from the serve
+  command, which must be block_size - 1 to draft as trained (the serve command says so);
+- `layer_types` all full attention with no sliding window, and `is_neox_style: true` (the rotary
+  layout vLLM assumes when absent; a mismatch is silent);
+- `draft_vocab_size`: when smaller than the target's vocabulary the folder has its own `lm_head` and
+  `d2t` (target id = i + d2t[i]); when equal, neither, and vLLM shares the target's lm_head.
+
+Each tensor name is a literal key map (ours -> the folder's), and the reader inverts it, so an
+export read back gives the same logits (tests/test_dflash.py).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from specdraft.drafters.dflash import DFlashConfig, DFlashDrafter
+from specdraft.run import atomic_path, write_json
+
+WEIGHTS = "model.safetensors"
+ARCHITECTURE = "DFlashDraftModel"
+
+# Our names -> the folder's. vLLM prefixes each with `model.` on load (all but lm_head and d2t).
+TOP_KEYS = {
+    "fc.weight": "fc.weight",
+    "hidden_norm.weight": "hidden_norm.weight",
+    "norm.weight": "norm.weight",
+}
+# One decoder layer's tensors ({i}: the layer's index); vLLM stacks q/k/v into qkv_proj and
+# gate/up into gate_up_proj itself.
+LAYER_KEYS = {
+    "layers.{i}.input_layernorm.weight": "layers.{i}.input_layernorm.weight",
+    "layers.{i}.self_attn.q_proj.weight": "layers.{i}.self_attn.q_proj.weight",
+    "layers.{i}.self_attn.k_proj.weight": "layers.{i}.self_attn.k_proj.weight",
+    "layers.{i}.self_attn.v_proj.weight": "layers.{i}.self_attn.v_proj.weight",
+    "layers.{i}.self_attn.o_proj.weight": "layers.{i}.self_attn.o_proj.weight",
+    "layers.{i}.self_attn.q_norm.weight": "layers.{i}.self_attn.q_norm.weight",
+    "layers.{i}.self_attn.k_norm.weight": "layers.{i}.self_attn.k_norm.weight",
+    "layers.{i}.post_attention_layernorm.weight": "layers.{i}.post_attention_layernorm.weight",
+    "layers.{i}.mlp.gate_proj.weight": "layers.{i}.mlp.gate_proj.weight",
+    "layers.{i}.mlp.up_proj.weight": "layers.{i}.mlp.up_proj.weight",
+    "layers.{i}.mlp.down_proj.weight": "layers.{i}.mlp.down_proj.weight",
+}
+# Only with a draft vocabulary smaller than the target's: the drafter's own lm_head and the map of its
+# ids to the target's (vLLM renames d2t to draft_id_to_target_id and skips t2d).
+DRAFT_VOCAB_KEYS = {
+    "lm_head.weight": "lm_head.weight",
+    "d2t": "d2t",
+    "t2d": "t2d",
+}
+
+
+def keys_for(cfg: DFlashConfig) -> dict[str, str]:
+    """The key map of a drafter of this shape: ours -> the folder's."""
+    keys = dict(TOP_KEYS)
+    for i in range(cfg.num_layers):
+        keys.update({ours.format(i=i): theirs.format(i=i) for ours, theirs in LAYER_KEYS.items()})
+    if not cfg.shares_lm_head:
+        keys.update(DRAFT_VOCAB_KEYS)
+    return keys
+
+
+def problems(cfg: DFlashConfig, target_num_layers: int) -> list[str]:
+    """What would make vLLM refuse the folder, or serve it as another network, one line each."""
+    out = []
+    if not 0 <= cfg.mask_token_id < cfg.vocab_size:
+        out.append(f"mask_token_id {cfg.mask_token_id} outside the target's vocabulary 0..{cfg.vocab_size - 1}")
+    outside = [k for k in cfg.aux_layer_ids if not 1 <= k < target_num_layers]
+    if not cfg.aux_layer_ids:
+        out.append("no target layers (aux_layer_ids is empty)")
+    elif outside:
+        out.append(f"target layers {outside} outside 1..{target_num_layers - 1} for a target of "
+                   f"{target_num_layers} layers (id k = the residual after k layers)")
+    elif list(cfg.aux_layer_ids) != sorted(set(cfg.aux_layer_ids)):
+        out.append(f"target layers {cfg.aux_layer_ids} not strictly ascending (vLLM concatenates them in "
+                   "ascending order)")
+    if cfg.block_size < 2:
+        out.append(f"block_size {cfg.block_size}: a block is the anchor plus at least one drafted token "
+                   "(vLLM needs num_speculative_tokens = block_size - 1 >= 1)")
+    if cfg.hidden_size != cfg.target_hidden_size:
+        out.append(f"hidden_size {cfg.hidden_size} differs from the target's {cfg.target_hidden_size}: vLLM "
+                   "gives the drafter the target's embedding and lm_head, which have the target's width")
+    return out
+
+
+def config_json(cfg: DFlashConfig, *, target_num_layers: int, provenance: dict) -> dict:
+    """config.json of the DFlash folder (module docstring: why each field is there)."""
+    ids = list(cfg.aux_layer_ids)
+    return {
+        "architectures": [ARCHITECTURE],
+        "model_type": "qwen3",
+        "hidden_size": cfg.hidden_size,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_layers,
+        "hidden_act": "silu",
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "is_neox_style": True,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "attention_bias": False,
+        "tie_word_embeddings": False,
+        "layer_types": ["full_attention"] * cfg.num_layers,
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "vocab_size": cfg.vocab_size,
+        "draft_vocab_size": cfg.draft_vocab_size,
+        "target_hidden_size": cfg.target_hidden_size,
+        "num_target_layers": target_num_layers,
+        "block_size": cfg.block_size,
+        # vLLM reads this list first: id k = the residual stream after k target layers (ours).
+        "eagle_aux_hidden_state_layer_ids": ids,
+        "dflash_config": {
+            "mask_token_id": cfg.mask_token_id,
+            # DFlash's convention: id j = the output of target layer j (vLLM adds 1).
+            "target_layer_ids": [k - 1 for k in ids],
+            "causal": False,
+            "use_aux_hidden_state": True,
+        },
+        "torch_dtype": "bfloat16",
+        "specdraft": provenance,
+    }
+
+
+def write_dflash(drafter: DFlashDrafter, out: Path, *, target_num_layers: int, provenance: dict) -> Path:
+    """The folder vLLM loads for method "dflash"; refuses a drafter it would not load or would serve
+    as another network (`problems`), writing nothing."""
+    from safetensors.torch import save_file
+
+    cfg = drafter.config
+    found = problems(cfg, target_num_layers)
+    if found:
+        raise ValueError("export dflash: " + "; ".join(found))
+    state = drafter.state_dict()
+    tensors = {}
+    for ours, theirs in keys_for(cfg).items():
+        t = state[ours].detach()
+        tensors[theirs] = (t.to(torch.bfloat16) if t.is_floating_point() else t).contiguous()
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    with atomic_path(out / WEIGHTS) as tmp:
+        save_file(tensors, str(tmp))
+    write_json(out / "config.json", config_json(cfg, target_num_layers=target_num_layers, provenance=provenance))
+    return out
+
+
+def serve_spec(folder: Path, cfg: DFlashConfig) -> dict:
+    """vLLM's --speculative-config for the folder: one block per round, as trained."""
+    return {"method": "dflash", "model": str(folder), "num_speculative_tokens": cfg.speculative_tokens}
+
+
+def _target_layer_ids(config: dict, where: str) -> list[int]:
+    """Our aux ids from either list vLLM reads (the top-level one first, as vLLM does); both present
+    must name the same layers."""
+    top = config.get("eagle_aux_hidden_state_layer_ids")
+    nested = (config.get("dflash_config") or {}).get("target_layer_ids")
+    from_nested = [j + 1 for j in nested] if nested else None
+    if top and from_nested and list(top) != from_nested:
+        raise ValueError(f"{where}: eagle_aux_hidden_state_layer_ids {list(top)} (residual after k layers) and "
+                         f"dflash_config.target_layer_ids {list(nested)} (output of layer j, k = j + 1) name "
+                         "different layers")
+    ids = list(top) if top else from_nested
+    if not ids:
+        raise ValueError(f"{where}: no target layers (dflash_config.target_layer_ids)")
+    return ids
+
+
+def parse_config(config: dict, where: str) -> DFlashConfig:
+    """A DFlash config.json -> our DFlashConfig, refusing what our drafter does not implement."""
+    if ARCHITECTURE not in (config.get("architectures") or []):
+        raise ValueError(f"{where}: architectures {config.get('architectures')} lack {ARCHITECTURE!r}")
+    dflash = config.get("dflash_config") or {}
+
+    def need(key, source=config):
+        if source.get(key) is None:
+            raise ValueError(f"{where}: no {key!r}")
+        return source[key]
+
+    if config.get("is_causal") or dflash.get("causal"):
+        raise ValueError(f"{where}: causal block attention; this drafter's block attention is bidirectional")
+    if dflash.get("use_swa") or "sliding_attention" in (config.get("layer_types") or []):
+        raise ValueError(f"{where}: sliding-window layers; this drafter implements full attention only")
+    if config.get("attention_bias") or dflash.get("attention_sink_bias") or dflash.get("attention_value_scale"):
+        raise ValueError(f"{where}: attention biases, sinks or a value scale, which this drafter does not have")
+    if config.get("is_neox_style", True) is not True:
+        raise ValueError(f"{where}: is_neox_style false; this drafter rotates in the NeoX layout")
+    if config.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"{where}: hidden_act {config['hidden_act']!r}; the drafter's MLP is SiLU-gated")
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    if rope.get("rope_type", rope.get("type", "default")) != "default":
+        raise ValueError(f"{where}: rope_type {rope.get('rope_type')!r}; the drafter implements only default RoPE")
+    vocab = need("vocab_size")
+    return DFlashConfig(
+        hidden_size=need("hidden_size"),
+        num_attention_heads=need("num_attention_heads"),
+        num_key_value_heads=config.get("num_key_value_heads") or config["num_attention_heads"],
+        head_dim=config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"],
+        intermediate_size=need("intermediate_size"),
+        num_layers=need("num_hidden_layers"),
+        vocab_size=vocab,
+        # vLLM's rule when absent: the target's whole vocabulary, through the target's lm_head.
+        draft_vocab_size=config.get("draft_vocab_size") or vocab,
+        target_hidden_size=config.get("target_hidden_size") or config["hidden_size"],
+        mask_token_id=need("mask_token_id", dflash),
+        # Older published folders keep it at the top level, newer ones in dflash_config.
+        block_size=config.get("block_size") or need("block_size", dflash),
+        aux_layer_ids=_target_layer_ids(config, where),
+        rms_norm_eps=need("rms_norm_eps"),
+        # vLLM's default theta for a DFlash drafter that names none.
+        rope_theta=rope.get("rope_theta", config.get("rope_theta", 1000000.0)),
+        max_position_embeddings=config.get("max_position_embeddings", 8192),
+    )
+
+
+def read_dflash(folder: Path, embed: torch.Tensor, lm_head: torch.Tensor | None = None) -> DFlashDrafter:
+    """A DFlash folder -> our drafter (float32, eval mode). `embed` is the target's embedding, and
+    `lm_head` the target's lm_head weight when the folder drafts over the whole vocabulary (both are
+    what vLLM gives the drafter). Every tensor the config needs must be there, named when missing."""
+    from safetensors.torch import load_file
+
+    folder = Path(folder)
+    path = folder / "config.json"
+    if not path.exists():
+        raise ValueError(f"{path}: not found")
+    cfg = parse_config(json.loads(path.read_text()), str(path))
+    files = [folder / WEIGHTS] if (folder / WEIGHTS).exists() else sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{folder}: no weights (*.safetensors)")
+    theirs = {}
+    for f in files:
+        theirs.update({k.removeprefix("model."): v for k, v in load_file(str(f)).items()})
+    keys = keys_for(cfg)
+    state = {ours: theirs[name] for ours, name in keys.items() if name in theirs}
+    missing = [name for ours, name in keys.items() if ours not in state and ours != "t2d"]
+    if missing:
+        raise ValueError(f"{folder}: missing tensor(s) {missing}")
+    state["embed_tokens.weight"] = theirs.get("embed_tokens.weight", embed)
+    if cfg.shares_lm_head:
+        state["lm_head.weight"] = theirs.get("lm_head.weight", lm_head if lm_head is not None else embed)
+    drafter = DFlashDrafter(cfg)
+    if "t2d" not in state:  # vLLM skips it; d2t determines it
+        state["t2d"] = drafter.t2d.clone()
+        if not cfg.shares_lm_head:
+            state["t2d"][torch.arange(cfg.draft_vocab_size) + state["d2t"].long()] = True
+    if cfg.shares_lm_head:
+        state["d2t"] = drafter.d2t.clone()
+    expected = drafter.state_dict()
+    misfits = [f"{k}: {list(v.shape)} given, config.json needs {list(expected[k].shape)}"
+               for k, v in state.items() if v.shape != expected[k].shape]
+    if misfits:
+        raise ValueError(f"{folder}: the tensors do not fit config.json:\n  " + "\n  ".join(misfits))
+    drafter.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()})
+    return drafter.eval()
