@@ -56,9 +56,9 @@ def memorised(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(memorised):
-    from specdraft.stages.gen import select_prompts
-    from specdraft.run import RunFolder
     from specdraft.drafters.checkpoint import load_trained
+    from specdraft.run import RunFolder
+    from specdraft.stages.gen import select_prompts
 
     run = RunFolder(memorised)
     recipe = run.recipe()
@@ -131,7 +131,7 @@ def test_rejection_sampling_matches_target_on_real_distributions(engine):
     """The target's and the memorised drafter's real next-token distributions (temperature 1): tokens
     from rejection sampling pass a chi-square test against the target's; plain draft samples fail it
     (so the test can tell)."""
-    runner, drafter, target, recipe, prompts = engine
+    runner, drafter, _, _, prompts = engine
     prompt = prompts[-1]["prompt_ids"]  # held out: the drafter's q differs from the target's p there
     runner.reset()
     logits, aux = runner.forward(prompt)
@@ -202,7 +202,7 @@ def test_static_engine_decodes_as_the_eager_engine(engine):
 
 @pytest.mark.slow
 def test_sampled_decoder_runs_and_counts(engine):
-    runner, drafter, target, recipe, prompts = engine
+    runner, drafter, target, _, prompts = engine
     stats = rounds.Stats(3)
     g = torch.Generator().manual_seed(0)
     out = rounds.speculative_sampled(runner, drafter, prompts[0]["prompt_ids"], 10, target.eos_token_id, 3, 1.0,

@@ -1,11 +1,14 @@
 """Rounds of speculative decoding: draft, verify with one target forward, keep the accepted path.
 
-Greedy rounds keep the longest drafted path whose tokens the target itself picks, plus the target's
-own next token; sampled rounds draft a chain by sampling and accept with exact rejection sampling
-(Leviathan et al. 2023), so the output is distributed as the target's own sampling. Greedy output is
-checked against plain greedy decoding on the same engine (check_exact): a divergence at a logit gap
-below the tolerance is a numerical tie (bf16 verification passes can flip near-ties), anything else
-is a bug. Stats turns the rounds into tau, the accepted-length histogram and per-position acceptance.
+decode() is the one round loop (prefill, then rounds of draft, verify, accept, keep and drafter advance,
+timed and synced alike for every kind of round); a RoundPolicy says what a round drafts and what it
+accepts. GreedyTree keeps the longest drafted path of a tree (or chain) whose tokens the target itself
+picks, plus the target's own next token; SampledChain drafts a chain by sampling and accepts with exact
+rejection sampling (Leviathan et al. 2023), so the output is distributed as the target's own sampling.
+Greedy output is checked against plain greedy decoding on the same engine (check_exact): a divergence
+at a logit gap below the tolerance is a numerical tie (bf16 verification passes can flip near-ties),
+anything else is a bug. Stats turns the rounds into tau, the accepted-length histogram and
+per-position acceptance; alpha_from_tau and leviathan_bound turn tau into the expected speedup.
 """
 
 from __future__ import annotations
@@ -13,14 +16,18 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
+from typing import Protocol, TypeVar
 
 import torch
 
-from specdraft.decoding.runners import TargetRunner, sync
-from specdraft.decoding.tree import TreeShape, cache_tokens, draft_tree
+from specdraft.decoding.runners import DrafterState, TargetRunner, sync
+from specdraft.decoding.tree import Tree, TreeShape, cache_tokens, draft_tree
 
 # Bisection steps to invert tau(α) = (1 − α^(K+1)) / (1 − α): 60 halvings reach float precision.
 ALPHA_BISECTION_STEPS = 60
+
+Draft = TypeVar("Draft")
+Verdict = TypeVar("Verdict")
 
 
 class ExactnessError(AssertionError):
@@ -77,43 +84,131 @@ def greedy(runner: TargetRunner, prompt: list[int], max_new: int, eos: int) -> t
         logits, _ = runner.forward([out[-1]])
 
 
-@torch.inference_mode()
-def speculative(runner: TargetRunner, drafter, prompt: list[int], max_new: int, eos: int, shape: TreeShape,
-                stats: Stats) -> list[int]:
-    """Greedy speculative decoding with tree (or chain) drafts; returns the generated ids."""
-    dev = runner.device
-    runner.reserve(cache_tokens(len(prompt), max_new, shape))
-    runner.reset()
-    logits, aux = runner.forward(prompt)
-    out = [int(logits[-1].argmax())]
-    n = len(prompt)  # target cache length; out[-1] is x_n, not yet fed to the target
-    state = runner.drafter_state(drafter, shape.depth + 1)
-    state.advance(aux, prompt[1:] + out[-1:], 0)
-    while out[-1] != eos and len(out) < max_new:
-        sync(dev)
-        t0 = time.perf_counter()
-        tree = draft_tree(state, shape)
-        sync(dev)
-        stats.draft_seconds += time.perf_counter() - t0
-        stats.draft_steps += shape.depth
-        t0 = time.perf_counter()
-        if tree.is_chain:  # causal: the model's own mask
-            logits, aux = runner.forward([out[-1]] + tree.tokens)
+class RoundPolicy(Protocol[Draft, Verdict]):
+    """What differs between greedy and sampled rounds; decode() runs the rest. `shape` sizes the cache,
+    the drafter's padded advance and the draft steps counted per round."""
+
+    shape: TreeShape
+
+    def first_token(self, logits: torch.Tensor) -> int:
+        """The token after the prompt, from the prefill's last logits [V]."""
+
+    def draft(self, state: DrafterState) -> Draft:
+        """This round's draft from the drafter's root (the last accepted token)."""
+
+    def verify(self, runner: TargetRunner, root: int, draft: Draft, n: int) -> tuple[Verdict, torch.Tensor]:
+        """One target forward over the root (cache position n) and the draft -> what accept reads of its
+        logits, and the aux states [1 + drafted, n_aux*H]. Timed as verification, so what it reads from
+        the logits (a host copy, a softmax) is charged to the target, not the drafter."""
+
+    def accept(self, draft: Draft, verdict: Verdict) -> tuple[list[int], list[int]]:
+        """-> the accepted drafted nodes (indices into the draft, root to leaf) and the accepted tokens:
+        theirs, then the target's own next one."""
+
+
+class GreedyTree:
+    """Greedy rounds on an EAGLE-2 tree (a chain is the tree of top-k 1): the longest drafted path whose
+    tokens the target itself picks, plus the target's own next token."""
+
+    def __init__(self, shape: TreeShape):
+        self.shape = shape
+
+    def first_token(self, logits: torch.Tensor) -> int:
+        return int(logits.argmax())
+
+    def draft(self, state: DrafterState) -> Tree:
+        return draft_tree(state, self.shape)
+
+    def verify(self, runner: TargetRunner, root: int, draft: Tree, n: int) -> tuple[list[int], torch.Tensor]:
+        if draft.is_chain:  # causal: the model's own mask
+            logits, aux = runner.forward([root] + draft.tokens)
         else:
-            logits, aux = runner.forward([out[-1]] + tree.tokens, [n] + [n + dep for dep in tree.depths],
-                                         tree.visible())
-        choice = logits.argmax(-1).tolist()  # the target's token after each fed row (0 = root)
-        sync(dev)
-        stats.verify_seconds += time.perf_counter() - t0
+            logits, aux = runner.forward([root] + draft.tokens, [n] + [n + dep for dep in draft.depths],
+                                         draft.visible())
+        return logits.argmax(-1).tolist(), aux  # the target's token after each fed row (0 = root)
+
+    def accept(self, draft: Tree, choice: list[int]) -> tuple[list[int], list[int]]:
         children = defaultdict(dict)
-        for i, (t, p) in enumerate(zip(tree.tokens, tree.parents)):
+        for i, (t, p) in enumerate(zip(draft.tokens, draft.parents)):
             children[p].setdefault(t, i)
         path, node = [], -1
         while choice[node + 1] in children[node]:
             node = children[node][choice[node + 1]]
             path.append(node)
+        return path, [draft.tokens[i] for i in path] + [choice[node + 1]]
+
+
+@dataclass
+class SampledDraft:
+    tokens: list[int]  # K target ids, each sampled from the drafter given the ones before
+    probs: list[torch.Tensor]  # K draft distributions [V] they were sampled from
+
+
+class SampledChain:
+    """Sampled rounds: a chain of K tokens sampled from the drafter at `temperature`, accepted by exact
+    rejection sampling, so the output is distributed as the target's own sampling."""
+
+    def __init__(self, K: int, temperature: float, generator: torch.Generator):
+        self.shape = TreeShape.chain(K)
+        self.temperature, self.generator = temperature, generator
+        self.vocab = 0  # the target's, from the prefill: draft_probs spreads the draft vocab over it
+
+    def sample(self, probs: torch.Tensor) -> int:
+        return int(torch.multinomial(probs, 1, generator=self.generator))
+
+    def first_token(self, logits: torch.Tensor) -> int:
+        self.vocab = logits.shape[-1]
+        return self.sample(torch.softmax(logits / self.temperature, -1))
+
+    def draft(self, state: DrafterState) -> SampledDraft:
+        K, drafter = self.shape.depth, state.drafter
+        drafts, qs, diag = [], [], []
+        hidden, d_logits = state.root_hidden, state.root_logits
+        for depth in range(1, K + 1):
+            qs.append(draft_probs(drafter, d_logits, self.temperature, self.vocab))
+            drafts.append(self.sample(qs[-1]))
+            if depth < K:
+                ids = torch.tensor([[drafts[-1]]], device=d_logits.device)
+                d_logits, hidden, kv = state.step(hidden, ids, depth, diag)
+                d_logits, diag = d_logits[0, -1], diag + [kv]
+        return SampledDraft(drafts, qs)
+
+    def verify(self, runner: TargetRunner, root: int, draft: SampledDraft, n: int
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        logits, aux = runner.forward([root] + draft.tokens)
+        return torch.softmax(logits / self.temperature, -1), aux  # p [K+1, V]
+
+    def accept(self, draft: SampledDraft, p: torch.Tensor) -> tuple[list[int], list[int]]:
+        a, nxt = rejection_sample(p, torch.stack(draft.probs), draft.tokens, self.generator)
+        return list(range(a)), draft.tokens[:a] + [nxt]
+
+
+@torch.inference_mode()
+def decode(runner: TargetRunner, drafter, prompt: list[int], max_new: int, eos: int, policy: RoundPolicy,
+           stats: Stats) -> list[int]:
+    """Speculative decoding of `prompt`, rounds drafted and accepted by `policy`; returns the generated ids.
+    The device is synced around each timed part, so the timings measure the work and not its launch."""
+    dev = runner.device
+    runner.reserve(cache_tokens(len(prompt), max_new, policy.shape))
+    runner.reset()
+    logits, aux = runner.forward(prompt)
+    out = [policy.first_token(logits[-1])]
+    n = len(prompt)  # target cache length; out[-1] is x_n, not yet fed to the target
+    state = runner.drafter_state(drafter, policy.shape.depth + 1)
+    state.advance(aux, prompt[1:] + out[-1:], 0)
+    while out[-1] != eos and len(out) < max_new:
+        sync(dev)
+        t0 = time.perf_counter()
+        draft = policy.draft(state)
+        sync(dev)
+        stats.draft_seconds += time.perf_counter() - t0
+        stats.draft_steps += policy.shape.depth
+        t0 = time.perf_counter()
+        verdict, aux = policy.verify(runner, out[-1], draft, n)
+        sync(dev)
+        stats.verify_seconds += time.perf_counter() - t0
+        path, accepted = policy.accept(draft, verdict)
         stats.add(len(path))
-        accepted = [tree.tokens[i] for i in path] + [choice[node + 1]]
         runner.keep(n + 1, [n + 1 + i for i in path])
         t0 = time.perf_counter()
         state.advance(aux[[0] + [1 + i for i in path]], accepted, n)
@@ -126,6 +221,19 @@ def speculative(runner: TargetRunner, drafter, prompt: list[int], max_new: int, 
     if eos in out:
         out = out[: out.index(eos) + 1]
     return out[:max_new]
+
+
+def speculative(runner: TargetRunner, drafter, prompt: list[int], max_new: int, eos: int, shape: TreeShape,
+                stats: Stats) -> list[int]:
+    """Greedy speculative decoding with tree (or chain) drafts; returns the generated ids."""
+    return decode(runner, drafter, prompt, max_new, eos, GreedyTree(shape), stats)
+
+
+def speculative_sampled(runner: TargetRunner, drafter, prompt: list[int], max_new: int, eos: int, K: int,
+                        temperature: float, stats: Stats, generator: torch.Generator) -> list[int]:
+    """Sampled speculative decoding with chains of K drafted tokens; the output is distributed as the
+    target's own sampling at `temperature`."""
+    return decode(runner, drafter, prompt, max_new, eos, SampledChain(K, temperature, generator), stats)
 
 
 @torch.inference_mode()
@@ -151,61 +259,6 @@ def rejection_sample(p: torch.Tensor, q: torch.Tensor, drafts: list[int], genera
         return a, int(torch.multinomial(p[K], 1, generator=generator))
     residual = (p[a] - q[a]).clamp_min(0)
     return a, int(torch.multinomial(residual / residual.sum(), 1, generator=generator))
-
-
-@torch.inference_mode()
-def speculative_sampled(runner: TargetRunner, drafter, prompt: list[int], max_new: int, eos: int, K: int,
-                        temperature: float, stats: Stats, generator: torch.Generator) -> list[int]:
-    """Chain drafting by sampling, exact rejection sampling: token i of the draft is kept with probability
-    min(1, p(x)/q(x)); the first rejected one is replaced by a sample of norm(max(0, p − q)); when all K
-    are kept a bonus token is sampled from p. The output is distributed as the target's own sampling."""
-    dev = runner.device
-
-    def sample(probs):
-        return int(torch.multinomial(probs, 1, generator=generator))
-
-    runner.reserve(cache_tokens(len(prompt), max_new, TreeShape.chain(K)))
-    runner.reset()
-    logits, aux = runner.forward(prompt)
-    V = logits.shape[-1]
-    out = [sample(torch.softmax(logits[-1] / temperature, -1))]
-    n = len(prompt)
-    state = runner.drafter_state(drafter, K + 1)
-    state.advance(aux, prompt[1:] + out[-1:], 0)
-    while out[-1] != eos and len(out) < max_new:
-        sync(dev)
-        t0 = time.perf_counter()
-        drafts, qs, diag = [], [], []
-        hidden, d_logits = state.root_hidden, state.root_logits
-        for depth in range(1, K + 1):
-            qs.append(draft_probs(drafter, d_logits, temperature, V))
-            drafts.append(sample(qs[-1]))
-            if depth < K:
-                d_logits, hidden, kv = state.step(hidden, torch.tensor([[drafts[-1]]], device=dev), depth, diag)
-                d_logits, diag = d_logits[0, -1], diag + [kv]
-        sync(dev)
-        stats.draft_seconds += time.perf_counter() - t0
-        stats.draft_steps += K
-        t0 = time.perf_counter()
-        logits, aux = runner.forward([out[-1]] + drafts)
-        p = torch.softmax(logits / temperature, -1)  # [K+1, V]
-        sync(dev)
-        stats.verify_seconds += time.perf_counter() - t0
-        a, nxt = rejection_sample(p, torch.stack(qs), drafts, generator)
-        stats.add(a)
-        accepted = drafts[:a] + [nxt]
-        runner.keep(n + 1 + a, [])
-        t0 = time.perf_counter()
-        state.advance(aux[: a + 1], accepted, n)
-        sync(dev)
-        stats.draft_seconds += time.perf_counter() - t0
-        n += a + 1
-        out += accepted
-        if eos in accepted:
-            break
-    if eos in out:
-        out = out[: out.index(eos) + 1]
-    return out[:max_new]
 
 
 def check_exact(spec: list[int], ref: list[int], gaps: list[float], tol: float, pid: str) -> dict:

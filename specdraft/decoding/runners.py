@@ -25,7 +25,7 @@ def sync(device: torch.device) -> None:
 
 class TargetRunner:
     """The target with a KV cache, returning logits and aux states for the tokens it is fed: the eager
-    engine (transformers' DynamicCache and its own masks). engine.StaticTargetRunner is the fast one."""
+    engine (transformers' DynamicCache and its own masks). static.StaticTargetRunner is the fast one."""
 
     engine = "eager"
 

@@ -1,4 +1,4 @@
-"""eval: the static decode engine: preallocated KV caches for the target and the drafter, and on CUDA
+"""The static decode engine: preallocated KV caches for the target and the drafter, and on CUDA
 every fixed-shape decode step captured once as a CUDA graph and replayed after.
 
 Why: at batch 1 a small target is bound by Python and kernel launches, not by the GPU (FACTS.md: eager
@@ -13,7 +13,7 @@ builds on the device from the cache length and the tree's visibility, so one gra
 every position. Keeping the accepted path is a gather and a scatter inside the same buffers. The
 drafter's cache works the same way; its step-0 call over the accepted tokens is padded to the most
 a round can accept, and a round's whole tree drafting (every depth and its top-k selections, no host
-sync: speculate.grow_tree) is one graph.
+sync: tree.grow_tree) is one graph.
 
 A graph is captured the first time its shape is met, with that call's real inputs: the warm-up calls
 on a side stream write the same keys to the same slots as the replay that follows, so capturing lazily

@@ -1,4 +1,8 @@
-"""eval: a reference speculative decoder (chain and EAGLE-2 dynamic tree; greedy and sampled), exact.
+"""eval: the trained drafter measured with the reference speculative decoder (specdraft.decoding), exact.
+
+Every held-out prompt (or one of `eval.prompts_file`) is decoded three ways on one engine: plain greedy,
+greedy with chain drafts and greedy with EAGLE-2 dynamic trees; with `temperature` > 0, sampled chains
+too. Writes eval/report.json, report.md and the accepted-length histogram.
 
 Each round the drafter proposes a tree of tokens from the target's aux states: the root is the last
 accepted token; every depth expands the `tree_topk` best nodes so far (by cumulative draft log-prob)
@@ -18,9 +22,9 @@ Figures: tau (tokens per target forward), the histogram of accepted lengths, per
 (share of rounds whose draft at depth i was accepted, as vLLM counts it), decode speed with and
 without speculation, the draft/target cost ratio c, and Leviathan's bound for the measured α and c.
 
-Engines (make_runner): the eager one here (transformers' DynamicCache and masks), and engine.py's
-static KV caches with CUDA graphs on the GPU. Both decode with the same functions below; greedy and
-speculative decoding of one evaluation always share one engine.
+Engines (decoding.runners.make_runner): the eager one (transformers' DynamicCache and masks), and
+decoding.static's preallocated KV caches with CUDA graphs on the GPU. Both decode with the same rounds
+(decoding.rounds); greedy and speculative decoding of one evaluation always share one engine.
 """
 
 from __future__ import annotations
@@ -70,7 +74,9 @@ def load_prompts(recipe: Recipe, target: Target) -> list[dict]:
                 raise ValueError(f"{path}:{lineno}: not JSON ({e.msg})") from None
             if not isinstance(rec, dict) or not (isinstance(rec.get("prompt"), str) or
                                                  isinstance(rec.get("messages"), list)):
-                raise ValueError(f"{path}:{lineno}: expected an object with a 'prompt' string or 'messages' list")
+                # ValueError, not TypeError: a bad line of the user's file, which the CLI reports as such.
+                raise ValueError(  # noqa: TRY004
+                    f"{path}:{lineno}: expected an object with a 'prompt' string or 'messages' list")
             messages = rec.get("messages") or [{"role": "user", "content": rec["prompt"]}]
             ids = target.chat_ids(messages, add_generation_prompt=True)
             if len(ids) > recipe.data.max_prompt_tokens:
@@ -107,23 +113,28 @@ def plot_histogram(hists: dict[str, list[int]], path: Path) -> None:
     plt.close(fig)
 
 
-def evaluate(runner: TargetRunner, drafter, prompts: list[dict], cfg, eos: int) -> dict:
-    """Greedy AR, chain and tree decoding of every prompt with the same engine: exactness and figures."""
-    from tqdm import tqdm
-
-    chain, tree = TreeShape.chain(cfg.draft_tokens), TreeShape(cfg.tree_topk, cfg.tree_depth, cfg.tree_tokens)
+def decode_shapes(runner: TargetRunner, cfg) -> dict[str, TreeShape]:
+    """The chain and the tree each prompt is decoded with."""
+    tree = TreeShape(cfg.tree_topk, cfg.tree_depth, cfg.tree_tokens)
     if "sliding" in runner.target.family.attention and tree.topk > 1:
         # A tree's 4-D mask replaces the model's own, which is where sliding windows and attention
         # sinks live (gpt-oss): verified that way the tree is not exact. Such targets are measured with
         # chains (a chain's mask is the model's causal one).
         print(f"eval: {runner.target.family.attention} attention: tree drafting measured as a chain of {tree.depth}")
         tree = TreeShape.chain(tree.depth)
-    stats = {"chain": Stats(chain.depth), "tree": Stats(tree.depth)}
-    seconds = {"ar": 0.0, "chain": 0.0, "tree": 0.0}
-    tokens = {"ar": 0, "chain": 0, "tree": 0}
-    ties = {"chain": 0, "tree": 0}
+    return {"chain": TreeShape.chain(cfg.draft_tokens), "tree": tree}
+
+
+def evaluate(runner: TargetRunner, drafter, prompts: list[dict], cfg, eos: int) -> dict:
+    """Greedy AR, chain and tree decoding of every prompt with the same engine: exactness and figures."""
+    from tqdm import tqdm
+
+    shapes = decode_shapes(runner, cfg)
+    stats = {name: Stats(shape.depth) for name, shape in shapes.items()}
+    seconds, tokens = dict.fromkeys(("ar", *shapes), 0.0), dict.fromkeys(("ar", *shapes), 0)
+    ties = dict.fromkeys(shapes, 0)
     per_prompt = []
-    by_category = defaultdict(lambda: {"prompts": 0, "chain": Stats(chain.depth), "tree": Stats(tree.depth)})
+    by_category = defaultdict(lambda: {"prompts": 0, **{name: Stats(shape.depth) for name, shape in shapes.items()}})
     # Sized once for every prompt: a static cache that grew mid-run would recapture its graphs in the timing.
     runner.reserve(decode_capacity(prompts, cfg))
     for p in tqdm(prompts, desc="eval", unit="prompt"):
@@ -132,18 +143,16 @@ def evaluate(runner: TargetRunner, drafter, prompts: list[dict], cfg, eos: int) 
         ref, gaps = greedy(runner, p["prompt_ids"], cfg.max_new_tokens, eos)
         sync(runner.device)
         took = {"ar": time.perf_counter() - t0}
-        seconds["ar"] += took["ar"]
         tokens["ar"] += len(ref)
         row = {"id": p["id"], "tokens": len(ref)}
         cat = by_category[p.get("category", "all")]
         cat["prompts"] += 1
-        for name, shape in (("chain", chain), ("tree", tree)):
+        for name, shape in shapes.items():
             rounds_before, hist_before = stats[name].rounds, list(stats[name].accepted_hist)
             t0 = time.perf_counter()
             spec = speculative(runner, drafter, p["prompt_ids"], cfg.max_new_tokens, eos, shape, stats[name])
             sync(runner.device)
             took[name] = time.perf_counter() - t0
-            seconds[name] += took[name]
             tokens[name] += len(spec)
             check = check_exact(spec, ref, gaps, cfg.tie_tolerance, p["id"])
             ties[name] += not check["exact"]
@@ -151,6 +160,8 @@ def evaluate(runner: TargetRunner, drafter, prompts: list[dict], cfg, eos: int) 
             for a, (after, before) in enumerate(zip(stats[name].accepted_hist, hist_before)):
                 for _ in range(after - before):
                     cat[name].add(a)
+        for k, v in took.items():
+            seconds[k] += v
         row["seconds"] = {k: round(v, 4) for k, v in took.items()}
         per_prompt.append(row)
     ar_tps = tokens["ar"] / seconds["ar"]
@@ -158,18 +169,11 @@ def evaluate(runner: TargetRunner, drafter, prompts: list[dict], cfg, eos: int) 
     # The engine as it ran: a CUDA graph capture that failed mid-run shows here.
     report = {"prompts": len(prompts), "engine": runner.engine, "autoregressive_tokens_per_s": round(ar_tps, 2),
               "seconds_per_prompt": {k: round(v / len(prompts), 4) for k, v in seconds.items()}}
-    for name, shape in (("chain", chain), ("tree", tree)):
-        s = stats[name]
-        c = s.draft_seconds / max(1, s.draft_steps) / ar_step
+    for name, shape in shapes.items():
         tps = tokens[name] / seconds[name]
-        K = shape.depth
-        alpha = alpha_from_tau(s.tau, K)
-        report[name] = {
-            **s.summary(), "shape": vars(shape), "exact_prompts": len(prompts) - ties[name],
-            "numerical_ties": ties[name], "speculative_tokens_per_s": round(tps, 2),
-            "speedup": round(tps / ar_tps, 3), "draft_to_target_cost": round(c, 4),
-            "alpha": round(alpha, 4), "leviathan_bound": round(leviathan_bound(alpha, K, c), 3),
-        }
+        report[name] = {**stats[name].summary(), "shape": vars(shape), "exact_prompts": len(prompts) - ties[name],
+                        "numerical_ties": ties[name], "speculative_tokens_per_s": round(tps, 2),
+                        **speed_figures(stats[name], shape.depth, tps / ar_tps, ar_step)}
     if len(by_category) > 1 or "all" not in by_category:
         report["per_category"] = {k: {"prompts": v["prompts"], "tau_chain": round(v["chain"].tau, 4),
                                       "tau_tree": round(v["tree"].tau, 4),
@@ -177,6 +181,15 @@ def evaluate(runner: TargetRunner, drafter, prompts: list[dict], cfg, eos: int) 
                                   for k, v in sorted(by_category.items())}
     report["per_prompt"] = per_prompt
     return report
+
+
+def speed_figures(s: Stats, K: int, speedup: float, ar_step: float) -> dict:
+    """The measured speedup beside what Leviathan's bound expects of the measured α (from tau) and cost
+    ratio c (one drafting step over one autoregressive target step, `ar_step` seconds)."""
+    c = s.draft_seconds / max(1, s.draft_steps) / ar_step
+    alpha = alpha_from_tau(s.tau, K)
+    return {"speedup": round(speedup, 3), "draft_to_target_cost": round(c, 4), "alpha": round(alpha, 4),
+            "leviathan_bound": round(leviathan_bound(alpha, K, c), 3)}
 
 
 def sampled_tau(runner, drafter, prompts, cfg, eos, seed: int) -> dict:
@@ -240,10 +253,10 @@ def render_markdown(r: dict) -> str:
                      f"**{s['tau']:.3f}** | {pos} | {s['exact_prompts']} / {s['numerical_ties']} | "
                      f"{s['speculative_tokens_per_s']} | {s['speedup']}x | {s['draft_to_target_cost']} | "
                      f"{s['alpha']} | {s['leviathan_bound']}x |")
-    lines += ["", "Accepted-length histograms (0..depth): "
-              f"chain {r['chain']['accepted_length_histogram']}, tree {r['tree']['accepted_length_histogram']}.",
-              "The bound is Leviathan et al.'s S = (1 − α^(γ+1)) / ((1 − α)(γc + 1)) with γ = depth, α from tau, "
-              "c = one drafting step / one autoregressive target step."]
+    lines += ["", ("Accepted-length histograms (0..depth): "
+                   f"chain {r['chain']['accepted_length_histogram']}, tree {r['tree']['accepted_length_histogram']}."),
+              ("The bound is Leviathan et al.'s S = (1 − α^(γ+1)) / ((1 − α)(γc + 1)) with γ = depth, α from tau, "
+               "c = one drafting step / one autoregressive target step.")]
     if "sampled" in r:
         s = r["sampled"]
         lines.append(f"\nSampled chain (temperature {s['temperature']}, exact rejection sampling): tau {s['tau']:.3f}, "
