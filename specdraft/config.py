@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,6 +30,14 @@ class ConfigError(ValueError):
 # trained with cosine) or fail a stage hours into the run. The field still holds a plain str.
 # ModelDtype: what a target is loaded in, a torch dtype name or "auto" (targets.resolve_dtype).
 ModelDtype = Literal["auto", "bfloat16", "float16", "float32"]
+
+
+class EnvName(str):
+    """A field that names an environment variable (gen.api_key_env): checked to be a name, so a key pasted
+    in its place is refused before the recipe, which the manifest records, is written anywhere."""
+
+
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
 @dataclass
@@ -62,9 +71,9 @@ class GenConfig:
     batch_size: int = 16
     batch_tokens: int = 0
     # In-process: conversations answered together, turn by turn (turn k of all of them before turn k+1,
-    # so a turn costs as few generate calls as its rows need); 0 means all. Each finished conversation is
-    # saved after its turn; the unfinished ones are saved as they stand, so a cut run resumes them at the
-    # turn it reached.
+    # so a turn costs as few generate calls as its rows need); 0 means all. Whatever the group, each
+    # conversation is saved after the generate call that finished it, and one moved on to its next turn is
+    # logged as it stands (gen_in_flight.jsonl), so a cut run loses at most the call in flight.
     group_size: int = 0
     max_new_tokens: int = 256
     # 0 means greedy decoding.
@@ -122,6 +131,14 @@ class GenConfig:
     self_instruct_samples: int = 0
     # Ask the server for the ids it generated (vLLM's return_token_ids) so render stays on-policy.
     return_token_ids: bool = True
+    # The API key sent to every server specdraft asks (gen's endpoints, render.verify_endpoint, bench
+    # --endpoint) as `Authorization: Bearer KEY`: the NAME of the environment variable that holds it, never
+    # the key, so no recipe, manifest, log or error line holds it. Unset or empty variable: no key is sent
+    # (a server without --api-key needs none); "" never sends one. A 401/403 stops the run at once.
+    api_key_env: EnvName = "OPENAI_API_KEY"
+    # Extra HTTP headers sent to every server as well; `${NAME}` in a value is replaced by that
+    # environment variable's value when the run starts (secrets go there: the recipe is recorded).
+    headers: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -300,6 +317,12 @@ def _coerce(value, tp, where: str):
     origin = typing.get_origin(tp)
     if origin is Literal:
         return _choice(value, typing.get_args(tp), where)
+    if tp is EnvName:
+        # The value itself is not repeated: it may be the key, pasted where its variable's name belongs.
+        if not isinstance(value, str) or not (value == "" or _ENV_NAME.fullmatch(value)):
+            raise ConfigError(f"{where}: expected the name of an environment variable (letters, digits and _; "
+                              f"\"\" for none), not the key itself: export KEY_VARIABLE=... and name it here")
+        return value
     if origin is list:
         (item_tp,) = typing.get_args(tp)
         if isinstance(value, str):

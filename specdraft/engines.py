@@ -15,7 +15,9 @@ import socket
 import subprocess
 import time
 from pathlib import Path
+from typing import Self
 
+from specdraft.data.client import REFUSED, Auth
 from specdraft.targets import resolve_device, resolve_dtype
 
 VLLM_PYTHON = Path(os.environ.get("SPECDRAFT_VLLM_PYTHON",
@@ -49,11 +51,16 @@ def serve_args(model: str | Path, *, max_model_len: int = 2048, dtype: str = "bf
 
 
 class VllmServer:
-    """`with VllmServer(model, speculative={...}) as s: httpx.get(s.url + "/metrics")`."""
+    """`with VllmServer(model, speculative={...}) as s: httpx.get(s.url + "/metrics")`.
+
+    `api_key`: the server is started with `--api-key` (it then refuses /v1 requests without
+    `Authorization: Bearer KEY`; vLLM redacts it in its own log) and polled with it until ready. The key is
+    not part of `args`, the arguments printed for users to run."""
 
     def __init__(self, model: str | Path, *, log_path: Path, speculative: dict | None = None,
                  max_model_len: int = 2048, dtype: str = "auto", extra: list[str] | None = None,
-                 python: Path = VLLM_PYTHON, port: int | None = None, env: dict | None = None):
+                 python: Path = VLLM_PYTHON, port: int | None = None, env: dict | None = None,
+                 api_key: str | None = None):
 
         self.model = str(model)
         # "auto": bfloat16 where the machine multiplies it in hardware, else float32 (on a CPU without
@@ -68,11 +75,13 @@ class VllmServer:
         self.process: subprocess.Popen | None = None
         self.ready_seconds: float | None = None
         self.env = dict(env or {})  # set in the server's environment, over ours
+        self.api_key = api_key
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
     def log_tail(self, chars: int = 3000) -> str:
         return self.log_path.read_text(errors="replace")[-chars:] if self.log_path.exists() else ""
 
-    def start(self) -> "VllmServer":
+    def start(self) -> Self:
         import httpx
 
         if not self.python.exists():
@@ -81,6 +90,8 @@ class VllmServer:
         model, *rest = self.args
         cmd = [str(self.python), "-m", "vllm.entrypoints.openai.api_server", "--model", model,
                "--host", "127.0.0.1", "--port", str(self.port), *rest]
+        if self.api_key:
+            cmd += ["--api-key", self.api_key]
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", str(CPU_KVCACHE_GIB)),
                **self.env}
         t0 = time.time()
@@ -92,7 +103,7 @@ class VllmServer:
             if self.process.poll() is not None:
                 raise ServerError(f"vLLM exited with {self.process.returncode}:\n{self.log_tail()}")
             try:
-                if httpx.get(f"{self.url}/v1/models", timeout=5).status_code == 200:
+                if httpx.get(f"{self.url}/v1/models", timeout=5, headers=self.headers).status_code == 200:
                     break
             except httpx.HTTPError:
                 pass
@@ -118,9 +129,9 @@ class VllmServer:
     def metrics_text(self) -> str:
         import httpx
 
-        return httpx.get(f"{self.url}/metrics", timeout=30).text
+        return httpx.get(f"{self.url}/metrics", timeout=30, headers=self.headers).text
 
-    def __enter__(self) -> "VllmServer":
+    def __enter__(self) -> Self:
         return self.start()
 
     def __exit__(self, *exc) -> None:
@@ -171,16 +182,23 @@ def acceptance(before: dict, after: dict) -> dict:
     }
 
 
-def served_model(url: str) -> str:
+def served_model(url: str, auth: Auth | None = None) -> str:
+    """The first model `url` serves; ServerRefused (one line) when it refuses `auth`'s key."""
     import httpx
 
-    return httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
+    auth = auth or Auth()
+    resp = httpx.get(f"{url}/v1/models", timeout=30, headers=auth.headers)
+    if resp.status_code in REFUSED:
+        raise auth.refused(url, resp.status_code)
+    if resp.status_code != 200:
+        raise ServerError(f"{url}/v1/models answered {resp.status_code}: {auth.scrub(resp.text[:300])}")
+    return resp.json()["data"][0]["id"]
 
 
-def metrics_text(url: str) -> str:
+def metrics_text(url: str, auth: Auth | None = None) -> str:
     import httpx
 
-    resp = httpx.get(f"{url}/metrics", timeout=30)
+    resp = httpx.get(f"{url}/metrics", timeout=30, headers=(auth or Auth()).headers)
     return resp.text if resp.status_code == 200 else ""
 
 
@@ -192,11 +210,11 @@ SETTLE_POLLS = 20
 SETTLE_POLL_S = 0.5
 
 
-def settled_metrics_text(url: str) -> str:
-    text = metrics_text(url)
+def settled_metrics_text(url: str, auth: Auth | None = None) -> str:
+    text = metrics_text(url, auth)
     for _ in range(SETTLE_POLLS):
         time.sleep(SETTLE_POLL_S)
-        again = metrics_text(url)
+        again = metrics_text(url, auth)
         if spec_lines(again) == spec_lines(text):
             return again
         text = again

@@ -16,6 +16,7 @@ each concurrency, acceptance per position, tau against K.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import statistics
 import time
@@ -23,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from specdraft import environment
+from specdraft.data.client import REFUSED, Auth, ServerRefused
 from specdraft.data.prompts import select_prompts
 from specdraft.engines import (
     VllmServer,
@@ -62,17 +64,21 @@ class RequestResult:
 
 
 async def one_request(client, url: str, model: str, messages: list[dict], max_tokens: int,
-                      temperature: float) -> RequestResult:
+                      temperature: float, auth: Auth | None = None) -> RequestResult:
     """One streaming chat completion: TTFT to the first content chunk, the gaps between chunks, and
     the engine's own count of completion tokens (a chunk may carry several tokens when drafts are
-    accepted, so chunks are not tokens)."""
+    accepted, so chunks are not tokens). A 401/403 raises ServerRefused: no retry can help."""
+    auth = auth or Auth()
     body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": temperature,
             "stream": True, "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
     arrivals, tokens = [], 0
     async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as resp:
+        if resp.status_code in REFUSED:
+            raise auth.refused(url, resp.status_code)
         if resp.status_code != 200:
-            return RequestResult(ok=False, error=f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}")
+            body = auth.scrub((await resp.aread())[:200].decode(errors="replace"))
+            return RequestResult(ok=False, error=f"HTTP {resp.status_code}: {body!r}")
         async for line in resp.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
@@ -88,36 +94,43 @@ async def one_request(client, url: str, model: str, messages: list[dict], max_to
     ttft = arrivals[0] - t0
     tpot = (arrivals[-1] - arrivals[0]) / (tokens - 1) if tokens > 1 else None
     return RequestResult(ok=True, tokens=tokens, ttft=ttft, tpot=tpot,
-                         itl=[b - a for a, b in zip(arrivals, arrivals[1:])])
+                         itl=[b - a for a, b in itertools.pairwise(arrivals)])
 
 
 async def _level(url: str, model: str, prompts: list[list[dict]], concurrency: int, num_requests: int,
-                 max_seconds: float, max_tokens: int, temperature: float) -> dict:
+                 max_seconds: float, max_tokens: int, temperature: float, auth: Auth | None = None) -> dict:
     import httpx
 
+    auth = auth or Auth()
     results: list[RequestResult] = []
     retries = 0
     next_prompt = 0
+    refused: list[ServerRefused] = []  # the first 401/403 stops every worker
     t0 = time.perf_counter()
 
     async def worker(client):
         nonlocal next_prompt, retries
-        while next_prompt < num_requests and time.perf_counter() - t0 < max_seconds:
+        while next_prompt < num_requests and time.perf_counter() - t0 < max_seconds and not refused:
             messages = prompts[next_prompt % len(prompts)]
             next_prompt += 1
             for attempt in range(RETRIES + 1):
                 try:
-                    r = await one_request(client, url, model, messages, max_tokens, temperature)
+                    r = await one_request(client, url, model, messages, max_tokens, temperature, auth)
                 except (httpx.HTTPError, json.JSONDecodeError) as e:
                     r = RequestResult(ok=False, error=f"{type(e).__name__}: {e}")
+                except ServerRefused as e:
+                    refused.append(e)
+                    return
                 if r.ok:
                     break
                 retries += attempt < RETRIES
             results.append(r)
 
     limits = httpx.Limits(max_connections=concurrency)
-    async with httpx.AsyncClient(timeout=REQUEST_TIMEOUT_S, limits=limits) as client:
+    async with httpx.AsyncClient(timeout=REQUEST_TIMEOUT_S, limits=limits, headers=auth.headers) as client:
         await asyncio.gather(*(worker(client) for _ in range(concurrency)))
+    if refused:
+        raise refused[0]
     seconds = time.perf_counter() - t0
     ok = [r for r in results if r.ok]
     tokens = sum(r.tokens for r in ok)
@@ -133,17 +146,19 @@ async def _level(url: str, model: str, prompts: list[list[dict]], concurrency: i
 
 
 def sweep(url: str, prompts: list[list[dict]], concurrencies: list[int], *, num_requests: int,
-          max_seconds: float, max_tokens: int, temperature: float = 0.0, model: str | None = None) -> list[dict]:
-    """One row per concurrency: latency and throughput figures, and acceptance from counter deltas."""
+          max_seconds: float, max_tokens: int, temperature: float = 0.0, model: str | None = None,
+          auth: Auth | None = None) -> list[dict]:
+    """One row per concurrency: latency and throughput figures, and acceptance from counter deltas.
+    `auth`: the key and headers every request carries (none by default)."""
     from tqdm import tqdm
 
-    model = model or served_model(url)
+    model = model or served_model(url, auth)
     rows = []
     for c in tqdm(concurrencies, desc="bench", unit="level"):
-        before = metrics_text(url)
+        before = metrics_text(url, auth)
         row = asyncio.run(_level(url, model, prompts, c, max(num_requests, c), max_seconds, max_tokens,
-                                 temperature))
-        after = settled_metrics_text(url)
+                                 temperature, auth))
+        after = settled_metrics_text(url, auth)
         counters = (spec_decode_counters(before), spec_decode_counters(after))
         row["acceptance"] = acceptance(*counters)
         row["generation_tokens_counted"] = counters[1]["generation_tokens"] - counters[0]["generation_tokens"]
@@ -264,10 +279,10 @@ def _ms(p: dict) -> str:
 
 def render_markdown(report: dict, plots: list[str]) -> str:
     lines = ["# Served benchmark", "", f"- hardware: {report['hardware']}",
-             f"- {report['requests_per_level']} requests or {report['max_seconds']} s per level, "
-             f"{report['max_tokens']} output tokens max, temperature {report['temperature']}", "",
-             "| configuration | concurrency | output tok/s | speedup | TTFT ms p50/p90/p99 | TPOT ms p50/p90/p99 "
-             "| ITL ms p50/p90/p99 | tau | per-position acceptance | failed |",
+             (f"- {report['requests_per_level']} requests or {report['max_seconds']} s per level, "
+              f"{report['max_tokens']} output tokens max, temperature {report['temperature']}"), "",
+             ("| configuration | concurrency | output tok/s | speedup | TTFT ms p50/p90/p99 | TPOT ms p50/p90/p99 "
+              "| ITL ms p50/p90/p99 | tau | per-position acceptance | failed |"),
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in report["configurations"]:
         for lv in r["levels"]:
@@ -316,8 +331,10 @@ def run_bench(args) -> int:
                   "temperature": args.temperature}
     out = Path(args.out) if args.out else folder.eval
     if args.endpoint:
+        # The served endpoint gets gen's key and headers (gen.api_key_env, gen.headers): the same servers.
+        auth = Auth.from_env(recipe.gen.api_key_env, recipe.gen.headers)
         results = [{"name": args.name, "speculative": None, "endpoint": args.endpoint,
-                    "levels": sweep(args.endpoint.rstrip("/"), messages, levels, **sweep_args)}]
+                    "levels": sweep(args.endpoint.rstrip("/"), messages, levels, auth=auth, **sweep_args)}]
     else:
         drafter = args.drafter or (folder.export("vllm") if (folder.export("vllm")).exists() else None)
         configs = configurations(args.compare.split(","), drafter)

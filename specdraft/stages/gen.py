@@ -14,8 +14,10 @@ Record (one JSON line per finished conversation; render reads it):
      "token_ids"}], "finish_reason", "prompt_tokens", "generator": {"kind", ...}}
 `token_ids` are the ids the target produced for that turn (reasoning included, eos included when it
 stopped; absent when a server gave none): re-tokenizing generated text changes the tokens of ~15 % of
-answers (FACTS.md), and render trains on these ids. Lines are appended and flushed one by one; a rerun
-skips the ids already written and drops a line torn by `kill -9`. Failures go to gen_errors.jsonl.
+answers (FACTS.md), and render trains on these ids. Lines are appended and flushed one by one (in-process,
+after every `generate` call, fsynced); a rerun skips the ids already written and drops a line torn by
+`kill -9`. Failures go to gen_errors.jsonl. A server that refuses the key (401/403; gen.api_key_env names
+the environment variable it is read from) stops the run at once.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from collections import Counter, deque
 from pathlib import Path
 
 from specdraft.config import ConfigError, GenConfig, Recipe, field_choices
-from specdraft.data.client import RequestFailed, ServerPool
+from specdraft.data.client import Auth, RequestFailed, ServerPool, ServerRefused
 from specdraft.data.prompts import select_prompts
 from specdraft.data.sources import DataError, prompts
 from specdraft.run import RunFolder, atomic_path
@@ -178,10 +180,12 @@ def _assistant_message(target: Target, ids: list[int], finish: str) -> dict:
             "token_ids": ids}
 
 
-def generate_rows(model, rows: list[list[int]], eos_id: int, pad_id: int, cfg, stats: Counter) -> list[tuple[list[int], str]]:
+def generate_rows(model, rows: list[list[int]], eos_id: int, pad_id: int, cfg, stats: Counter,
+                  on_call=None) -> list[tuple[list[int], str]]:
     """Every prompt answered, in the order given: sorted by length and cut into `generate` calls of at most
     cfg.batch_size rows and cfg.batch_tokens rows x (longest prompt + max_new_tokens); a call that runs out
-    of GPU memory is halved and retried (stats["oom_splits"]), down to one row."""
+    of GPU memory is halved and retried (stats["oom_splits"]), down to one row. After each call,
+    `on_call(indices, answers)` sees the rows it answered (indices into `rows`), so they can be saved."""
     import torch
 
     order = sorted(range(len(rows)), key=lambda i: len(rows[i]))
@@ -210,11 +214,13 @@ def generate_rows(model, rows: list[list[int]], eos_id: int, pad_id: int, cfg, s
         stats["generate_calls"] += 1
         for i, answer in zip(call, answers):
             results[i] = answer
+        if on_call is not None:
+            on_call(call, answers)
     return results
 
 
 def answer_turns(model, target: Target, convs: list[dict], cfg, max_length: int, bar=None,
-                 after_turn=None, stats: Counter | None = None) -> Counter:
+                 after_call=None, stats: Counter | None = None) -> Counter:
     """Answer each conversation's user turns in order, batched across conversations: the next turn of
     every conversation that still has one is answered together (generate_rows), its prompt the target's
     template over the conversation so far (its own earlier answers as text, as a server would be sent
@@ -222,9 +228,10 @@ def answer_turns(model, target: Target, convs: list[dict], cfg, max_length: int,
     plus an answer would pass `max_length` (render's cut: tokens beyond it never reach training).
 
     Appends each answer to conv["messages"]; a conversation resumes from conv["turn"] (user turns answered
-    so far) and conv["turn_prompt_ids"] when it has them. After each turn, `after_turn(finished,
-    unfinished)` sees the conversations that just ended and those still going. Returns `stats` (a new
-    Counter when none is given) with generated_tokens, generate_seconds, generate_calls and oom_splits added."""
+    so far) and conv["turn_prompt_ids"] when it has them. After each `generate` call, `after_call(finished,
+    moved_on)` sees the conversations that call ended and those it moved on to their next turn, so a caller
+    can save each as soon as its answer exists. Returns `stats` (a new Counter when none is given) with
+    generated_tokens, answers, generate_seconds, generate_calls and oom_splits added."""
     stats = Counter() if stats is None else stats
     for c in convs:
         c.setdefault("turn", 0)
@@ -232,29 +239,37 @@ def answer_turns(model, target: Target, convs: list[dict], cfg, max_length: int,
         c.setdefault("finish_reason", None)
     active = list(convs)
     while active:
-        t0 = time.time()
-        answers = generate_rows(model, [c["turn_prompt_ids"] for c in active], target.eos_token_id,
-                                target.tokenizer.pad_token_id, cfg, stats)
-        stats["generate_seconds"] += time.time() - t0
-        still, finished = [], []
-        for c, (ids, finish) in zip(active, answers):
-            c["messages"].append(_assistant_message(target, ids, finish))
-            c["finish_reason"] = finish
-            stats["generated_tokens"] += len(ids)
-            turn = c["turn"]
-            c["turn"] = turn + 1
-            if turn < len(c["later_users"]) and (not cfg.max_turns or turn + 1 < cfg.max_turns):
-                nxt = c["messages"] + [{"role": "user", "content": c["later_users"][turn]}]
-                ids_next = target.chat_ids([_as_history(m) for m in nxt], add_generation_prompt=True)
-                if len(ids_next) + cfg.max_new_tokens <= max_length:
-                    c["messages"], c["turn_prompt_ids"] = nxt, ids_next
-                    still.append(c)
-                    continue
-            finished.append(c)
-        if after_turn is not None:
-            after_turn(finished, still)
-        if bar is not None:
-            bar.update(len(finished))
+        still: list[dict] = []
+        clock = [time.time()]  # generate's own time, without the saving in between
+
+        def settle(call: list[int], answers: list, active=active, still=still, clock=clock) -> None:
+            stats["generate_seconds"] += time.time() - clock[0]
+            finished, moved = [], []
+            for i, (ids, finish) in zip(call, answers):
+                c = active[i]
+                c["messages"].append(_assistant_message(target, ids, finish))
+                c["finish_reason"] = finish
+                stats["generated_tokens"] += len(ids)
+                stats["answers"] += 1
+                turn = c["turn"]
+                c["turn"] = turn + 1
+                if turn < len(c["later_users"]) and (not cfg.max_turns or turn + 1 < cfg.max_turns):
+                    nxt = c["messages"] + [{"role": "user", "content": c["later_users"][turn]}]
+                    ids_next = target.chat_ids([_as_history(m) for m in nxt], add_generation_prompt=True)
+                    if len(ids_next) + cfg.max_new_tokens <= max_length:
+                        c["messages"], c["turn_prompt_ids"] = nxt, ids_next
+                        moved.append(c)
+                        continue
+                finished.append(c)
+            still.extend(moved)
+            if after_call is not None:
+                after_call(finished, moved)
+            if bar is not None:
+                bar.update(len(finished))
+            clock[0] = time.time()
+
+        generate_rows(model, [c["turn_prompt_ids"] for c in active], target.eos_token_id,
+                      target.tokenizer.pad_token_id, cfg, stats, on_call=settle)
         active = still
     return stats
 
@@ -296,8 +311,23 @@ def write_user_turns(model, target: Target, cfg, rows: int, system: list[dict], 
     return convs
 
 
-# Conversations of an in-process group not yet finished, as they stood after their last answered turn.
+# Conversations an in-process run has answered at least once but not finished, each line one as it stood
+# after an answer (the last line of an id is how it stands): gen_in_flight.jsonl.
 _IN_FLIGHT_FIELDS = ("id", "messages", "prompt_ids", "later_users", "turn", "turn_prompt_ids", "finish_reason")
+
+
+def _in_flight(path: Path, done: set[str]) -> list[dict]:
+    """The conversations a cut in-process run left unfinished, each as the last line it has in the in-flight
+    log stands (those since saved in `done` dropped); the log is rewritten to hold just these."""
+    if not path.exists():
+        return []
+    latest: dict[str, dict] = {}
+    for state in _records(path):
+        if state["id"] not in done:
+            latest[state["id"]] = state
+    with atomic_path(path) as tmp:
+        tmp.write_text("".join(json.dumps(c, ensure_ascii=False) + "\n" for c in latest.values()), encoding="utf-8")
+    return list(latest.values())
 
 
 def run_inprocess(recipe: Recipe, folder: RunFolder) -> dict:
@@ -310,7 +340,7 @@ def run_inprocess(recipe: Recipe, folder: RunFolder) -> dict:
     done = finished_ids(folder.conversations)
     # A cut run's unfinished conversations go on from the turn they reached.
     flight_path = folder.gen_in_flight
-    resumed = [c for c in _records(flight_path) if c["id"] not in done] if flight_path.exists() else []
+    resumed = _in_flight(flight_path, done)
     claimed = done | {c["id"] for c in resumed}
     fresh, wanted, counts = _inprocess_prompts(recipe, target, done, resumed)
     pending = resumed + fresh
@@ -324,8 +354,9 @@ def run_inprocess(recipe: Recipe, folder: RunFolder) -> dict:
         torch.manual_seed(cfg.seed)
         bar = tqdm(total=len(pending) + wanted, desc="gen", unit="conv")
         group = cfg.group_size or max(1, len(pending))
-        with open(folder.conversations, "a", encoding="utf-8") as out:
-            save = _TurnSaver(out, flight_path, generator, target.eos_token_id, bar, stats)
+        with open(folder.conversations, "a", encoding="utf-8") as out, \
+                open(flight_path, "a", encoding="utf-8") as flight:
+            save = _CallSaver(out, flight, generator, target.eos_token_id, bar, stats)
             for start in range(0, len(pending), group):
                 answer_turns(model, target, pending[start:start + group], cfg, recipe.render.max_length, bar,
                              save, stats)
@@ -364,17 +395,18 @@ def _inprocess_sampling(cfg, dtype: str) -> dict:
     return sampling
 
 
-class _TurnSaver:
-    """answer_turns' `after_turn` for a gen run: appends the conversations that ended to `out`, then
-    rewrites the in-flight file with the rest as they stand, so a cut run redoes at most one turn and a
-    saved conversation is always whole. Counts the saved turns (stats["turns"]) and those that ended with
-    the end-of-sequence token (stats["finished_with_eos"])."""
+class _CallSaver:
+    """answer_turns' `after_call` for a gen run, after every `generate` call: appends the conversations it
+    ended to `out` (the conversations file), then the ones it moved on to their next turn, as they now
+    stand, to `flight` (the in-flight log), each flushed and fsynced. A kill loses at most the call in
+    flight, and a saved conversation is always whole. Counts the saved turns (stats["turns"]) and those
+    that ended with the end-of-sequence token (stats["finished_with_eos"])."""
 
-    def __init__(self, out, flight_path: Path, generator: dict, eos_id: int, bar, stats: Counter):
-        self.out, self.flight_path, self.generator = out, flight_path, generator
+    def __init__(self, out, flight, generator: dict, eos_id: int, bar, stats: Counter):
+        self.out, self.flight, self.generator = out, flight, generator
         self.eos_id, self.bar, self.stats = eos_id, bar, stats
 
-    def __call__(self, finished: list[dict], unfinished: list[dict]) -> None:
+    def __call__(self, finished: list[dict], moved: list[dict]) -> None:
         for conv in finished:
             answers = [m for m in conv["messages"] if m["role"] == "assistant"]
             record = {
@@ -388,18 +420,21 @@ class _TurnSaver:
             self.out.write(json.dumps(record, ensure_ascii=False) + "\n")
             self.stats["turns"] += len(answers)
             self.stats["finished_with_eos"] += sum(m["token_ids"][-1:] == [self.eos_id] for m in answers)
-        self.out.flush()
-        os.fsync(self.out.fileno())
-        with atomic_path(self.flight_path) as tmp:
-            tmp.write_text("".join(json.dumps({k: c[k] for k in _IN_FLIGHT_FIELDS}, ensure_ascii=False) + "\n"
-                                   for c in unfinished), encoding="utf-8")
+        if finished:
+            self.out.flush()
+            os.fsync(self.out.fileno())
+        if moved:
+            self.flight.write("".join(json.dumps({k: c[k] for k in _IN_FLIGHT_FIELDS}, ensure_ascii=False) + "\n"
+                                      for c in moved))
+            self.flight.flush()
+            os.fsync(self.flight.fileno())
         stats = self.stats
         self.bar.set_postfix(tok_s=f"{stats['generated_tokens'] / max(stats['generate_seconds'], 1e-9):.0f}",
-                             in_flight=len(unfinished))
+                             answers=stats["answers"])
 
 
 def _self_instruct_inprocess(model, target: Target, recipe: Recipe, wanted: int, claimed: set[str],
-                             pending: list[dict], save: _TurnSaver) -> int:
+                             pending: list[dict], save: _CallSaver) -> int:
     """Self-instruct in-process: write user turns and answer the new ones (appended to `pending`) until
     `wanted` are saved or the attempts (SELF_INSTRUCT_ATTEMPTS_PER_SAMPLE per wanted conversation) run
     out; returns how many are still wanted."""
@@ -530,6 +565,8 @@ class ServerGen:
         self.recent_empty: deque[bool] = deque(maxlen=self.cfg.empty_reasoning_window)
         self.tokens = 0
         self.model = self.cfg.model
+        # Read from the environment now; the recipe and the manifest hold only the variable's name.
+        self.auth = Auth.from_env(self.cfg.api_key_env, self.cfg.headers)
 
     def sampling(self) -> dict:
         """What every chat request asks for besides the messages (stored in the manifest and each record)."""
@@ -607,6 +644,8 @@ class ServerGen:
             return "ok", await self._conversation(pool, item), item
         except RequestFailed as e:
             return "error", e, item
+        except ServerRefused as e:
+            return "refused", e, item
 
     def _failure_check(self, target_n: int) -> str | None:
         """Why the run must stop now, or None."""
@@ -646,31 +685,37 @@ class ServerGen:
         bar = tqdm(total=target_n, initial=saved, desc="gen", unit="conv", dynamic_ncols=True)
         async with ServerPool(cfg.endpoints, concurrency=cfg.concurrency, timeout_s=cfg.timeout_s,
                               max_retries=cfg.max_retries, backoff_s=cfg.backoff_s,
-                              backoff_max_s=cfg.backoff_max_s, seed=cfg.seed) as pool:
+                              backoff_max_s=cfg.backoff_max_s, seed=cfg.seed, auth=self.auth) as pool:
             if not self.model:
                 listed = await pool.get("/v1/models")
                 self.model = listed["data"][0]["id"]
             in_flight: set[asyncio.Task] = set()
             with self._appending() as (out, err):
-                while saved < target_n and stop is None:
-                    # Never more in flight than slots, nor than conversations still wanted: the count is exact.
-                    while len(in_flight) < min(pool.slots, target_n - saved) and (
-                            item := next(items, None)) is not None:
-                        in_flight.add(asyncio.create_task(self._task(pool, item, prefix, claimed)))
-                    if not in_flight:
-                        stop = self._ran_out(saved, target_n, self_instruct)
-                        break
-                    finished, in_flight = await asyncio.wait(in_flight, return_when=asyncio.FIRST_COMPLETED)
-                    for task in finished:
-                        if self._keep(*task.result(), out, err):
-                            saved += 1
-                            bar.update(1)
-                    stop = stop or self._failure_check(target_n)
-                    self._show(bar, pool, time.time() - t0)
-                for task in in_flight:
-                    task.cancel()
-                await asyncio.gather(*in_flight, return_exceptions=True)
-                os.fsync(out.fileno())
+                try:
+                    while saved < target_n and stop is None:
+                        # Never more in flight than slots, nor than conversations still wanted: the count is exact.
+                        while len(in_flight) < min(pool.slots, target_n - saved) and (
+                                item := next(items, None)) is not None:
+                            in_flight.add(asyncio.create_task(self._task(pool, item, prefix, claimed)))
+                        if not in_flight:
+                            stop = self._ran_out(saved, target_n, self_instruct)
+                            break
+                        finished, in_flight = await asyncio.wait(in_flight, return_when=asyncio.FIRST_COMPLETED)
+                        for task in finished:
+                            kind, value, item = task.result()
+                            if kind == "refused":  # 401/403: no request can succeed with this key
+                                raise value
+                            if self._keep(kind, value, item, out, err):
+                                saved += 1
+                                bar.update(1)
+                        stop = stop or self._failure_check(target_n)
+                        self._show(bar, pool, time.time() - t0)
+                finally:
+                    for task in in_flight:
+                        task.cancel()
+                    await asyncio.gather(*in_flight, return_exceptions=True)
+                    out.flush()
+                    os.fsync(out.fileno())
         bar.close()
         self.counts["saved_this_run"] = saved - len(done)
         self.counts["requests"] = pool.requests
@@ -730,6 +775,9 @@ class ServerGen:
         """What the run asked the servers for, as the manifest records it."""
         cfg = self.cfg
         return {"endpoints": cfg.endpoints, "model": self.model, "sampling": self.sampling(),
+                # the key's variable and the headers' names; never their values
+                "auth": {"api_key_env": cfg.api_key_env, "key_sent": self.auth.key_set,
+                         "headers": sorted(k for k in self.auth.headers if k != "Authorization")},
                 "system_prompt": cfg.system_prompt, "self_instruct": cfg.self_instruct,
                 "self_instruct_samples": cfg.self_instruct_samples,
                 "expect_reasoning": self.expect_reasoning, "thinking_markers": self.markers}

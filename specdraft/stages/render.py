@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from specdraft.config import Recipe
+from specdraft.data.client import REFUSED, Auth
 from specdraft.data.sources import DataError, read_jsonl
 from specdraft.run import RunFolder, atomic_path, write_json
 from specdraft.targets import Target, tokenizer_thinking_markers
@@ -298,17 +299,21 @@ def render_conversation(template: ChatTemplate, record: dict, max_length: int) -
     return out
 
 
-def verify_client():
+def verify_client(auth: Auth | None = None):
+    """The client of render.verify_endpoint, carrying gen's key and headers (`auth`) on every request."""
     import httpx
 
-    return httpx.Client(timeout=VERIFY_TIMEOUT_S, transport=httpx.HTTPTransport(retries=VERIFY_CONNECT_RETRIES))
+    return httpx.Client(timeout=VERIFY_TIMEOUT_S, transport=httpx.HTTPTransport(retries=VERIFY_CONNECT_RETRIES),
+                        headers=(auth or Auth()).headers)
 
 
 def verify_with_server(template: ChatTemplate, record: dict, url: str, model: str | None = None,
-                       client=None) -> list[Mismatch]:
+                       client=None, auth: Auth | None = None) -> list[Mismatch]:
     """Compare each assistant turn's generation prompt with the server's own tokenization of it
-    (vLLM's `/tokenize` with `messages`; it passes an assistant message's `reasoning` to the template)."""
-    client = client or verify_client()
+    (vLLM's `/tokenize` with `messages`; it passes an assistant message's `reasoning` to the template).
+    `auth` is what `client` sends (it makes the client when none is given); a 401/403 raises ServerRefused."""
+    auth = auth or Auth()
+    client = client or verify_client(auth)
     messages = record["messages"]
     found = []
     for i, m in enumerate(messages):
@@ -323,8 +328,10 @@ def verify_with_server(template: ChatTemplate, record: dict, url: str, model: st
         if template.template_kwargs:
             body["chat_template_kwargs"] = template.template_kwargs
         response = client.post(url.rstrip("/") + "/tokenize", json=body)
+        if response.status_code in REFUSED:
+            raise auth.refused(f"{url.rstrip('/')}/tokenize", response.status_code)
         if response.status_code != 200:
-            raise RenderError(f"{url}/tokenize answered {response.status_code}: {response.text[:300]}")
+            raise RenderError(f"{url}/tokenize answered {response.status_code}: {auth.scrub(response.text[:300])}")
         theirs = response.json()["tokens"]
         ours = template.prompt_ids(messages[:i])
         pos = first_difference(ours, theirs)
@@ -423,7 +430,8 @@ class Packed:
         return index
 
 
-def render_record(template: ChatTemplate, record: dict, cfg, tally: Tally, client, src: Path) -> Rendered | None:
+def render_record(template: ChatTemplate, record: dict, cfg, tally: Tally, client, src: Path,
+                  auth: Auth | None = None) -> Rendered | None:
     """One conversation of the conversations file `src` rendered, checked against `client`'s server when
     there is one, and tallied; None when a template mismatch without the target's ids skips it."""
     tally.counts["conversations"] += 1
@@ -438,7 +446,7 @@ def render_record(template: ChatTemplate, record: dict, cfg, tally: Tally, clien
         raise RenderError(f"{src}: {e}") from None
     tally.rendered(r)
     if client is not None:
-        found = verify_with_server(template, record, cfg.verify_endpoint, client=client)
+        found = verify_with_server(template, record, cfg.verify_endpoint, client=client, auth=auth)
         tally.counts["vllm_checked"] += r.turns
         tally.counts["vllm_mismatches"] += len(found)
         tally.keep(found)
@@ -456,9 +464,11 @@ def run(recipe: Recipe, folder: RunFolder) -> dict:
     src = folder.conversations
     tally, packed = Tally(), Packed()
     counts, examples = tally.counts, tally.examples
-    client = verify_client() if cfg.verify_endpoint else None
+    # The server gen asked, or one like it: gen's key and headers (gen.api_key_env, gen.headers).
+    auth = Auth.from_env(recipe.gen.api_key_env, recipe.gen.headers) if cfg.verify_endpoint else None
+    client = verify_client(auth) if cfg.verify_endpoint else None
     for record in tqdm(read_jsonl(src), desc="render", unit="conv"):
-        r = render_record(template, record, cfg, tally, client, src)
+        r = render_record(template, record, cfg, tally, client, src, auth)
         if r is not None:
             counts["skipped_no_answer"] += packed.add(record["id"], r.samples)
     if not packed.names:
