@@ -517,6 +517,14 @@ def get_attr(obj, dotted: str):
     return obj
 
 
+def cache_argument(decoder) -> str:
+    """The name the decoder's forward takes its KV cache by: `cache` from transformers 5.25 on, where
+    `past_key_values` still works but warns it goes in 5.40; `past_key_values` before."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(decoder.forward).parameters else "past_key_values"
+
+
 @contextlib.contextmanager
 def tap_hidden_states(model, family: Family, layer_ids: list[int]):
     """Capture the aux layers' residual stream and the final-norm output during a forward.

@@ -111,7 +111,8 @@ def full_size(tmp_path_factory) -> dict[str, Target]:
 
 def test_full_size_configs_describe_the_published_models(full_size):
     kimi = full_size["kimi-k2.5"].architecture()
-    assert kimi["multimodal_wrapper"] and kimi["text_model_type"] == "deepseek_v3"
+    # Its language model is DeepSeek-V3's architecture; transformers 5.19 names it kimi_k2, 5.25 deepseek_v3.
+    assert kimi["multimodal_wrapper"] and kimi["text_model_type"] in ("deepseek_v3", "kimi_k2")
     assert (kimi["layers"], kimi["hidden_size"], kimi["vocab_size"]) == (61, 7168, 163840)
     assert kimi["experts"] == {"routed": 384, "shared": 1, "top_k": 8, "intermediate_size": 2048, "dense_layers": 1}
     assert kimi["attention"] == "mla" and kimi["mla"]["kv_lora_rank"] == 512 and kimi["mla"]["q_lora_rank"] == 1536

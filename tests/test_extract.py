@@ -24,7 +24,7 @@ from specdraft.stages import extract as ex
 from specdraft.hidden.store import (FP8_E4M3_MAX, INDEX, HiddenStore, bytes_per_token, dequantize_fp8,
                                     quantize_fp8)
 from specdraft.run import RunFolder
-from specdraft.targets import resolve_dtype
+from states import Reference, rel
 
 pytestmark = pytest.mark.slow
 
@@ -134,14 +134,12 @@ def test_index_ties_samples_layers_and_target(bf16_run, target):
 
 def test_stored_states_are_vllms_layers_and_the_final_norm(bf16_run, target):
     """Aux id k = transformers' output_hidden_states[k] (vLLM's convention); last = final-norm output."""
-    model = target.load_model(resolve_dtype("auto", "cpu"))  # as the stages compute here
     store = HiddenStore(bf16_run.hidden)
     item = store[3]
-    with torch.inference_mode():
-        out = model.model(input_ids=item["input_ids"].long()[None], output_hidden_states=True)
-    expected_aux = torch.cat([out.hidden_states[k][0] for k in (2, 15, 27)], dim=-1)
-    torch.testing.assert_close(item["aux"].float(), expected_aux.float(), atol=0.05, rtol=0.02)
-    torch.testing.assert_close(item["last"].float(), out.last_hidden_state[0].float(), atol=0.05, rtol=0.02)
+    ref = Reference(target, item["input_ids"])
+    for j, k in enumerate((2, 15, 27)):
+        ref.assert_layer(item["aux"][:, j * 576:(j + 1) * 576], k)
+    ref.assert_layer(item["last"], -1)
 
 
 def test_fp8_round_trip_error_bound(bf16_run):
@@ -264,10 +262,10 @@ def test_reader_random_access_prefetch_and_dataloader_workers(bf16_run):
         store[len(store)]
 
 
-def test_online_gives_the_disk_tensors(bf16_run):
+def test_online_gives_the_disk_tensors(bf16_run, target):
     """OnlineHidden runs the target on access. With extract's own batches it gives the stored tensors
-    exactly; with other batches the padded width changes bf16 rounding only (measured: most samples
-    identical, the worst 0.36 % relative error on `last`, 0.05 % on `aux`)."""
+    exactly; with other batches the padded width changes the compute's rounding only: the two stay
+    within the target's own compute noise of each other (tests/states.py; ~2 % on `last` in bf16)."""
     from specdraft.hidden.online import OnlineHidden, open_hidden
     from specdraft.hidden.store import token_batches
 
@@ -282,6 +280,7 @@ def test_online_gives_the_disk_tensors(bf16_run):
     shards = ex.plan_shards(disk.lengths, index["disk_bytes_per_token"], SHARD_BYTES)
     same = [b for m in shards for b in token_batches(m, disk.lengths, recipe.extract.batch_tokens)]
     other = [[0, 6, 11], [1, 2, 3, 4, 5], [7, 8, 9, 10]]
+    models: dict = {}
     for batches, exact in ((same, True), (other, False)):
         for batch, items in zip(batches, online.loader(batches)):
             for i, item in zip(batch, items):
@@ -293,12 +292,14 @@ def test_online_gives_the_disk_tensors(bf16_run):
                     assert x.dtype == y.dtype == torch.bfloat16 and x.shape == y.shape
                     if exact:
                         assert torch.equal(x, y), (i, name)
-                    else:
-                        rel = ((x.float() - y.float()).norm() / y.float().norm()).item()
-                        assert rel < 0.01, (i, name, rel)  # bf16's unit roundoff is 0.4 %
+                if not exact and i in (0, 7):
+                    noise = Reference(target, ref["input_ids"], models)
+                    assert rel(item["aux"], ref["aux"]) < 2 * noise.tolerance(27), (i, "aux")
+                    assert rel(item["last"], ref["last"]) < 2 * noise.tolerance(-1), (i, "last")
     for i in (0, len(disk) - 1):  # the last layer alone (the target's top tokens), the sample run by itself
-        alone, ref = online.last(i).float(), disk[i]["last"].float()
-        assert alone.shape == ref.shape and ((alone - ref).norm() / ref.norm()).item() < 0.01
+        alone, ref = online.last(i), disk[i]["last"]
+        noise = Reference(target, disk[i]["input_ids"], models)
+        assert alone.shape == ref.shape and rel(alone, ref) < 2 * noise.tolerance(-1)
     with pytest.raises(ValueError, match="num_workers"):
         online.loader(other, num_workers=2)
 

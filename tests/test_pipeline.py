@@ -10,6 +10,7 @@ import torch
 from specdraft.cli import main
 from specdraft.targets import resolve_dtype
 from specdraft.run import RunFolder
+from states import Reference
 
 pytestmark = pytest.mark.slow
 
@@ -73,24 +74,15 @@ def test_hidden_states_match_the_targets_own_layers(tiny_run, target):
     store = HiddenStore(RunFolder(tiny_run).hidden)
     assert store.aux_layer_ids == [2, 15, 27]
     sample = store[0]
-    model = target.load_model(resolve_dtype("auto", "cpu"))  # as the stages compute here
-    with torch.inference_mode():
-        out = model(input_ids=sample["input_ids"].long()[None], output_hidden_states=True)
-    # Rounded as the store rounds them (bf16): computed in float32 (CPUs without bf16), storage alone
-    # would otherwise put the stored states 0.25 % away, as far as layer 2 is from layer 1 / 5.
-    hs = [h[0].to(torch.bfloat16).float() for h in out.hidden_states]
-
-    def rel(a, b):
-        return ((a.float() - b).norm() / b.norm()).item()
-
-    H = 576
+    models: dict = {}
+    ref = Reference(target, sample["input_ids"], models)
     for j, k in enumerate((2, 15, 27)):
-        stored = sample["aux"][:, j * H:(j + 1) * H]
-        # Batched with padding in bf16, so not bit-identical; but far closer than a neighbouring layer.
-        assert rel(stored, hs[k]) < 1e-2
-        assert rel(stored, hs[k]) < rel(stored, hs[k + 1]) / 5 and rel(stored, hs[k]) < rel(stored, hs[k - 1]) / 5
+        ref.assert_layer(sample["aux"][:, j * 576:(j + 1) * 576], k)
     # transformers' last hidden state is already the final-norm output (docs/engine-facts.md), as `last` is.
-    assert rel(sample["last"], hs[-1]) < 1e-2
+    ref.assert_layer(sample["last"], -1)
+    model = models[resolve_dtype("auto", "cpu")]
+    with torch.inference_mode():
+        out = model(input_ids=sample["input_ids"].long()[None])
     logits = model.lm_head(sample["last"].to(model.lm_head.weight.dtype))
     assert (logits.argmax(-1) == out.logits[0].argmax(-1)).float().mean() > 0.95
 

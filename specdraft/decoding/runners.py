@@ -12,7 +12,7 @@ import torch
 
 from specdraft.decoding.static import StaticTargetRunner
 from specdraft.decoding.tree import TreeShape, grow_tree
-from specdraft.targets import Target, get_attr, tap_hidden_states
+from specdraft.targets import Target, cache_argument, get_attr, tap_hidden_states
 
 ENGINES = ("auto", "eager", "static", "cuda-graphs")
 
@@ -32,6 +32,7 @@ class TargetRunner:
     def __init__(self, target: Target, model):
         self.target, self.model = target, model
         self.base = get_attr(model, target.family.decoder)
+        self.cache_name = cache_argument(self.base)
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.cache = None
@@ -69,7 +70,7 @@ class TargetRunner:
             mask = mask.masked_fill(~allowed, torch.finfo(self.dtype).min)[None, None]  # [1, 1, n, past+n]
             kwargs = {"attention_mask": mask, "position_ids": torch.tensor([positions], device=self.device)}
         with tap_hidden_states(self.model, self.target.family, self.target.aux_layer_ids) as cap:
-            out = self.base(input_ids=x, past_key_values=self.cache, use_cache=True, **kwargs)
+            out = self.base(input_ids=x, use_cache=True, **{self.cache_name: self.cache}, **kwargs)
         logits = self.model.lm_head(out.last_hidden_state)[0].float()
         aux = torch.cat([cap[k] for k in self.target.aux_layer_ids], dim=-1)[0]
         return logits, aux

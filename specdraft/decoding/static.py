@@ -29,7 +29,7 @@ from collections.abc import Callable
 import torch
 
 from specdraft.decoding.tree import grow_tree
-from specdraft.targets import Target, get_attr, tap_hidden_states
+from specdraft.targets import Target, cache_argument, get_attr, tap_hidden_states
 
 # Eager calls on a side stream before a capture: the first call picks kernels and allocates library
 # workspaces (cuBLAS), which must not happen inside the capture (PyTorch's CUDA graph notes use 3).
@@ -125,6 +125,7 @@ class StaticTargetRunner:
     def __init__(self, target: Target, model, graphs: bool):
         self.target, self.model = target, model
         self.base = get_attr(model, target.family.decoder)
+        self.cache_name = cache_argument(self.base)
         self.layers = len(get_attr(model, target.family.layers))
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
@@ -193,7 +194,7 @@ class StaticTargetRunner:
         mask = mask.masked_fill(~seen, torch.finfo(self.dtype).min)[None, None]  # [1, 1, n, C]
         with tap_hidden_states(self.model, self.target.family, self.target.aux_layer_ids) as cap:
             out = self.base(input_ids=ids, position_ids=positions, attention_mask=mask,
-                            past_key_values=self.cache, use_cache=True)
+                            use_cache=True, **{self.cache_name: self.cache})
         logits = self.model.lm_head(out.last_hidden_state)[0].float()  # [n, V]
         aux = torch.cat([cap[k] for k in self.target.aux_layer_ids], dim=-1)[0]  # [n, n_aux*H]
         return logits, aux
