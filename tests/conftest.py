@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -45,14 +46,31 @@ def _quiet_tqdm(monkeypatch):
     yield
 
 
+def need_vllm() -> None:
+    """Skip a test that needs the vLLM venv where there is none; where SPECDRAFT_REQUIRE_VLLM=1 (CI sets
+    it) a missing venv fails the test instead, so a broken vLLM install cannot pass as a skip."""
+    from specdraft.engines import VLLM_PYTHON, vllm_available
+
+    if vllm_available():
+        return
+    why = f"no vLLM venv at {VLLM_PYTHON} (bash scripts/install_vllm.sh)"
+    if os.environ.get("SPECDRAFT_REQUIRE_VLLM") == "1":
+        pytest.fail(f"{why}, and SPECDRAFT_REQUIRE_VLLM=1", pytrace=False)
+    pytest.skip(why)
+
+
+def pytest_runtest_setup(item):
+    if item.get_closest_marker("vllm"):
+        need_vllm()
+
+
 @pytest.fixture(scope="session")
 def vllm_target(target, tmp_path_factory):
     """A real vLLM server (CPU build) serving the bundled SmolLM2, shared by every test of the session
     that needs a plain target endpoint (~150 s to start; stopped by PID at the end)."""
-    from specdraft.engines import VLLM_PYTHON, VllmServer, vllm_available
+    from specdraft.engines import VllmServer
 
-    if not vllm_available():
-        pytest.skip(f"no vLLM venv at {VLLM_PYTHON} (bash scripts/install_vllm.sh)")
+    need_vllm()
     with VllmServer(target.path, log_path=tmp_path_factory.mktemp("vllm-target") / "vllm.log") as server:
         yield server
 
@@ -95,15 +113,29 @@ batch_tokens = 4096
 MEMORISED_NORMS_RECIPE = MEMORISED_RECIPE + "fc_norm = true\nnorm_output = true\n"
 
 
+# Stages that read a trained drafter but do not shape it: a change to them keeps the cached run.
+_NOT_TRAINING = {"export", "import_drafter", "eval", "bench", "doctor", "plan", "status"}
+
+
 def _trainer_source_hash(recipe: str) -> str:
-    """A hash of the code that produces a trained drafter (everything but export, eval and the CLI's
-    other commands) and of the recipe: the cache key of a memorised run."""
+    """The cache key of a memorised run: the recipe, the code that produces a trained drafter (every
+    module but the stages that only read one), the torch and transformers versions and the target's
+    weights (its GGUF and fingerprint), any of which changes the trained drafter."""
     import hashlib
+
+    import torch
+    import transformers
+
+    from specdraft.targets import Target
 
     root = Path(__file__).resolve().parents[1] / "specdraft"
     h = hashlib.sha256(recipe.encode())
+    h.update(f"torch {torch.__version__} transformers {transformers.__version__}".encode())
+    target = Target("smollm2")  # its cached folder is named after the GGUF it was converted from
+    h.update(f"{target.path.name} {sorted(target.fingerprint().items())}".encode())
     for path in sorted(root.rglob("*.py")):
-        if path.relative_to(root).parts[0] not in ("export", "evaluate"):
+        rel = path.relative_to(root)
+        if not (rel.parts[0] == "stages" and path.stem in _NOT_TRAINING):
             h.update(path.read_bytes())
     return h.hexdigest()[:16]
 

@@ -15,10 +15,8 @@ import pytest
 
 from specdraft.cli import main
 from specdraft.stages import bench
-from specdraft.engines import VLLM_PYTHON, vllm_available
 
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(
-    not vllm_available(), reason=f"no vLLM venv at {VLLM_PYTHON} (bash scripts/install_vllm.sh)")]
+pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
 LEVELS = [1, 2]
 REQUESTS = 3

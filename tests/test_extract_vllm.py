@@ -12,15 +12,12 @@ import torch
 from specdraft.stages import extract as ex
 from specdraft.hidden.store import HiddenStore
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
 
 def test_vllm_backend_gives_the_transformers_tensors(bf16_run, target, tmp_path):
-    from specdraft.engines import vllm_available
     from test_extract import _copy_run, _recipe
 
-    if not vllm_available():
-        pytest.skip("no vLLM venv (bash scripts/install_vllm.sh)")
     recipe = _recipe(backend="vllm")
     run = _copy_run(bf16_run, tmp_path / "run", recipe)
     entry = ex.run(recipe, run)

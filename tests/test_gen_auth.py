@@ -58,10 +58,10 @@ class KeyCheckingProxy(FaultProxy):
 
 @pytest.fixture(scope="module")
 def keyed_vllm(target, tmp_path_factory):
-    from specdraft.engines import VLLM_PYTHON, VllmServer, vllm_available
+    from conftest import need_vllm
+    from specdraft.engines import VllmServer
 
-    if not vllm_available():
-        pytest.skip(f"no vLLM venv at {VLLM_PYTHON} (bash scripts/install_vllm.sh)")
+    need_vllm()
     # The server's log stays outside every run folder (vLLM redacts the key there anyway).
     with VllmServer(target.path, log_path=tmp_path_factory.mktemp("vllm-keyed") / "vllm.log", api_key=KEY) as server:
         yield server

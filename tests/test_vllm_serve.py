@@ -16,10 +16,9 @@ import pytest
 import torch
 
 from specdraft.stages.bench import acceptance, spec_decode_counters
-from specdraft.engines import VLLM_PYTHON, VllmServer, vllm_available
+from specdraft.engines import VllmServer
 
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(
-    not vllm_available(), reason=f"no vLLM venv at {VLLM_PYTHON} (bash scripts/install_vllm.sh)")]
+pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
 def serve_and_measure(target, drafter: Path, messages: list[list[dict]], log_path: Path) -> tuple[dict, list[str]]:
     """Serve `drafter` with vLLM, answer each conversation greedily, return (acceptance, answers)."""
