@@ -31,8 +31,45 @@ def _flag_help(tp) -> str:
     return name
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's own errors as specdraft's one error line (after the usage), exit code 2."""
+
+    def error(self, message):
+        self.print_usage(sys.stderr)
+        command = self.prog.removeprefix("specdraft").strip()
+        self.exit(2, f"specdraft: error: {command + ': ' if command else ''}{message}\n")
+
+
+def _positive(kind):
+    """An argparse type: a number of `kind` above zero."""
+    def parse(text: str):
+        value = kind(text)
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"must be above 0, got {text}")
+        return value
+    parse.__name__ = kind.__name__  # argparse names the type in "invalid int value"
+    return parse
+
+
+def _levels(text: str) -> list[int]:
+    """Comma-separated concurrency levels, each above zero."""
+    try:
+        levels = [int(c) for c in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not comma-separated whole numbers: {text!r}") from None
+    if min(levels) <= 0:
+        raise argparse.ArgumentTypeError(f"levels must be above 0: {text!r}")
+    return levels
+
+
+def _url(text: str) -> str:
+    if not text.startswith(("http://", "https://")):
+        raise argparse.ArgumentTypeError(f"not an http:// or https:// URL: {text!r}")
+    return text
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="specdraft", description="Train and prove EAGLE-3 drafters.")
+    parser = _Parser(prog="specdraft", description="Train and prove EAGLE-3 drafters.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     def common(p):
@@ -73,9 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                    help="override any recipe field; repeatable")
     p.add_argument("--target", help="the target's config.json, or a folder with one (default: the recipe's)")
-    p.add_argument("--tokens-per-sample", type=int, help="assumed tokens per sample when none are rendered yet")
-    p.add_argument("--gpus", type=int, help="GPUs to plan for (default: those of this machine)")
-    p.add_argument("--gpu-memory-gib", type=float, help="memory per GPU to plan for (default: this machine's)")
+    p.add_argument("--tokens-per-sample", type=_positive(int), help="assumed tokens per sample when none are rendered yet")
+    p.add_argument("--gpus", type=_positive(int), help="GPUs to plan for (default: those of this machine)")
+    p.add_argument("--gpu-memory-gib", type=_positive(float), help="memory per GPU to plan for (default: this machine's)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p = sub.add_parser("status", help="write STATUS.md: the state of a run, from its manifest")
     p.add_argument("run", help="the run folder")
@@ -83,17 +120,17 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="benchmark a served endpoint, or compare vLLM configurations it starts")
     common(p)
     where = p.add_mutually_exclusive_group(required=True)
-    where.add_argument("--endpoint", help="an OpenAI-compatible server URL (vLLM, SGLang) to sweep as it is")
+    where.add_argument("--endpoint", type=_url, help="an OpenAI-compatible server URL (vLLM, SGLang) to sweep as it is")
     where.add_argument("--compare", help="start vLLM per configuration: e.g. none,ngram:3,eagle3:1,eagle3:3")
     p.add_argument("--drafter", help="the EAGLE-3 drafter folder (default: the run's export/vllm)")
     p.add_argument("--name", default="endpoint", help="the endpoint's label in the report")
-    p.add_argument("--concurrency", help="comma-separated levels (default 1, 2, 4 … --max-concurrency)")
-    p.add_argument("--max-concurrency", type=int, default=128)
-    p.add_argument("--requests", type=int, default=32, help="requests per level (at least the concurrency)")
-    p.add_argument("--duration", type=float, default=120.0, help="seconds per level before no new request starts")
-    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--concurrency", type=_levels, help="comma-separated levels (default 1, 2, 4 … --max-concurrency)")
+    p.add_argument("--max-concurrency", type=_positive(int), default=128)
+    p.add_argument("--requests", type=_positive(int), default=32, help="requests per level (at least the concurrency)")
+    p.add_argument("--duration", type=_positive(float), default=120.0, help="seconds per level before no new request starts")
+    p.add_argument("--max-tokens", type=_positive(int), default=256)
     p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--prompts", type=int, default=None, help="held-out prompts to cycle (default eval.num_prompts)")
+    p.add_argument("--prompts", type=_positive(int), default=None, help="held-out prompts to cycle (default eval.num_prompts)")
     p.add_argument("--out", help="report folder (default runs/<name>/eval)")
     return parser
 

@@ -325,7 +325,7 @@ def run_bench(args) -> int:
     if not prompts:
         raise ValueError(f"no held-out prompts in {recipe.data.source} for run {folder.path}")
     messages = [p["messages"] for p in prompts]
-    levels = ([int(c) for c in args.concurrency.split(",")] if args.concurrency
+    levels = (args.concurrency if args.concurrency
               else concurrency_levels(args.max_concurrency))
     sweep_args = {"num_requests": args.requests, "max_seconds": args.duration, "max_tokens": args.max_tokens,
                   "temperature": args.temperature}
