@@ -22,7 +22,7 @@ log-sum-exp, so no [T, steps*T] score matrix is ever formed.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 import torch
 import torch.nn.functional as F
@@ -51,6 +51,24 @@ class DrafterConfig:
     norm_before_fc: bool = False
     fc_norm: bool = False
     norm_output: bool = False
+
+    def check(self, where: str) -> "DrafterConfig":
+        """Refuse a config read from a file whose values are of the wrong kind or out of range, in one
+        line naming `where`: sizes are whole numbers above 0, layer ids whole numbers >= 0, eps and theta
+        finite and above 0, the norm flags true or false."""
+        def fits(kind: str, v) -> bool:
+            if kind == "int":
+                return type(v) is int and v > 0
+            if kind == "float":
+                return type(v) in (int, float) and math.isfinite(v) and v > 0
+            if kind == "bool":
+                return type(v) is bool
+            return isinstance(v, list) and bool(v) and all(type(i) is int and i >= 0 for i in v)
+
+        for f in fields(self):
+            if not fits(f.type, getattr(self, f.name)):
+                raise ValueError(f"{where}: {f.name} = {getattr(self, f.name)!r} is not a valid {f.type}")
+        return self
 
     @classmethod
     def from_target(cls, target, draft_vocab_size: int) -> "DrafterConfig":

@@ -147,7 +147,7 @@ def _config_from_layer(lc: dict, where: str, *, draft_vocab_size: int, target_hi
         max_position_embeddings=lc.get("max_position_embeddings", 8192),
         norm_before_residual=bool(norm_before_residual),
         **norms,
-    )
+    ).check(where)
 
 
 def _write_tensors(drafter: Eagle3Drafter, out: Path, keys: dict[str, str]) -> None:
@@ -187,11 +187,14 @@ def _with_embed(keys: dict[str, str], cfg: DrafterConfig, include_embed: bool) -
 def _read_config(folder: Path) -> dict:
     path = Path(folder) / "config.json"
     try:
-        return json.loads(path.read_text())
+        config = json.loads(path.read_text())
     except FileNotFoundError:
         raise ValueError(f"{path}: not found") from None
     except json.JSONDecodeError as e:
         raise ValueError(f"{path}: {e}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{path}: a JSON {type(config).__name__}, not an object")
+    return config
 
 
 def _read_tensors(folder: Path) -> dict[str, torch.Tensor]:
@@ -257,8 +260,8 @@ def _build(folder: Path, cfg: DrafterConfig, theirs: dict[str, torch.Tensor], ke
     else:
         notes.append("t2d: absent; rebuilt from d2t (the engines do not read it)")
     state["d2t"], state["t2d"] = d2t, t2d
-    drafter = Eagle3Drafter(cfg)
-    expected = drafter.state_dict()
+    with torch.device("meta"):  # shapes only: a config.json of absurd sizes allocates nothing
+        expected = Eagle3Drafter(cfg).state_dict()
     names = {**keys, EMBED_KEY[0]: EMBED_KEY[1]}  # ours -> the folder's, for the messages
     if EMBED_KEY[1] not in theirs:
         names[EMBED_KEY[0]] = "embed_tokens (the target's, shared)"
@@ -266,6 +269,7 @@ def _build(folder: Path, cfg: DrafterConfig, theirs: dict[str, torch.Tensor], ke
                for k, v in state.items() if k in expected and v.shape != expected[k].shape]
     if misfits:
         raise ValueError(f"{folder}: the tensors do not fit config.json:\n  " + "\n  ".join(misfits))
+    drafter = Eagle3Drafter(cfg)
     drafter.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()})
     return drafter.eval()
 
@@ -467,6 +471,14 @@ def read_published(folder: Path, default_aux_layer_ids: list[int] | None = None)
     `speculators_model_type`) or the flat one (architectures name LlamaForCausalLMEagle3)."""
     folder = Path(folder)
     config = _read_config(folder)
+    try:
+        return _read_published(folder, config, default_aux_layer_ids)
+    except (TypeError, AttributeError, KeyError, ZeroDivisionError) as e:
+        # A field of the wrong kind somewhere the parsers expect an object, list or number.
+        raise ValueError(f"{folder}/config.json: a field holds a value of the wrong kind ({e})") from None
+
+
+def _read_published(folder: Path, config: dict, default_aux_layer_ids: list[int] | None) -> Published:
     notes: list[str] = []
     if "speculators_model_type" in config:
         tensors = _read_tensors(folder)
