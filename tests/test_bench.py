@@ -87,8 +87,8 @@ def test_endpoint_bench_on_plain_target(vllm_target, drafter_run, tmp_path):
 
 
 def test_compare_ngram_and_eagle3_against_raw_counters(vllm_target, drafter_run, target, tmp_path):
-    from specdraft.stages.gen import select_prompts
     from specdraft.run import RunFolder
+    from specdraft.stages.gen import select_prompts
 
     recipe = RunFolder(drafter_run).recipe()
     prompts = [p["messages"] for p in select_prompts(recipe, target, "eval", 3)[0]]

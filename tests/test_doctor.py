@@ -9,13 +9,13 @@ import torch
 
 from specdraft.drafters import vocab
 from specdraft.drafters.eagle3 import DrafterConfig, Eagle3Drafter
+from specdraft.drafters.formats import write_sglang, write_vllm
 from specdraft.stages.doctor import (
     diagnose,
     held_out_conversations,
     training_conversations,
 )
 from specdraft.stages.export import provenance
-from specdraft.drafters.formats import write_sglang, write_vllm
 
 pytestmark = pytest.mark.slow  # reads the real target's embedding
 
@@ -274,3 +274,27 @@ def test_lost_d2t_fails_the_coverage_without_a_run(memorised_run, target, learnt
     assert {"d2t is a real mapping", "draft vocab covers the target's answers"} <= {
         name for name, c in checks.items() if not c.ok}
     assert checks["draft vocab covers the target's answers"].value < 0.6
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_doctor_through_the_command_line(sound, tmp_path, broken):
+    """As a user runs it: exit 0 with only PASS lines for a sound folder; exit 1 with the broken
+    check's FAIL line and its fix for one that lost its aux layer ids."""
+    import subprocess
+    import sys
+
+    folder = sound / "vllm"
+    if broken:
+        folder = edit_config(folder, tmp_path / "bad", lambda c: c.pop("eagle_aux_hidden_state_layer_ids"))
+    proc = subprocess.run([sys.executable, "-m", "specdraft.cli", "doctor", str(folder), "--target", "smollm2",
+                           "--no-measure"], capture_output=True, text=True, check=False)
+    lines = proc.stdout.splitlines()
+    fails = [line for line in lines if line.startswith("FAIL")]
+    assert any(line.startswith("PASS") for line in lines), proc.stdout
+    assert "Traceback" not in proc.stderr
+    if broken:
+        assert proc.returncode == 1 and "aux layer ids written" in fails[0], proc.stdout
+        assert all("fix:" in lines[lines.index(f) + 1] for f in fails), proc.stdout
+        assert lines[-1].endswith(f"{len(fails)} failed")
+    else:
+        assert proc.returncode == 0 and fails == [], proc.stdout

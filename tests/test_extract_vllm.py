@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdraft.stages import extract as ex
 from specdraft.hidden.store import HiddenStore
+from specdraft.stages import extract as ex
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
@@ -46,4 +46,4 @@ def test_vllm_backend_gives_the_transformers_tensors(bf16_run, target, tmp_path)
     assert agree / total > 0.9, agree / total
 
 
-from test_extract import bf16_run, rendered  # noqa: E402,F401  (the shared extraction fixtures)
+from test_extract import bf16_run, rendered  # noqa: F401  (the shared extraction fixtures)

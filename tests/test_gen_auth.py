@@ -59,6 +59,7 @@ class KeyCheckingProxy(FaultProxy):
 @pytest.fixture(scope="module")
 def keyed_vllm(target, tmp_path_factory):
     from conftest import need_vllm
+
     from specdraft.engines import VllmServer
 
     need_vllm()

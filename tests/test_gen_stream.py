@@ -9,12 +9,9 @@ then waits to be killed. The kill lands at the same point on any machine, howeve
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
+
+from pausing import kill_at
 
 from specdraft.cli import main
 from specdraft.run import RunFolder
@@ -34,25 +31,6 @@ max_new_tokens = 8
 dtype = "float32"
 """
 
-# Real gen, except that generate call number PAUSE_AT writes the marker and never returns.
-PAUSING_GEN = """
-import sys, time
-from pathlib import Path
-import specdraft.stages.gen as gen
-marker, pause_at = Path(sys.argv[1]), int(sys.argv[2])
-real, calls = gen.generate_batch, [0]
-def generate_batch(*args, **kwargs):
-    calls[0] += 1
-    if calls[0] == pause_at:
-        marker.write_text(str(calls[0]))
-        time.sleep(3600)
-    return real(*args, **kwargs)
-gen.generate_batch = generate_batch
-from specdraft.cli import main
-sys.exit(main(sys.argv[3:]))
-"""
-
-
 def records(run: Path) -> list[dict]:
     path = RunFolder(run).conversations
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
@@ -60,18 +38,8 @@ def records(run: Path) -> list[dict]:
 
 def kill_in_call(tmp_path: Path, recipe: Path, run: Path, pause_at: int) -> None:
     """Run gen in a child process and kill -9 it while its `pause_at`-th generate call is in flight."""
-    marker = tmp_path / f"in-call-{pause_at}"
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "TQDM_DISABLE": "1"}
-    cmd = [sys.executable, "-c", PAUSING_GEN, str(marker), str(pause_at), "gen", "--recipe", str(recipe),
-           "--run", str(run)]
-    child = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    deadline = time.time() + 900
-    while not marker.exists() and child.poll() is None and time.time() < deadline:
-        time.sleep(0.05)
-    alive = child.poll() is None
-    child.send_signal(signal.SIGKILL)
-    out = child.communicate()[0].decode(errors="replace")
-    assert alive and marker.exists(), f"gen never reached generate call {pause_at}:\n{out[-3000:]}"
+    kill_at("specdraft.stages.gen:generate_batch", pause_at, ["gen", "--recipe", str(recipe), "--run", str(run)],
+            tmp_path, when="before")
 
 
 def test_a_killed_single_turn_gen_keeps_every_finished_call_and_resumes_to_an_uninterrupted_runs_records(tmp_path):

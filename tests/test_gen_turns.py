@@ -81,23 +81,16 @@ def test_rows_are_cut_by_the_kv_budget_and_answered_in_the_order_given(target):
 def test_a_killed_multi_turn_gen_resumes_its_unfinished_conversations_at_the_turn_they_reached(tmp_path):
     """kill -9 after a turn: the rerun keeps every saved conversation, goes on with the in-flight ones from
     their saved turn (their earlier answers kept, not regenerated) and ends with each conversation once."""
-    import os
-    import signal
-    import subprocess
-    import sys
-    import time
+    from pausing import kill_at
 
     recipe = RECIPE.replace("num_train = 4", "num_train = 8").replace(f"max_turns = {MAX_TURNS}", "max_turns = 0") \
         .replace(f"max_length = {MAX_LENGTH}", "max_length = 512").replace("batch_size = 4", "batch_size = 3\ndtype = \"float32\"")
     (tmp_path / "turns.toml").write_text(recipe)
     run = tmp_path / "run"
-    cmd = [sys.executable, "-m", "specdraft.cli", "gen", "--recipe", str(tmp_path / "turns.toml"), "--run", str(run)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    # Killed once the first generate call's conversations are saved (finished ones and those in flight).
+    kill_at("specdraft.stages.gen:_CallSaver.__call__", 1,
+            ["gen", "--recipe", str(tmp_path / "turns.toml"), "--run", str(run)], tmp_path)
     flight = RunFolder(run).gen_in_flight
-    while proc.poll() is None and not (flight.exists() and flight.stat().st_size):
-        time.sleep(0.01)
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
     assert flight.exists() and flight.stat().st_size, "gen ended before a turn left conversations in flight"
     in_flight = {r["id"]: r for r in map(json.loads, flight.read_text().splitlines())}
     saved = (RunFolder(run).conversations).read_text().splitlines() if (RunFolder(run).conversations).exists() else []
@@ -185,8 +178,8 @@ def test_in_process_self_instruct_gives_up_when_no_user_turn_ends(tmp_path):
     import pytest
 
     from specdraft.config import load_recipe
-    from specdraft.stages import gen as generate
     from specdraft.run import RunFolder
+    from specdraft.stages import gen as generate
 
     (tmp_path / "m.toml").write_text(SELF_INSTRUCT.replace("max_new_tokens = 40", "max_new_tokens = 2"))
     recipe = load_recipe(str(tmp_path / "m.toml"))
@@ -227,8 +220,8 @@ def test_self_instruct_samples_refuse_what_they_cannot_add_to(tmp_path):
     import pytest
 
     from specdraft.config import ConfigError, load_recipe
-    from specdraft.stages import gen as generate
     from specdraft.run import RunFolder
+    from specdraft.stages import gen as generate
 
     for extra in ("self_instruct = true\nnum_samples = 3", 'answers = "source"'):
         (tmp_path / "m.toml").write_text(f'name = "m"\n[gen]\nself_instruct_samples = 2\n{extra}\n')

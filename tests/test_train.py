@@ -6,14 +6,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
+from pausing import kill_at
 
 from specdraft.cli import main
 from specdraft.drafters.eagle3 import DrafterConfig, Eagle3Drafter
@@ -91,22 +90,13 @@ def test_killed_run_resumes_on_the_uninterrupted_curve(extracted_run, uninterrup
     run = fresh_copy(extracted_run, tmp_path, "killed")
     # With the thread count of the runs in this process: another count sums the gradients in another order,
     # and the bf16 steps after it carry that difference past the tolerance.
-    proc = subprocess.Popen([sys.executable, "-m", "specdraft.cli", *cli(run, extracted_run)],
-                            env=env(torch.get_num_threads()), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            text=True)
-    log = RunFolder(run).train_log
-    deadline = time.time() + 600
-    while time.time() < deadline and proc.poll() is None:
-        if log.exists() and any(r["step"] >= 3 for r in train_log(run)):
-            proc.send_signal(signal.SIGKILL)
-            break
-        time.sleep(0.05)
-    proc.wait()
-    assert proc.returncode == -signal.SIGKILL, proc.stderr.read()[-2000:]
+    # Killed as step 4 begins: steps 1-3 are logged and `latest` holds step 2 (checkpoint_every=2).
+    kill_at("specdraft.stages.train:Trainer.train_step", 4, cli(run, extracted_run), tmp_path, when="before",
+            env=env(torch.get_num_threads()))
     expected = train_log(uninterrupted)
     killed_at = max(r["step"] for r in train_log(run))
     saved = json.loads((run / "checkpoints" / "latest" / "config.json").read_text())["step"]
-    assert 2 <= saved < len(expected) and saved <= killed_at
+    assert (killed_at, saved) == (3, 2) and saved < len(expected)
 
     assert main(cli(run, extracted_run)) == 0
     resumed = train_log(run)
@@ -312,7 +302,7 @@ def test_every_epoch_has_its_steps_when_packing_differs():
 @pytest.mark.slow
 def test_muon_trains_the_matrices_and_resumes(extracted_run, tmp_path, capsys):
     """train.optimizer = "muon": Muon over fc's and the layer's matrices, AdamW over lm_head and the
-    norms; both optimizers' states and schedules are checkpointed, so a stopped run resumes."""
+    norms; both optimizers' states and schedules are checkpointed, so a killed run resumes exactly."""
     import dataclasses
 
     from specdraft.config import TrainConfig
@@ -334,18 +324,23 @@ def test_muon_trains_the_matrices_and_resumes(extracted_run, tmp_path, capsys):
     args = cli(run, extracted_run, "--set", "train.optimizer=muon", "--set", "train.weight_decay=0.1",
                "--set", "train.epochs=2", "--set", "train.checkpoint_every=1")
     assert main(args) == 0
-    manifest = json.loads((run / "manifest.json").read_text())
     log = [json.loads(line) for line in (RunFolder(run).train_log).read_text().splitlines()]
     first, last = log[0], [r for r in log if r["kind"] == "train"][-1]
     assert last["weighted_loss"] < first["weighted_loss"]
-    # Stopped before it was recorded done: the next run resumes from `latest`, both optimizers included.
-    manifest["stages"]["train"]["state"] = "partial"
-    (run / "manifest.json").write_text(json.dumps(manifest))
+    # A second run killed as step 4 begins resumes from `latest` (step 3), both optimizers included, and
+    # continues the uninterrupted run's curve.
+    killed = fresh_copy(extracted_run, tmp_path, "muon-killed")
+    killed_args = [a.replace(str(run), str(killed)) for a in args]
+    kill_at("specdraft.stages.train:Trainer.train_step", 4, killed_args, tmp_path, when="before",
+            env=env(torch.get_num_threads()))
+    assert json.loads((killed / "checkpoints" / "latest" / "config.json").read_text())["step"] == 3
     capsys.readouterr()
-    assert main(args) == 0
-    assert f"resumed at step {last['step']}" in capsys.readouterr().out
-    log_after = [json.loads(line) for line in (RunFolder(run).train_log).read_text().splitlines()]
-    assert [r["step"] for r in log_after if r["kind"] == "train"] == [r["step"] for r in log if r["kind"] == "train"]
+    assert main(killed_args) == 0
+    assert "resumed at step 3" in capsys.readouterr().out
+    resumed, expected = train_log(killed), train_log(run)
+    assert [r["step"] for r in resumed] == [r["step"] for r in expected] and len(expected) > 4
+    for a, b in zip(resumed, expected):
+        assert a["weighted_loss"] == pytest.approx(b["weighted_loss"], rel=1e-4, abs=1e-5), a["step"]
 
 
 def test_training_checkpoint_restores_what_resuming_needs(tmp_path):

@@ -9,21 +9,31 @@ wrong hidden-state convention would each collapse that acceptance.
 from __future__ import annotations
 
 import json
+import shlex
 from pathlib import Path
 
 import httpx
 import pytest
 import torch
 
-from specdraft.stages.bench import acceptance, spec_decode_counters
 from specdraft.engines import VllmServer
+from specdraft.stages.bench import acceptance, spec_decode_counters
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
-def serve_and_measure(target, drafter: Path, messages: list[list[dict]], log_path: Path) -> tuple[dict, list[str]]:
-    """Serve `drafter` with vLLM, answer each conversation greedily, return (acceptance, answers)."""
-    spec = {"method": "eagle3", "model": str(drafter), "num_speculative_tokens": 3}
-    with VllmServer(target.path, speculative=spec, log_path=log_path) as server:
+def serve_and_measure(target, drafter: Path, messages: list[list[dict]], log_path: Path,
+                      printed: str | None = None) -> tuple[dict, list[str]]:
+    """Serve `drafter` with vLLM, answer each conversation greedily, return (acceptance, answers).
+    `printed`: the `vllm serve …` line export printed, served as printed (the test machine adds only
+    its port and dtype), instead of a speculative config built here."""
+    if printed:
+        argv = shlex.split(printed)
+        assert argv[:3] == ["vllm", "serve", str(target.path)], argv
+        server = VllmServer(argv[2], extra=argv[3:], log_path=log_path)
+    else:
+        spec = {"method": "eagle3", "model": str(drafter), "num_speculative_tokens": 3}
+        server = VllmServer(target.path, speculative=spec, log_path=log_path)
+    with server:
         before = spec_decode_counters(server.metrics_text())
         answers = []
         for m in messages:
@@ -41,8 +51,9 @@ def training_prompts(run: Path) -> list[dict]:
 @pytest.fixture(scope="module")
 def served(memorised_run, target, tmp_path_factory):
     records = training_prompts(memorised_run)
+    printed = json.loads((memorised_run / "manifest.json").read_text())["stages"]["export"]["serve_commands"]["vllm"]
     return serve_and_measure(target, memorised_run / "export" / "vllm", [r["messages"][:-1] for r in records],
-                             tmp_path_factory.mktemp("vllm") / "vllm.log")
+                             tmp_path_factory.mktemp("vllm") / "vllm.log", printed=printed)
 
 
 def test_vllm_serves_the_exported_drafter_and_accepts_its_drafts(memorised_run, served):

@@ -52,7 +52,7 @@ class DrafterConfig:
     fc_norm: bool = False
     norm_output: bool = False
 
-    def check(self, where: str) -> "DrafterConfig":
+    def check(self, where: str) -> DrafterConfig:
         """Refuse a config read from a file whose values are of the wrong kind or out of range, in one
         line naming `where`: sizes are whole numbers above 0, layer ids whole numbers >= 0, eps and theta
         finite and above 0, the norm flags true or false."""
@@ -71,7 +71,7 @@ class DrafterConfig:
         return self
 
     @classmethod
-    def from_target(cls, target, draft_vocab_size: int) -> "DrafterConfig":
+    def from_target(cls, target, draft_vocab_size: int) -> DrafterConfig:
         c = target.text_config
         rope = getattr(c, "rope_parameters", None) or {}
         return cls(
