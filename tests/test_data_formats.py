@@ -147,6 +147,19 @@ def test_tools_through_smollm2s_template_loss_on_assistant_answers_only(tmp_path
     assert tok.decode([t for t, k in zip(ids, mask) if k]) == "It is 20 degrees in Paris.<|im_end|>"
 
 
+def test_in_process_gen_keeps_the_tools_with_the_targets_answer(tmp_path, target):
+    path = write([TOOL_CHAT], tmp_path / "tools.jsonl", "jsonl")
+    run = tmp_path / "run"
+    recipe = recipe_file(tmp_path, f'source = "{path}"', gen="max_new_tokens = 8")
+    assert main(["gen", "--recipe", str(recipe), "--run", str(run)]) == 0
+    (record,) = [json.loads(line) for line in RunFolder(run).conversations.read_text().splitlines()]
+    prompt = TOOL_CHAT["messages"][:1]
+    assert record["tools"] == TOOLS and record["messages"][:1] == prompt
+    assert record["prompt_tokens"] == len(target.chat_ids(prompt, add_generation_prompt=True, tools=TOOLS))
+    answer = record["messages"][1]
+    assert answer["role"] == "assistant" and 0 < len(answer["token_ids"]) <= 8
+
+
 # A ChatML template that writes tools and tool calls in the Hermes / Qwen2.5 format (definitions in the
 # system turn, each call as JSON in <tool_call> tags), written for this test: SmolLM2's own writes neither.
 TOOL_TEMPLATE = r"""

@@ -190,8 +190,9 @@ def conversation_record(row, where: str, data: DataConfig) -> dict:
     key = data.messages_field or next((k for k in CONVERSATION_FIELDS if k in row), CONVERSATION_FIELDS[0])
     turns = row.get(key)
     if is_rendered(row, data):
-        raise DataError(f"{where}: a pre-rendered row ({data.input_ids_field} + {data.loss_mask_field}) "
-                        f"among conversations: a source is one or the other")
+        raise DataError(f"{where}: a pre-rendered row ({data.input_ids_field} + {data.loss_mask_field}) where a "
+                        f"conversation is needed: a source holds one kind of row, and eval's prompts of a "
+                        f"pre-rendered run come from eval.prompts_file")
     if not isinstance(turns, list) or not turns:
         raise DataError(f"{where}: {key!r} must be a non-empty list (data.messages_field names the column; "
                         f"the row has {sorted(row)})")

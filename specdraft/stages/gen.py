@@ -18,6 +18,10 @@ answers (FACTS.md), and render trains on these ids. Lines are appended and flush
 after every `generate` call, fsynced); a rerun skips the ids already written and drops a line torn by
 `kill -9`. Failures go to gen_errors.jsonl. A server that refuses the key (401/403; gen.api_key_env names
 the environment variable it is read from) stops the run at once.
+
+A conversation's tool definitions (`tools`) size its prompts and travel in its record (docs/data.md). A
+pre-rendered source (input_ids + loss_mask rows) has nothing to generate: gen says so in one line and
+records itself done with no conversations; render takes the rows.
 """
 
 from __future__ import annotations

@@ -17,6 +17,11 @@ Reasoning goes in the message field the template reads (probed: `reasoning_conte
 Every turn is verified against the template (the generation prompt must be a prefix of the rendered
 turn) and, with `render.verify_endpoint`, against a vLLM server's own tokenization; mismatches are
 reported with the first differing token.
+
+Tool definitions go to the template as `tools=`; a turn's tool calls are trained where the template writes
+them, and kept as context, untrained, where it does not (SmolLM2's writes neither). Pre-rendered rows
+(data.source of input_ids + loss_mask) are not rendered: checked, written as they are, and recorded as
+trusted in the manifest.
 """
 
 from __future__ import annotations
