@@ -119,12 +119,27 @@ def test_a_malformed_row_is_one_error_line_naming_its_file_and_row(tmp_path, cap
     assert err.startswith(f"specdraft: error: {path}{where}message 0 needs 'role' in")
 
 
+def test_a_datasets_folder_of_splits_reads_train(tmp_path):
+    import datasets
+
+    splits = {"train": CHATS[:1], "test": CHATS[1:]}
+    datasets.DatasetDict({k: datasets.Dataset.from_list(v) for k, v in splits.items()}).save_to_disk(tmp_path / "dd")
+    assert [r["id"] for r in read_source(str(tmp_path / "dd"))] == ["c1"]
+    datasets.DatasetDict({k: datasets.Dataset.from_list(CHATS) for k in ("a", "b")}).save_to_disk(tmp_path / "ab")
+    with pytest.raises(DataError, match=r"ab: a datasets folder of splits \['a', 'b'\] and none named 'train'"):
+        list(read_source(str(tmp_path / "ab")))
+
+
 def test_a_file_that_is_not_what_its_suffix_says_is_one_error_line(tmp_path, capsys):
     path = tmp_path / "broken.parquet"
     path.write_text("not parquet")
     assert main(["gen", "--run", str(tmp_path / "run"), "--set", f"data.source={path}"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith(f"specdraft: error: {path}: not a readable parquet file")
+    binary = tmp_path / "binary.jsonl"
+    binary.write_bytes(b'{"messages": []}\n\xff\xfe\n')
+    with pytest.raises(DataError, match=r"binary.jsonl: not UTF-8 text"):
+        list(read_source(str(binary)))
 
 
 def test_tools_through_smollm2s_template_loss_on_assistant_answers_only(tmp_path, target):

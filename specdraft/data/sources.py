@@ -233,14 +233,15 @@ def rendered_record(row, where: str, data: DataConfig) -> dict:
 
 def _jsonl_rows(path: Path) -> Iterator[tuple[str, object]]:
     with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"{path}:{lineno}"
-            try:
-                yield where, json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+        lineno = 0
+        try:
+            for lineno, line in enumerate(f, 1):
+                if line.strip():
+                    yield f"{path}:{lineno}", json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg} at column {e.colno})") from None
+        except UnicodeDecodeError:  # decoded a block ahead of the lines read: no line to name
+            raise DataError(f"{path}: not UTF-8 text (a binary file? set data.format)") from None
 
 
 def _json_rows(path: Path) -> Iterator[tuple[str, object]]:
@@ -248,6 +249,8 @@ def _json_rows(path: Path) -> Iterator[tuple[str, object]]:
         rows = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
         raise DataError(f"{path}:{e.lineno}: not valid JSON ({e.msg} at column {e.colno})") from None
+    except UnicodeDecodeError:
+        raise DataError(f"{path}: not UTF-8 text (a binary file? set data.format)") from None
     if not isinstance(rows, list):
         raise DataError(f"{path}: expected a JSON array of rows (JSON Lines: name the file .jsonl)")
     for i, row in enumerate(rows):
@@ -259,8 +262,10 @@ def _table_rows(path: Path, fmt: str) -> Iterator[tuple[str, object]]:
     (memory-mapped), read by the `datasets` library."""
     import datasets
 
+    # What goes wrong is said once, in the DataError below: the library's own log lines (it logs a file it
+    # cannot read at ERROR) and progress bars would add lines to it.
     datasets.disable_progress_bars()
-    datasets.logging.set_verbosity_error()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)
     try:
         if fmt == "datasets":
             rows = datasets.load_from_disk(str(path))
@@ -270,6 +275,8 @@ def _table_rows(path: Path, fmt: str) -> Iterator[tuple[str, object]]:
             rows = datasets.load_dataset(fmt, data_files=str(path), split="train", streaming=True)
         for i, row in enumerate(rows):
             yield f"{path}: row {i}", row
+    except DataError:
+        raise
     except (OSError, ValueError, datasets.exceptions.DatasetGenerationError) as e:
         kind = "a datasets folder (save_to_disk)" if fmt == "datasets" else f"a readable {fmt} file"
         raise DataError(f"{path}: not {kind}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
