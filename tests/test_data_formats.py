@@ -268,3 +268,53 @@ def test_a_bad_pre_rendered_row_names_its_row(tmp_path, capsys, target, row, pro
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith(f"specdraft: error: {path}:2: ")
     assert re.search(problem, err)
+
+
+def _json_rows():
+    """Rows near the shapes the readers take and past them: conversations whose turns hold any JSON under
+    the keys read, pre-rendered rows of any ids and masks, and any JSON at all."""
+    from hypothesis import strategies as st
+
+    leaves = (st.none() | st.booleans() | st.integers(-2, 60_000) | st.floats(allow_nan=False) | st.text(max_size=6)
+              | st.sampled_from(["user", "assistant", "tool", "system", "human", "gpt", "robot"]))
+    anything = st.recursive(leaves, lambda inner: st.lists(inner, max_size=3)
+                            | st.dictionaries(st.text(max_size=4), inner, max_size=3), max_leaves=12)
+    call = st.fixed_dictionaries({}, optional={"type": anything, "function": st.fixed_dictionaries(
+        {}, optional={"name": anything, "arguments": anything}) | anything})
+    turn = st.fixed_dictionaries({}, optional={
+        k: anything for k in ("role", "content", "from", "value", "reasoning", "token_ids", "tool_call_id", "name")
+    } | {"tool_calls": st.lists(call, max_size=2) | anything}) | anything
+    turns = st.lists(turn, max_size=3) | anything
+    conversation = st.fixed_dictionaries({}, optional={"id": anything, "messages": turns, "conversations": turns,
+                                                       "tools": st.lists(anything, max_size=2) | anything})
+    ids = st.lists(st.integers(-1, 9) | anything, max_size=4) | anything
+    rendered = st.fixed_dictionaries({}, optional={"id": anything, "input_ids": ids, "loss_mask": ids})
+    return st.lists(conversation | rendered | anything, min_size=1, max_size=3)
+
+
+def test_any_json_rows_read_as_whole_records_or_one_data_error_naming_the_file(tmp_path):
+    """Property: whatever JSON a row holds, the conversation and pre-rendered readers give whole records or
+    a DataError naming the file; never another exception."""
+    from hypothesis import given, settings
+
+    from specdraft.data.sources import ROLES, read_rendered
+
+    path = tmp_path / "any.jsonl"
+
+    @settings(max_examples=300, deadline=None, database=None)
+    @given(rows=_json_rows())
+    def check(rows):
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        try:
+            for r in read_source(str(path)):
+                assert isinstance(r["id"], str) and r["messages"]
+                assert all(m["role"] in ROLES and isinstance(m["content"], str) for m in r["messages"])
+        except DataError as e:
+            assert str(e).startswith(f"{path}:")
+        try:
+            for _, r in read_rendered(DataConfig(source=str(path))):
+                assert len(r["input_ids"]) == len(r["loss_mask"]) and set(r["loss_mask"]) <= {0, 1}
+        except DataError as e:
+            assert str(e).startswith(f"{path}:")
+
+    check()

@@ -125,7 +125,8 @@ def _message(turn, j: int, where: str, keys: tuple[str, str]) -> dict:
     role_key, content_key = keys
     if not isinstance(turn, dict):
         raise DataError(f"{where}: message {j} is not an object, got {turn!r:.80}")
-    role, content = SHAREGPT_ROLES.get(turn.get(role_key)), turn.get(content_key)
+    speaker, content = turn.get(role_key), turn.get(content_key)
+    role = SHAREGPT_ROLES.get(speaker) if isinstance(speaker, str) else None
     if content is None and turn.get("tool_calls"):
         content = ""  # an assistant turn that only calls tools
     if role is None or not isinstance(content, str):
