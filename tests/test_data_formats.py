@@ -84,6 +84,23 @@ def test_sharegpt_conversations_from_value(tmp_path, fmt):
     assert record["messages"] == CHATS[0]["messages"]
 
 
+def test_sharegpt_tool_turns_function_call_and_observation(tmp_path):
+    """ShareGPT with tools as LLaMA-Factory lays it out: the call as JSON text in a `function_call` turn, the
+    result in an `observation` turn, the tools as JSON text."""
+    turns = [{"from": "human", "value": "Weather in Paris?"},
+             {"from": "function_call", "value": json.dumps({"name": "get_weather", "arguments": {"city": "Paris"}})},
+             {"from": "observation", "value": '{"temp_c": 20}'},
+             {"from": "gpt", "value": "It is 20 degrees in Paris."}]
+    path = write([{"id": "t1", "conversations": turns, "tools": json.dumps(TOOLS)}], tmp_path / "t.jsonl", "jsonl")
+    (record,) = read_source(str(path))
+    expected = [{k: v for k, v in m.items() if k != "tool_call_id"} for m in TOOL_CHAT["messages"]]
+    assert record["messages"] == expected and record["tools"] == TOOLS
+    turns[1]["value"] = "get_weather(Paris)"
+    write([{"conversations": turns}], path, "jsonl")
+    with pytest.raises(DataError, match=r"t.jsonl:1: message 1 \(function_call\) must hold its call as JSON"):
+        list(read_source(str(path)))
+
+
 def test_column_names_mapped_by_recipe_fields(tmp_path):
     rows = [{"uid": "m1", "dialogue": [{"speaker": "user", "text": "Name a colour."},
                                        {"speaker": "assistant", "text": "Blue."}]}]

@@ -28,7 +28,10 @@ SHAREGPT_FILE = "data/ShareGPT_V3_unfiltered_cleaned_split.json"
 # assistant answers too).
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant",
                   "bing": "assistant", "bard": "assistant", "assistant": "assistant", "system": "system",
-                  "tool": "tool"}
+                  "tool": "tool", "function_call": "assistant", "observation": "tool"}
+# ShareGPT's tool turns (LLaMA-Factory's layout): a `function_call` turn's value is the call as JSON
+# ({"name", "arguments"}, or a list of them); an `observation` turn's value is the tool's result.
+SHAREGPT_CALL = "function_call"
 ROLES = ("system", "user", "assistant", "tool")
 # Where a row keeps its conversation when data.messages_field does not say: OpenAI's name, then ShareGPT's.
 CONVERSATION_FIELDS = ("messages", "conversations")
@@ -127,6 +130,8 @@ def _message(turn, j: int, where: str, keys: tuple[str, str]) -> dict:
         raise DataError(f"{where}: message {j} is not an object, got {turn!r:.80}")
     speaker, content = turn.get(role_key), turn.get(content_key)
     role = SHAREGPT_ROLES.get(speaker) if isinstance(speaker, str) else None
+    if speaker == SHAREGPT_CALL:
+        return _sharegpt_call(content, j, where)
     if content is None and turn.get("tool_calls"):
         content = ""  # an assistant turn that only calls tools
     if role is None or not isinstance(content, str):
@@ -141,6 +146,21 @@ def _message(turn, j: int, where: str, keys: tuple[str, str]) -> dict:
     if "tool_calls" in kept:
         kept["tool_calls"] = [_tool_call(c) for c in kept["tool_calls"]]
     return kept
+
+
+def _sharegpt_call(value, j: int, where: str) -> dict:
+    """A ShareGPT `function_call` turn as the assistant message that makes the call(s)."""
+    try:
+        calls = json.loads(value)
+    except (TypeError, json.JSONDecodeError):
+        calls = None
+    calls = [calls] if isinstance(calls, dict) else calls
+    if not isinstance(calls, list) or not calls or not all(
+            isinstance(c, dict) and isinstance(c.get("name"), str) for c in calls):
+        raise DataError(f"{where}: message {j} ({SHAREGPT_CALL}) must hold its call as JSON text, "
+                        f"{{\"name\": ..., \"arguments\": {{...}}}}, got {value!r:.80}")
+    return {"role": "assistant", "content": "",
+            "tool_calls": [_tool_call({"type": "function", "function": c}) for c in calls]}
 
 
 def _tool_call(call: dict) -> dict:
