@@ -237,19 +237,27 @@ def test_tools_through_a_template_that_writes_them_train_the_call_and_the_answer
 
 
 def _rendered_rows(target) -> list[dict]:
-    """Rows as the speculators library writes them: the template's ids, 1 on the assistant tokens."""
+    """Rows as the speculators library writes them: the template's ids, 1 on the assistant tokens, and the
+    length (seq_len, which render does not need)."""
     rows = []
     for chat in CHATS:
         prompt = target.chat_ids(chat["messages"][:-1], add_generation_prompt=True)
         ids = target.chat_ids(chat["messages"], add_generation_prompt=False)
-        rows.append({"input_ids": ids, "loss_mask": [0] * len(prompt) + [1] * (len(ids) - len(prompt))})
+        rows.append({"input_ids": ids, "loss_mask": [0] * len(prompt) + [1] * (len(ids) - len(prompt)),
+                     "seq_len": len(ids)})
     return rows
 
 
 @pytest.mark.parametrize("fmt", ["datasets", "jsonl"])
 def test_pre_rendered_rows_go_straight_to_extract(tmp_path, capsys, target, fmt):
     rows = _rendered_rows(target)
-    path = write(rows, source_path(tmp_path, fmt, "rendered"), fmt)
+    path = source_path(tmp_path, fmt, "rendered")
+    if fmt == "datasets":  # as speculators saves its rows: in torch format, which the folder keeps
+        import datasets
+
+        datasets.Dataset.from_list(rows).with_format("torch").save_to_disk(str(path))
+    else:
+        write(rows, path, fmt)
     recipe = recipe_file(tmp_path, f'source = "{path}"')
     run = tmp_path / "run"
     assert main(["gen", "--recipe", str(recipe), "--run", str(run)]) == 0
@@ -261,6 +269,7 @@ def test_pre_rendered_rows_go_straight_to_extract(tmp_path, capsys, target, fmt)
     assert entry["counts"]["rows"] == 2 and entry["counts"]["loss_tokens"] == sum(sum(r["loss_mask"]) for r in rows)
     _, samples = load_tokens(RunFolder(run).tokens)
     assert samples == [(r["input_ids"], r["loss_mask"]) for r in rows]
+    assert len(rows[0]["input_ids"]) > 2 and 0 < sum(rows[0]["loss_mask"]) < len(rows[0]["input_ids"])
     assert main(["extract", "--run", str(run)]) == 0
     index = json.loads((RunFolder(run).hidden / "index.json").read_text())
     assert [s["tokens"] for s in index["samples"]] == [len(r["input_ids"]) for r in rows]

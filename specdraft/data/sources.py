@@ -292,6 +292,8 @@ def _table_rows(path: Path, fmt: str) -> Iterator[tuple[str, object]]:
             rows = datasets.load_from_disk(str(path))
             if isinstance(rows, datasets.DatasetDict):
                 rows = _one_split(rows, path)
+            # Python lists, whatever format was saved with the folder (speculators saves torch tensors).
+            rows = rows.with_format(None)
         else:
             rows = datasets.load_dataset(fmt, data_files=str(path), split="train", streaming=True)
         for i, row in enumerate(rows):
