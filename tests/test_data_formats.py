@@ -57,6 +57,14 @@ def write(rows: list[dict], path: Path, fmt: str) -> Path:
     return path
 
 
+def error_line(capsys) -> str:
+    """The one `specdraft: error:` line the command wrote to stderr (progress bars aside), no traceback."""
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("specdraft: error:")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
 def source_path(tmp_path: Path, fmt: str, stem: str = "chats") -> Path:
     return tmp_path / (stem if fmt == "datasets" else f"{stem}.{fmt}")
 
@@ -101,6 +109,15 @@ def test_sharegpt_tool_turns_function_call_and_observation(tmp_path):
         list(read_source(str(path)))
 
 
+def test_reasoning_under_other_names_is_read_as_reasoning(tmp_path):
+    rows = [{"messages": [{"role": "user", "content": "2+2?"},
+                          {"role": "assistant", "content": "4.", "reasoning_content": "Two and two."},
+                          {"role": "user", "content": "3+3?"},
+                          {"role": "assistant", "content": "6.", "thinking": "Three and three."}]}]
+    (record,) = read_source(str(write(rows, tmp_path / "r.parquet", "parquet")))
+    assert [m.get("reasoning") for m in record["messages"]] == [None, "Two and two.", None, "Three and three."]
+
+
 def test_column_names_mapped_by_recipe_fields(tmp_path):
     rows = [{"uid": "m1", "dialogue": [{"speaker": "user", "text": "Name a colour."},
                                        {"speaker": "assistant", "text": "Blue."}]}]
@@ -131,9 +148,7 @@ def test_a_malformed_row_is_one_error_line_naming_its_file_and_row(tmp_path, cap
     bad = {"id": "b", "messages": [{"role": "robot", "content": "beep"}]}
     path = write([CHATS[0], bad], source_path(tmp_path, fmt, "bad"), fmt)
     assert main(["gen", "--run", str(tmp_path / "run"), "--set", f"data.source={path}"]) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "Traceback" not in err
-    assert err.startswith(f"specdraft: error: {path}{where}message 0 needs 'role' in")
+    assert error_line(capsys).startswith(f"specdraft: error: {path}{where}message 0 needs 'role' in")
 
 
 def test_a_datasets_folder_of_splits_reads_train(tmp_path):
@@ -152,6 +167,7 @@ def test_a_file_that_is_not_what_its_suffix_says_is_one_error_line(tmp_path, cap
     path.write_text("not parquet")
     assert main(["gen", "--run", str(tmp_path / "run"), "--set", f"data.source={path}"]) == 2
     err = capsys.readouterr().err
+    # Nothing but the line: not the datasets library's own log line about the file either.
     assert err.count("\n") == 1 and err.startswith(f"specdraft: error: {path}: not a readable parquet file")
     binary = tmp_path / "binary.jsonl"
     binary.write_bytes(b'{"messages": []}\n\xff\xfe\n')
@@ -291,9 +307,8 @@ def test_a_bad_pre_rendered_row_names_its_row(tmp_path, capsys, target, row, pro
     path = write([{"input_ids": [1, 2], "loss_mask": [0, 1]}, row], tmp_path / "rendered.jsonl", "jsonl")
     recipe = recipe_file(tmp_path, f'source = "{path}"')
     assert main(["render", "--recipe", str(recipe), "--run", str(tmp_path / "run")]) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith(f"specdraft: error: {path}:2: ")
-    assert re.search(problem, err)
+    line = error_line(capsys)
+    assert line.startswith(f"specdraft: error: {path}:2: ") and re.search(problem, line)
 
 
 def _json_rows():

@@ -32,6 +32,9 @@ SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt"
 # ShareGPT's tool turns (LLaMA-Factory's layout): a `function_call` turn's value is the call as JSON
 # ({"name", "arguments"}, or a list of them); an `observation` turn's value is the tool's result.
 SHAREGPT_CALL = "function_call"
+# Where other data keeps an assistant turn's reasoning (Qwen3 and DeepSeek exports, speculators' rows),
+# read as `reasoning` when the turn has none under that name.
+REASONING_ALIASES = ("reasoning_content", "thinking")
 ROLES = ("system", "user", "assistant", "tool")
 # Where a row keeps its conversation when data.messages_field does not say: OpenAI's name, then ShareGPT's.
 CONVERSATION_FIELDS = ("messages", "conversations")
@@ -138,11 +141,14 @@ def _message(turn, j: int, where: str, keys: tuple[str, str]) -> dict:
         raise DataError(f"{where}: message {j} needs {role_key!r} in {ROLES} (or a ShareGPT speaker) and a "
                         f"string {content_key!r}, got {turn!r:.80}")
     kept = {"role": role, "content": content}
+    present = {k: v for k, v in turn.items() if v is not None}
+    if "reasoning" not in present:
+        present["reasoning"] = next((present[k] for k in REASONING_ALIASES if k in present), None)
     for key, ok in MESSAGE_FIELDS.items():
-        if turn.get(key) is not None:
-            if not ok(turn[key]):
-                raise DataError(f"{where}: message {j} field {key!r} has the wrong type, got {turn[key]!r:.80}")
-            kept[key] = turn[key]
+        if present.get(key) is not None:
+            if not ok(present[key]):
+                raise DataError(f"{where}: message {j} field {key!r} has the wrong type, got {present[key]!r:.80}")
+            kept[key] = present[key]
     if "tool_calls" in kept:
         kept["tool_calls"] = [_tool_call(c) for c in kept["tool_calls"]]
     return kept
