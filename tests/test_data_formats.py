@@ -208,6 +208,20 @@ def test_in_process_gen_keeps_the_tools_with_the_targets_answer(tmp_path, target
     assert answer["role"] == "assistant" and 0 < len(answer["token_ids"]) <= 8
 
 
+def test_gen_through_servers_refuses_a_conversation_with_tools(tmp_path, target):
+    """Servers are not sent tools yet: a source with them is refused, not answered without its tools."""
+    from collections import Counter
+
+    from specdraft.stages.gen import _conversation_prompts
+
+    path = write([CHATS[1], TOOL_CHAT], tmp_path / "tools.jsonl", "jsonl")
+    recipe = load_recipe(str(recipe_file(tmp_path, f'source = "{path}"')))
+    items = _conversation_prompts(recipe, target, Counter())
+    assert next(items)["id"] == "c2"
+    with pytest.raises(DataError, match=r"conversation t1 has tools, which gen does not send to servers yet"):
+        next(items)
+
+
 # A ChatML template that writes tools and tool calls in the Hermes / Qwen2.5 format (definitions in the
 # system turn, each call as JSON in <tool_call> tags), written for this test: SmolLM2's own writes neither.
 TOOL_TEMPLATE = r"""
