@@ -50,8 +50,22 @@ class TargetConfig:
 
 @dataclass
 class DataConfig:
-    # "sharegpt" is the bundled ShareGPT dump; otherwise a JSONL file of {"messages": [...]} records.
+    # "sharegpt" is the bundled ShareGPT dump; otherwise a file or folder of conversations (docs/data.md):
+    # JSONL or a JSON array, Parquet, Arrow, or a `datasets` folder (save_to_disk).
     source: str = "sharegpt"
+    # How to read `source`: "auto" goes by the suffix (.jsonl .json .parquet .arrow) or a folder's being one.
+    format: Literal["auto", "jsonl", "json", "parquet", "arrow", "datasets"] = "auto"
+    # The column (key) of a row holding its conversation: empty takes "messages", else "conversations".
+    messages_field: str = ""
+    # The keys of one turn: empty takes "role" / "content", else ShareGPT's "from" / "value".
+    role_field: str = ""
+    content_field: str = ""
+    # A row's id (a hash of its conversation when absent) and its tool definitions (a list or JSON text).
+    id_field: str = "id"
+    tools_field: str = "tools"
+    # Pre-rendered rows (the speculators library's): token ids and the 0/1 mask of the tokens trained.
+    input_ids_field: str = "input_ids"
+    loss_mask_field: str = "loss_mask"
     # Share of conversations held out for eval, chosen by a hash of the conversation id.
     eval_fraction: float = 0.05
     split_seed: int = 0

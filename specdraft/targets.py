@@ -416,10 +416,11 @@ class Target:
     def eos_token_id(self) -> int:
         return self.tokenizer.eos_token_id
 
-    def chat_ids(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
-        """Token ids of `messages` rendered by the target's own chat template."""
+    def chat_ids(self, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None = None
+                 ) -> list[int]:
+        """Token ids of `messages` (with the tool definitions `tools`) rendered by the target's own chat template."""
         return list(self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False))
+            messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False))
 
     def describe(self) -> dict:
         return {

@@ -19,30 +19,40 @@ def _prompt_messages(conv: dict) -> list[dict]:
     raise DataError(f"conversation {conv['id']}: no user turn")
 
 
-def _source_answer(conv: dict, prompt_len: int) -> dict | None:
-    """The source's answer to the prompt: the assistant turn right after it, None when there is none.
+def _source_answer(conv: dict, prompt_len: int) -> list[dict] | None:
+    """The source's answer to the prompt, None when there is none: the assistant turn right after it, or,
+    where that turn calls tools, the calls, the tools' results and the assistant turns after them up to
+    the first that calls none.
 
-    Only the turn right after: an answer that follows a second user turn answers that one too.
+    Only up to there: an answer that follows a second user turn answers that one too.
     """
-    following = conv["messages"][prompt_len: prompt_len + 1]
-    if following and following[0]["role"] == "assistant" and following[0]["content"].strip():
-        return {"role": "assistant", "content": following[0]["content"]}
+    answer = []
+    for m in conv["messages"][prompt_len:]:
+        if m["role"] not in ("assistant", "tool") or (not answer and m["role"] == "tool"):
+            break
+        answer.append({k: m[k] for k in ("role", "content", "tool_calls", "tool_call_id", "name") if k in m})
+        if m["role"] == "assistant" and not m.get("tool_calls"):
+            break
+    last = answer[-1] if answer else None
+    if last and last["role"] == "assistant" and (last["content"].strip() or last.get("tool_calls")):
+        return answer
     return None
 
 
 def select_prompts(recipe: Recipe, target: Target, split: str, limit: int | None) -> tuple[list[dict], int]:
-    """The first `limit` (None: all) prompts of a split that fit `max_prompt_tokens`, each with the
-    source's own answer (or None); also how many were too long."""
+    """The first `limit` (None: all) prompts of a split that fit `max_prompt_tokens` (tool definitions
+    included), each with its tools (or None) and the source's own answer (a list of turns, or None); also
+    how many were too long."""
     d = recipe.data
     chosen, too_long = [], 0
-    for conv in prompts(d.source, split, d.eval_fraction, d.split_seed):
+    for conv in prompts(d.source, split, d.eval_fraction, d.split_seed, data=d):
         messages = _prompt_messages(conv)
-        ids = target.chat_ids(messages, add_generation_prompt=True)
+        ids = target.chat_ids(messages, add_generation_prompt=True, tools=conv.get("tools"))
         if len(ids) > d.max_prompt_tokens:
             too_long += 1
             continue
         later = [m["content"] for m in conv["messages"][len(messages):] if m["role"] == "user"]
-        chosen.append({"id": conv["id"], "messages": messages, "prompt_ids": ids,
+        chosen.append({"id": conv["id"], "messages": messages, "prompt_ids": ids, "tools": conv.get("tools"),
                        "source_answer": _source_answer(conv, len(messages)), "later_users": later})
         if limit is not None and len(chosen) >= limit:
             break

@@ -262,7 +262,7 @@ def held_out_conversations(target, run_path: Path | None, n: int = AGREEMENT_CON
     recipe = RunFolder(run_path).recipe() if run_path is not None and RunFolder(run_path).exists() else Recipe()
     d = recipe.data
     out = []
-    for conv in prompts(d.source, "eval", d.eval_fraction, d.split_seed):
+    for conv in prompts(d.source, "eval", d.eval_fraction, d.split_seed, data=d):
         turns = [m for m in conv["messages"] if m["role"] != "system"]
         if len(turns) < 2 or turns[1]["role"] != "assistant" or not turns[1]["content"].strip():
             continue

@@ -18,6 +18,10 @@ answers (FACTS.md), and render trains on these ids. Lines are appended and flush
 after every `generate` call, fsynced); a rerun skips the ids already written and drops a line torn by
 `kill -9`. Failures go to gen_errors.jsonl. A server that refuses the key (401/403; gen.api_key_env names
 the environment variable it is read from) stops the run at once.
+
+A conversation's tool definitions (`tools`) size its prompts and travel in its record (docs/data.md). A
+pre-rendered source (input_ids + loss_mask rows) has nothing to generate: gen says so in one line and
+records itself done with no conversations; render takes the rows.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from pathlib import Path
 from specdraft.config import ConfigError, GenConfig, Recipe, field_choices
 from specdraft.data.client import Auth, RequestFailed, ServerPool, ServerRefused
 from specdraft.data.prompts import select_prompts
-from specdraft.data.sources import DataError, prompts
+from specdraft.data.sources import DataError, prompts, source_is_rendered
 from specdraft.run import RunFolder, atomic_path
 from specdraft.targets import Target, resolve_device, resolve_dtype
 
@@ -255,7 +259,8 @@ def answer_turns(model, target: Target, convs: list[dict], cfg, max_length: int,
                 c["turn"] = turn + 1
                 if turn < len(c["later_users"]) and (not cfg.max_turns or turn + 1 < cfg.max_turns):
                     nxt = c["messages"] + [{"role": "user", "content": c["later_users"][turn]}]
-                    ids_next = target.chat_ids([_as_history(m) for m in nxt], add_generation_prompt=True)
+                    ids_next = target.chat_ids([_as_history(m) for m in nxt], add_generation_prompt=True,
+                                               tools=c.get("tools"))
                     if len(ids_next) + cfg.max_new_tokens <= max_length:
                         c["messages"], c["turn_prompt_ids"] = nxt, ids_next
                         moved.append(c)
@@ -272,6 +277,11 @@ def answer_turns(model, target: Target, convs: list[dict], cfg, max_length: int,
                       target.tokenizer.pad_token_id, cfg, stats, on_call=settle)
         active = still
     return stats
+
+
+def _tools_of(conv: dict) -> dict:
+    """The record's "tools" entry: the conversation's tool definitions, when it has some."""
+    return {"tools": conv["tools"]} if conv.get("tools") else {}
 
 
 def _as_history(message: dict) -> dict:
@@ -313,7 +323,7 @@ def write_user_turns(model, target: Target, cfg, rows: int, system: list[dict], 
 
 # Conversations an in-process run has answered at least once but not finished, each line one as it stood
 # after an answer (the last line of an id is how it stands): gen_in_flight.jsonl.
-_IN_FLIGHT_FIELDS = ("id", "messages", "prompt_ids", "later_users", "turn", "turn_prompt_ids", "finish_reason")
+_IN_FLIGHT_FIELDS = ("id", "messages", "prompt_ids", "later_users", "turn", "turn_prompt_ids", "finish_reason", "tools")
 
 
 def _in_flight(path: Path, done: set[str]) -> list[dict]:
@@ -416,6 +426,7 @@ class _CallSaver:
                 "finish_reason": conv["finish_reason"],
                 "prompt_tokens": len(conv["prompt_ids"]),
                 "generator": self.generator,
+                **_tools_of(conv),
             }
             self.out.write(json.dumps(record, ensure_ascii=False) + "\n")
             self.stats["turns"] += len(answers)
@@ -424,7 +435,7 @@ class _CallSaver:
             self.out.flush()
             os.fsync(self.out.fileno())
         if moved:
-            self.flight.write("".join(json.dumps({k: c[k] for k in _IN_FLIGHT_FIELDS}, ensure_ascii=False) + "\n"
+            self.flight.write("".join(json.dumps({k: c.get(k) for k in _IN_FLIGHT_FIELDS}, ensure_ascii=False) + "\n"
                                       for c in moved))
             self.flight.flush()
             os.fsync(self.flight.fileno())
@@ -505,10 +516,11 @@ def run_source(recipe: Recipe, folder: RunFolder) -> dict:
             record = {
                 "id": conv["id"],
                 "split": "train",
-                "messages": conv["messages"] + [conv["source_answer"]],
+                "messages": conv["messages"] + conv["source_answer"],
                 "finish_reason": None,  # nobody generated it: no stop or length to report
                 "prompt_tokens": len(conv["prompt_ids"]),
                 "generator": {"kind": "source", "source": d.source},
+                **_tools_of(conv),
             }
             f.write(json.dumps(record, ensure_ascii=False) + "\n")
             f.flush()
@@ -537,7 +549,11 @@ def user_turn_prefix(target: Target, system_prompt: str) -> list[int]:
 def _conversation_prompts(recipe: Recipe, target: Target, counts: Counter):
     """Source conversations as (id, leading system messages, user turns), first turn within max_prompt_tokens."""
     d, cfg = recipe.data, recipe.gen
-    for conv in prompts(d.source, "train", d.eval_fraction, d.split_seed):
+    for conv in prompts(d.source, "train", d.eval_fraction, d.split_seed, data=d):
+        if conv.get("tools"):
+            raise DataError(f"data source {d.source!r}: conversation {conv['id']} has tools, which gen does not "
+                            f"send to servers yet: answer it in-process (no gen.endpoints) or keep the source's "
+                            f"answers (gen.answers = \"source\")")
         system = [{"role": "system", "content": m["content"]} for m in conv["messages"][:1] if m["role"] == "system"]
         if not system and cfg.system_prompt:
             system = [{"role": "system", "content": cfg.system_prompt}]
@@ -829,8 +845,20 @@ def _record_server(gen: ServerGen, folder: RunFolder, target_n: int, already: in
     return entry
 
 
+def nothing_to_generate(recipe: Recipe, folder: RunFolder) -> dict:
+    """A pre-rendered source has no prompts to answer: gen records itself done with no conversations, and
+    render takes the rows as they are."""
+    print(f"gen: {recipe.data.source} holds pre-rendered rows ({recipe.data.input_ids_field} + "
+          f"{recipe.data.loss_mask_field}): nothing to generate, render takes them as they are\n"
+          f"next: specdraft render --run {folder.path}")
+    return folder.record("gen", state="done", config=recipe.gen, counts={"records": 0},
+                         extra={"skipped": "pre-rendered source: nothing to generate"})
+
+
 def run(recipe: Recipe, folder: RunFolder) -> dict:
     cfg = recipe.gen
+    if source_is_rendered(recipe.data):
+        return nothing_to_generate(recipe, folder)
     if cfg.answers not in ANSWERS:
         raise ConfigError(f"gen.answers: expected one of {ANSWERS}, got {cfg.answers!r}")
     if cfg.self_instruct and (cfg.answers == "source" or num_samples(recipe) is None):

@@ -17,6 +17,11 @@ Reasoning goes in the message field the template reads (probed: `reasoning_conte
 Every turn is verified against the template (the generation prompt must be a prefix of the rendered
 turn) and, with `render.verify_endpoint`, against a vLLM server's own tokenization; mismatches are
 reported with the first differing token.
+
+Tool definitions go to the template as `tools=`; a turn's tool calls are trained where the template writes
+them, and kept as context, untrained, where it does not (SmolLM2's writes neither). Pre-rendered rows
+(data.source of input_ids + loss_mask) are not rendered: checked, written as they are, and recorded as
+trusted in the manifest.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ from pathlib import Path
 
 from specdraft.config import Recipe
 from specdraft.data.client import REFUSED, Auth
-from specdraft.data.sources import DataError, read_jsonl
+from specdraft.data.sources import DataError, read_jsonl, read_rendered, source_is_rendered
 from specdraft.run import RunFolder, atomic_path, write_json
 from specdraft.targets import Target, tokenizer_thinking_markers
 
@@ -41,6 +46,10 @@ REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 # no template strips or rewrites and no real answer contains.
 PLACEHOLDER = "\ue000specdraft\ue001"
 PROBE_REASONING = "\ue002specdraft-reasoning\ue003"
+# A function name no real tool has: found in the text when the template writes tools or tool calls.
+PROBE_TOOL = "specdraft_probe_tool"
+# The fields of a message besides role and content that a template reads for tool use.
+TOOL_FIELDS = ("tool_calls", "tool_call_id", "name")
 # How reasoning is laid out between markers by templates that read no reasoning field: the layout
 # DeepSeek-R1 and Qwen3 models generate (`<think>\n...\n</think>\n\n` then the answer).
 WRAP_AFTER_START = "\n"
@@ -109,6 +118,7 @@ class ChatTemplate:
         self.markers = tuple(markers) if markers else None
         self.special = set(tokenizer.all_special_ids) | set(tokenizer.get_added_vocab().values())
         self.reasoning_field = self._probe_reasoning_field()
+        self.writes_tools, self.writes_tool_calls = self._probe_tools()
 
     @classmethod
     def of_target(cls, target: Target, template_kwargs: dict | None = None) -> ChatTemplate:
@@ -120,11 +130,13 @@ class ChatTemplate:
 
     def describe(self) -> dict:
         return {"reasoning": self.reasoning_field or ("wrapped" if self.markers else "unsupported"),
+                "tools": "written" if self.writes_tools else "ignored",
+                "tool_calls": "written" if self.writes_tool_calls else "ignored",
                 "thinking_markers": list(self.markers) if self.markers else None,
                 "template_kwargs": self.template_kwargs, "chat_template_sha256": self.sha256}
 
-    def text(self, messages: list[dict], add_generation_prompt: bool) -> str:
-        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+    def text(self, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None = None) -> str:
+        return self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt,
                                                   tokenize=False, **self.template_kwargs)
 
     def encode(self, text: str) -> list[int]:
@@ -156,9 +168,28 @@ class ChatTemplate:
         named = [name for name in rendered if re.search(rf"\b{name}\b", source)]
         return (named or rendered or [None])[0]
 
+    def _probe_tools(self) -> tuple[bool, bool]:
+        """Whether the template writes the tool definitions passed as `tools=`, and an assistant turn's
+        `tool_calls`, into the text (SmolLM2's writes neither: it renders role and content only)."""
+        from jinja2 import TemplateError
+
+        tools = [{"type": "function", "function": {"name": PROBE_TOOL, "description": "probe",
+                                                   "parameters": {"type": "object", "properties": {}}}}]
+        call = {"role": "assistant", "content": "", "tool_calls": [
+            {"type": "function", "function": {"name": PROBE_TOOL, "arguments": {}}}]}
+        user = [{"role": "user", "content": "?"}]
+        found = []
+        for messages, with_tools, prompt in ((user, tools, True), (user + [call], None, False)):
+            try:
+                found.append(PROBE_TOOL in self.text(messages, prompt, with_tools))
+            except TemplateError:  # a template may reject what it does not know (raise_exception)
+                found.append(False)
+        return found[0], found[1]
+
     def message(self, m: dict) -> dict:
-        """A record's message as the template takes it: role, content and the reasoning field it reads."""
-        out = {"role": m["role"], "content": m["content"]}
+        """A record's message as the template takes it: role, content, the reasoning field it reads and
+        the tool-use fields the message has."""
+        out = {"role": m["role"], "content": m["content"], **{k: m[k] for k in TOOL_FIELDS if k in m}}
         if m["role"] == "assistant" and m.get("reasoning") and self.reasoning_field:
             out[self.reasoning_field] = m["reasoning"]
         return out
@@ -166,8 +197,8 @@ class ChatTemplate:
     def history(self, messages: list[dict]) -> list[dict]:
         return [self.message(m) for m in messages]
 
-    def prompt_ids(self, before: list[dict]) -> list[int]:
-        return self.encode(self.text(self.history(before), add_generation_prompt=True))
+    def prompt_ids(self, before: list[dict], tools: list[dict] | None = None) -> list[int]:
+        return self.encode(self.text(self.history(before), add_generation_prompt=True, tools=tools))
 
     def _wrap(self, head: str, reasoning: str) -> str:
         """`head` (the rendered turn up to its answer) with the reasoning in the thinking markers."""
@@ -181,14 +212,16 @@ class ChatTemplate:
             return head[: empty.start()] + start + inner + end + empty.group(2)
         return head + start + laid_out + end + WRAP_AFTER_END
 
-    def turn(self, before: list[dict], m: dict) -> Turn:
-        """Assistant message `m` after `before`, as the target generated it, checked against the template."""
+    def turn(self, before: list[dict], m: dict, tools: list[dict] | None = None) -> Turn:
+        """Assistant message `m` after `before` (with the tool definitions `tools`), as the target generated
+        it, checked against the template."""
         history = self.history(before)
-        prompt_text = self.text(history, add_generation_prompt=True)
+        prompt_text = self.text(history, add_generation_prompt=True, tools=tools)
         prompt = self.encode(prompt_text)
         reasoning = m.get("reasoning") or ""
-        shell = {**self.message(m), "content": PLACEHOLDER}
-        shell_text = self.text(history + [shell], add_generation_prompt=False)
+        # Without its tool calls, which templates write after the content: the tail is then the turn's end.
+        shell = {k: v for k, v in self.message(m).items() if k != "tool_calls"} | {"content": PLACEHOLDER}
+        shell_text = self.text(history + [shell], add_generation_prompt=False, tools=tools)
         if shell_text.count(PLACEHOLDER) != 1:
             raise RenderError("the chat template does not render an assistant answer once, as it is given")
         head, tail = shell_text.split(PLACEHOLDER)
@@ -200,7 +233,7 @@ class ChatTemplate:
                                   "has no thinking markers to wrap it in")
             full_text = self._wrap(head, reasoning) + m["content"] + tail
         else:
-            full_text = self.text(history + [self.message(m)], add_generation_prompt=False)
+            full_text = self.text(history + [self.message(m)], add_generation_prompt=False, tools=tools)
         tail_ids = self.encode(tail)
         end_id = tail_ids[0] if tail_ids and tail_ids[0] in self.special else None
         after = tail_ids[1:] if end_id is not None else tail_ids
@@ -231,6 +264,8 @@ class Rendered:
     reasoning_turns: int = 0
     turns_with_ids: int = 0
     retokenized_differs: int = 0
+    tool_call_turns: int = 0
+    untrained_tool_calls: int = 0  # tool-calling turns whose calls the template does not write
     mismatches: list[Mismatch] = field(default_factory=list)
 
 
@@ -249,7 +284,7 @@ def own_token_ids(record: dict, messages: list[dict], i: int) -> list[int] | Non
 def render_conversation(template: ChatTemplate, record: dict, max_length: int) -> Rendered:
     """Samples (input_ids, loss_mask) of one conversation; usually one, more when the template rewrites
     earlier turns (see the module docstring)."""
-    messages = record["messages"]
+    messages, tools = record["messages"], record.get("tools")
     cid = record["id"]
     out = Rendered()
     ids: list[int] = []
@@ -258,11 +293,15 @@ def render_conversation(template: ChatTemplate, record: dict, max_length: int) -
         if m["role"] != "assistant":
             continue
         try:
-            turn = template.turn(messages[:i], m)
+            turn = template.turn(messages[:i], m, tools)
         except RenderError as e:
             raise RenderError(f"conversation {cid} turn {i}: {e}") from None
         out.turns += 1
         out.reasoning_turns += bool(m.get("reasoning"))
+        out.tool_call_turns += bool(m.get("tool_calls"))
+        # A template that drops the calls leaves no copy of what the target would say: context only.
+        untrained = bool(m.get("tool_calls")) and not template.writes_tool_calls
+        out.untrained_tool_calls += untrained
         own = own_token_ids(record, messages, i)
         if turn.mismatch:
             kind, pos, ours, theirs = turn.mismatch
@@ -293,7 +332,7 @@ def render_conversation(template: ChatTemplate, record: dict, max_length: int) -
             ids, mask = [], []
         mask += [0] * (len(turn.prompt) - len(ids))
         ids = turn.prompt + body + after
-        mask += [1] * len(body) + [0] * len(after)
+        mask += [int(not untrained)] * len(body) + [0] * len(after)
     out.samples.append((ids, mask))
     out.samples = [(s[:max_length], k[:max_length]) for s, k in out.samples]
     return out
@@ -319,10 +358,11 @@ def verify_with_server(template: ChatTemplate, record: dict, url: str, model: st
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
-        sent = [{"role": x["role"], "content": x["content"],
+        sent = [{"role": x["role"], "content": x["content"], **{k: x[k] for k in TOOL_FIELDS if k in x},
                  **({"reasoning": x["reasoning"]} if x["role"] == "assistant" and x.get("reasoning") else {})}
                 for x in messages[:i]]
-        body = {"messages": sent, "add_generation_prompt": True}
+        body = {"messages": sent, "add_generation_prompt": True,
+                **({"tools": record["tools"]} if record.get("tools") else {})}
         if model:
             body["model"] = model
         if template.template_kwargs:
@@ -333,7 +373,7 @@ def verify_with_server(template: ChatTemplate, record: dict, url: str, model: st
         if response.status_code != 200:
             raise RenderError(f"{url}/tokenize answered {response.status_code}: {auth.scrub(response.text[:300])}")
         theirs = response.json()["tokens"]
-        ours = template.prompt_ids(messages[:i])
+        ours = template.prompt_ids(messages[:i], record.get("tools"))
         pos = first_difference(ours, theirs)
         if pos is not None:
             found.append(Mismatch(record["id"], i, "vllm_prompt", pos, template.decode_at(ours, pos),
@@ -351,7 +391,8 @@ def _template_kwargs(recipe: Recipe) -> dict:
 
 # What the manifest's render entry counts (tokens and loss_tokens follow once they are written).
 COUNTS = ("conversations", "samples", "turns", "reasoning_turns", "turns_with_token_ids", "retokenized_differs",
-          "template_mismatches", "skipped_mismatch", "skipped_no_answer", "vllm_checked", "vllm_mismatches")
+          "tool_call_turns", "untrained_tool_calls", "template_mismatches", "skipped_mismatch", "skipped_no_answer",
+          "vllm_checked", "vllm_mismatches")
 
 
 @dataclass
@@ -367,7 +408,8 @@ class Tally:
     def rendered(self, r: Rendered) -> None:
         for key, value in (("turns", r.turns), ("reasoning_turns", r.reasoning_turns),
                            ("turns_with_token_ids", r.turns_with_ids),
-                           ("retokenized_differs", r.retokenized_differs)):
+                           ("retokenized_differs", r.retokenized_differs), ("tool_call_turns", r.tool_call_turns),
+                           ("untrained_tool_calls", r.untrained_tool_calls)):
             self.counts[key] += value
         self.counts["template_mismatches"] += sum(x.kind in ("prefix", "end") for x in r.mismatches)
         self.keep([x for x in r.mismatches if x.kind != "retokenized"])
@@ -453,14 +495,56 @@ def render_record(template: ChatTemplate, record: dict, cfg, tally: Tally, clien
     return r
 
 
+def takes_rendered_rows(recipe: Recipe, folder: RunFolder) -> bool:
+    """Whether render takes data.source's pre-rendered rows: gen said so (it had nothing to generate), or
+    has not run and the source's first row is pre-rendered."""
+    gen = folder.stage("gen") or {}
+    if gen.get("state") == "done":
+        return bool(gen.get("skipped"))
+    return source_is_rendered(recipe.data)
+
+
+def run_rendered(recipe: Recipe, folder: RunFolder, target: Target, template: ChatTemplate, t_start: float) -> dict:
+    """Pre-rendered rows written as extract reads them, trusted: checked to be ids of the target's
+    vocabulary and cut at render.max_length, not re-rendered through nor compared with the template (there
+    is no conversation to render); the manifest says so."""
+    from tqdm import tqdm
+
+    cfg, d = recipe.render, recipe.data
+    packed, counts = Packed(), {"rows": 0, "cut_at_max_length": 0, "skipped_no_loss": 0}
+    for where, row in tqdm(read_rendered(d), desc="render (pre-rendered)", unit="row"):
+        top = max(row["input_ids"])
+        if top >= target.vocab_size:
+            raise DataError(f"{where}: token id {top} is outside the target's vocabulary ({target.vocab_size}): "
+                            f"rendered for another tokenizer?")
+        counts["rows"] += 1
+        counts["cut_at_max_length"] += len(row["input_ids"]) > cfg.max_length
+        sample = (row["input_ids"][: cfg.max_length], row["loss_mask"][: cfg.max_length])
+        counts["skipped_no_loss"] += packed.add(row["id"], [sample])
+    if not packed.names:
+        raise DataError(f"{d.source}: no row with a loss token within render.max_length = {cfg.max_length}")
+    index = packed.save(folder.tokens, template, target)
+    counts.update(samples=len(packed.names), tokens=len(packed.ids), loss_tokens=index["num_loss_tokens"])
+    trusted = (f"{counts['rows']} pre-rendered rows of {d.source} taken as they are ({d.input_ids_field} + "
+               f"{d.loss_mask_field}), not re-rendered through the chat template")
+    print(f"render: {trusted}; {counts['samples']} samples, {counts['loss_tokens']:,} loss tokens, "
+          f"{counts['cut_at_max_length']} cut at {cfg.max_length} tokens\nnext: specdraft extract --run {folder.path}")
+    return folder.record("render", state="done", config=cfg, counts=counts, seconds=time.time() - t_start,
+                         extra={"trusted": trusted, "template": template.describe()})
+
+
 def run(recipe: Recipe, folder: RunFolder) -> dict:
     from tqdm import tqdm
 
     cfg = recipe.render
     t_start = time.time()
-    folder.require("gen")
+    rendered = takes_rendered_rows(recipe, folder)
+    if not rendered:
+        folder.require("gen")
     target = Target(recipe.target.model, recipe.target.aux_layer_ids)
     template = ChatTemplate.of_target(target, _template_kwargs(recipe))
+    if rendered:
+        return run_rendered(recipe, folder, target, template, t_start)
     src = folder.conversations
     tally, packed = Tally(), Packed()
     counts, examples = tally.counts, tally.examples
@@ -479,6 +563,9 @@ def run(recipe: Recipe, folder: RunFolder) -> dict:
     counts.update({"tokens": len(packed.ids), "loss_tokens": index["num_loss_tokens"]})
     for line in examples[:5]:
         print(f"render: {line}")
+    if counts["untrained_tool_calls"]:
+        print(f"render: {counts['untrained_tool_calls']} of {counts['tool_call_turns']} tool-calling turns are kept "
+              f"as context, not trained: the target's chat template does not write tool calls")
     print(f"render: {counts['samples']} samples from {counts['conversations']} conversations, "
           f"{counts['loss_tokens']:,} loss tokens; re-tokenization differs on "
           f"{counts['retokenized_differs']}/{counts['turns_with_token_ids']} turns with the target's ids; "
