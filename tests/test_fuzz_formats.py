@@ -1,10 +1,10 @@
-"""Property-based: whatever a drafter folder's config.json or a conversations file holds, `import`
-and the data readers either accept it or stop with one `specdraft: error:` line naming the file, exit 2.
-Never a traceback.
+"""Property-based: whatever a drafter folder's config.json holds, `import` either accepts it or stops
+with one `specdraft: error:` line naming the file, exit 2. Never a traceback. (The data readers have
+theirs in tests/test_data_formats.py.)
 
-Hypothesis starts from real files (a drafter folder specdraft writes, real-looking JSONL records) and
-changes one field at a time to values of the wrong kind, out of range, null or missing: the mistakes
-hand-edited and foreign files have.
+Hypothesis starts from real folders (a drafter specdraft writes, in both formats) and changes one field
+at a time to values of the wrong kind, out of range, null or missing: the mistakes hand-edited and
+foreign files have.
 """
 
 from __future__ import annotations
@@ -100,31 +100,3 @@ def test_import_reads_any_config_or_says_what_is_wrong(fmt, folders, tmp_path):
             assert not out.exists() or not any(out.iterdir()), "a refused import wrote a checkpoint"
 
     check()
-
-
-MESSAGE = {"role": "user", "content": "Write a haiku about the sea."}
-
-
-@SETTINGS
-@given(field=st.sampled_from(["messages", "role", "content", "id", "record"]), value=ODD_VALUES,
-       line=st.integers(0, 2))
-def test_conversation_files_are_read_or_refused_by_line(field, value, line, tmp_path_factory):
-    from specdraft.data.sources import DataError, read_source
-
-    records = [{"id": f"c{i}", "messages": [dict(MESSAGE), {"role": "assistant", "content": "Waves."}]}
-               for i in range(3)]
-    bad = records[line]
-    if field == "record":
-        records[line] = value
-    elif field in ("messages", "id"):
-        bad[field] = value
-    else:
-        bad["messages"][0][field] = value
-    path = tmp_path_factory.mktemp("jsonl") / "chats.jsonl"
-    path.write_text("".join(json.dumps(r, allow_nan=True) + "\n" for r in records))
-    try:
-        read = list(read_source(str(path)))
-    except DataError as e:
-        assert f"chats.jsonl:{line + 1}" in str(e), str(e)
-        return
-    assert len(read) == 3
