@@ -9,6 +9,8 @@ hidden states, in the same trainer loop, and is measured by the same eval. What 
 - `positions` and `loss_weights`: how many statistic rows that is and the weight of each in the
   logged loss (EAGLE-3: TTT steps decaying by step_weight_decay; DFlash: block slots decaying by
   exp(-(j - 1) / gamma));
+- `plan_config` and `queries`: what plan bills (the drafter's config; how many drafter queries a
+  batch token costs: EAGLE-3 one per TTT step, DFlash block_size per anchor);
 - `decodings`: the reference decoder's ways of drafting, each a function of (runner, drafter, prompt,
   max_new, eos, stats) (EAGLE-3: a chain and a tree; DFlash: one block per round).
 
@@ -56,6 +58,8 @@ class Method:
     loss_weights: Callable  # TrainConfig -> weight of each row in the logged loss
     decodings: Callable  # (target runner, drafter, EvalConfig) -> {name: Decode}, the first headlining the report
     check: Callable  # TrainConfig -> None, raising ValueError for a choice the method does not take
+    plan_config: Callable  # (Target, TrainConfig) -> the drafter's config, for plan's bill
+    queries: Callable  # TrainConfig -> drafter queries per batch token (each through every drafter layer)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -152,6 +156,19 @@ def dflash_decodings(runner, drafter: DFlashDrafter, cfg: EvalConfig) -> dict[st
                             speculative_dflash)}
 
 
+def plan_dflash(target, cfg: TrainConfig) -> DFlashConfig:
+    """The drafter build_dflash makes, without reading the tokenizer: the mask token's id does not
+    change the bill."""
+    return DFlashConfig.from_target(target, mask_token_id=max(0, cfg.mask_token_id), block_size=cfg.block_size,
+                                    num_layers=cfg.dflash_layers, draft_vocab_size=cfg.draft_vocab_size or None)
+
+
+def dflash_queries(cfg: TrainConfig) -> float:
+    """Block slots per batch token, at most: dflash_anchors blocks of block_size per packed row of
+    batch_tokens (fewer where a row has fewer assistant tokens)."""
+    return min(cfg.dflash_anchors, cfg.batch_tokens) * cfg.block_size / cfg.batch_tokens
+
+
 def check_dflash(cfg: TrainConfig) -> None:
     if cfg.init_from:
         raise ValueError("train.init_from starts from a published EAGLE-3 drafter; with train.method = 'dflash' "
@@ -165,10 +182,12 @@ def check_dflash(cfg: TrainConfig) -> None:
 METHODS: dict[str, Method] = {
     "eagle3": Method("eagle3", build_eagle3, eagle3_objective, lambda cfg: cfg.ttt_steps,
                      lambda cfg: [cfg.step_weight_decay ** i for i in range(cfg.ttt_steps)],
-                     eagle3_decodings, check_eagle3),
+                     eagle3_decodings, check_eagle3,
+                     lambda target, cfg: DrafterConfig.from_target(target, cfg.draft_vocab_size),
+                     lambda cfg: cfg.ttt_steps),
     "dflash": Method("dflash", build_dflash, dflash_objective, lambda cfg: cfg.block_size - 1,
                      lambda cfg: slot_weights(cfg.block_size, cfg.dflash_gamma)[1:].tolist(),
-                     dflash_decodings, check_dflash),
+                     dflash_decodings, check_dflash, plan_dflash, dflash_queries),
 }
 
 

@@ -43,6 +43,11 @@ _TAGS = ("__tensor__", "__tuple__", "__items__")
 DRAFTERS = {"eagle3": (DrafterConfig, Eagle3Drafter), "dflash": (DFlashConfig, DFlashDrafter)}
 
 
+def drafter_of(config):
+    """The drafter of a config (of the method whose config it is), built on the current device."""
+    return next(cls for c, cls in DRAFTERS.values() if isinstance(config, c))(config)
+
+
 def target_tensors(config) -> set[str]:
     """The drafter's tensors that are the target's own, frozen: left out of checkpoints (read from the
     target on load). The embedding always; a DFlash lm_head over the whole vocabulary too."""
@@ -197,7 +202,7 @@ def save_training(path: Path, wrapped, optimizers: list, schedulers: list, confi
              "state": dict(state), "rng": rng_state()}
     # The copy written out is built on the CPU, and building it initialises weights from torch's RNG.
     with torch.random.fork_rng(devices=[]):
-        drafter = next(cls for c, cls in DRAFTERS.values() if isinstance(config, c))(config)
+        drafter = drafter_of(config)
     drafter.load_state_dict({k.removeprefix("drafter."): v for k, v in model_state.items()})
     save_checkpoint(drafter, path, meta, extra)
 
