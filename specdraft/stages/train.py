@@ -511,8 +511,8 @@ class Trainer:
             folder.checkpoints.mkdir(parents=True, exist_ok=True)
             folder.record("train", state="partial", config=cfg)
             keep_log_until(folder.train_log, self.state["step"])
-            print(f"train: {cfg.method} drafter, {len(self.train_idx)} samples (+{len(self.held_idx)} held out), draft vocab "
-                  f"{self.dcfg.draft_vocab_size} (covers {self.coverage:.1%} of answer tokens), "
+            print(f"train: {cfg.method} drafter, {len(self.train_idx)} samples (+{len(self.held_idx)} held out), "
+                  f"draft vocab {self.dcfg.draft_vocab_size} (covers {self.coverage:.1%} of answer tokens), "
                   f"{self.n_trainable / 1e6:.2f} M trainable parameters, {self.total_steps} steps on "
                   f"{self.world} process(es)" + (f", resumed at step {self.state['step']}" if resumed else ""))
 
