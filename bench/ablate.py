@@ -195,7 +195,8 @@ class Scorer:
         """τ of the reference decoder, chain and tree, over the held-out prompts (greedy)."""
         import torch
 
-        from specdraft.stages.eval import Stats, TreeShape, speculative
+        from specdraft.decoding.rounds import Stats, speculative
+        from specdraft.decoding.tree import TreeShape
 
         c = self.eval_cfg
         drafter = drafter.to(self.device, getattr(torch, c.dtype))

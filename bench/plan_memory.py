@@ -13,19 +13,19 @@ from __future__ import annotations
 import argparse
 import json
 import resource
+from dataclasses import replace
 
 import torch
 
 from specdraft import environment
 from specdraft.billing import (
-    drafter_config,
     drafter_parameters,
     read_target,
     training_memory,
 )
 from specdraft.config import load_recipe
 from specdraft.drafters import vocab
-from specdraft.drafters.eagle3 import Eagle3Drafter
+from specdraft.drafters.eagle3 import DrafterConfig, Eagle3Drafter
 from specdraft.drafters.ttt import TTT
 
 
@@ -50,7 +50,8 @@ def main() -> None:
         recipe.train.draft_vocab_size = args.draft_vocab
     spec = read_target(args.target)
     L = spec.num_layers
-    cfg = drafter_config(spec, recipe.target.aux_layer_ids or [2, L // 2, L - 3], recipe.train.draft_vocab_size)
+    cfg = replace(DrafterConfig.from_target(spec.target, recipe.train.draft_vocab_size),
+                  aux_layer_ids=list(recipe.target.aux_layer_ids or [2, L // 2, L - 3]))
     params = drafter_parameters(cfg)
     # The target's full lm_head is not part of this step (it only labels top tokens beforehand).
     plan = training_memory(cfg, params, recipe.train, args.batch_tokens, gpus=1, fsdp=False)

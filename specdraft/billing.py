@@ -26,8 +26,10 @@ from pathlib import Path
 from specdraft import environment
 from specdraft.config import Recipe
 from specdraft.data.sources import prompts
-from specdraft.drafters.eagle3 import DrafterConfig, Eagle3Drafter
+from specdraft.drafters.checkpoint import drafter_of
+from specdraft.drafters.eagle3 import DrafterConfig
 from specdraft.hidden.store import TOKEN_BYTES, bytes_per_token, disk_bytes_per_token
+from specdraft.methods import METHODS
 from specdraft.run import RunFolder
 from specdraft.targets import Target, template_thinking_markers
 
@@ -251,11 +253,6 @@ def expected_tokens(recipe: Recipe, folder: RunFolder | None, tokens_per_sample:
 
 # --- the drafter and its training memory ---------------------------------------------------------
 
-def drafter_config(spec: TargetSpec, aux_layer_ids: list[int], draft_vocab_size: int) -> DrafterConfig:
-    """The trainer's own drafter config for this target (`DrafterConfig.from_target`: head width and all)."""
-    return replace(DrafterConfig.from_target(spec.target, draft_vocab_size), aux_layer_ids=list(aux_layer_ids))
-
-
 def drafter_parameters(cfg, frozen_head: bool = False) -> dict:
     """Trainable and frozen parameters by part, from the drafter itself built on the meta device.
 
@@ -265,8 +262,9 @@ def drafter_parameters(cfg, frozen_head: bool = False) -> dict:
     import torch
 
     with torch.device("meta"):
-        drafter = Eagle3Drafter(cfg)
-    drafter.lm_head.weight.requires_grad_(not frozen_head)
+        drafter = drafter_of(cfg)
+    if frozen_head:  # a DFlash drafter sharing the target's lm_head has it frozen already
+        drafter.lm_head.weight.requires_grad_(False)
     parts: dict[str, dict] = {}
     for name, p in drafter.named_parameters():
         # "fc", "embed_tokens", "lm_head", "layers.0.self_attn", "layers.0.mlp"; every norm in "norms".
@@ -286,14 +284,17 @@ def _drafter_matmul_params(parts: dict) -> tuple[int, int]:
     return parts["fc"]["trainable"], step
 
 
-def train_flops_per_token(parts: dict, ttt_steps: int) -> int:
-    """Forward + backward (6 FLOPs per weight): fc once, the layer and lm_head once per TTT step."""
+def train_flops_per_token(parts: dict, queries: float) -> int:
+    """Forward + backward (6 FLOPs per weight): fc once, the layers and lm_head once per drafter query
+    (EAGLE-3: per TTT step; DFlash: per block slot)."""
     fc, step = _drafter_matmul_params(parts)
-    return 6 * (fc + ttt_steps * step)
+    return round(6 * (fc + queries * step))
 
 
-def activation_bytes(cfg, batch_tokens: int, row_tokens: int, ttt_steps: int) -> dict:
-    """Activations the current trainer keeps for backward over one packed batch (eager attention).
+def activation_bytes(cfg, batch_tokens: int, row_tokens: int, queries: float) -> dict:
+    """Activations the current trainer keeps for backward over one packed batch (eager attention), for
+    `queries` drafter queries per token (methods.Method.queries), each through every drafter layer
+    (a DFlash drafter of several layers is billed its logits once per layer: an upper bound).
 
     Per token and TTT step: the attention input (fp32 and its bf16 copy), q/k/v (bf16, and fp32 after
     rotary), the attention output, the MLP's normed input, gate, up, activation and product (bf16), and
@@ -309,8 +310,9 @@ def activation_bytes(cfg, batch_tokens: int, row_tokens: int, ttt_steps: int) ->
     attention = cfg.num_attention_heads * row_tokens * (FP32 + BF16)
     once = V * FP32 + len(cfg.aux_layer_ids) * cfg.target_hidden_size * (BF16 + FP32)
     transient = cfg.num_attention_heads * row_tokens * 2 * FP32
+    passes = queries * getattr(cfg, "num_layers", 1)  # EAGLE-3 has one layer
     return {"per_token_per_step": per_step + attention, "per_token_once": once, "per_token_transient": transient,
-            "batch": batch_tokens * (ttt_steps * (per_step + attention) + once + transient)}
+            "batch": round(batch_tokens * (passes * (per_step + attention) + once + transient))}
 
 
 def row_tokens_for(batch_tokens: int, tokens_per_sample: float) -> int:
@@ -342,7 +344,7 @@ def training_memory(cfg, params: dict, train, row_tokens: int, gpus: int, fsdp: 
         "weights": (trainable + frozen) * FP32 // shard + target_head_params * BF16,
         "grads": trainable * FP32 // shard,
         "optimizer": trainable * FP32 * ADAMW_STATES // shard,
-        "activations": activation_bytes(cfg, train.batch_tokens, row_tokens, train.ttt_steps)["batch"],
+        "activations": activation_bytes(cfg, train.batch_tokens, row_tokens, METHODS[train.method].queries(train))["batch"],
         "target": target_weight_bytes // max(1, gpus),
     }
     mem["total"] = sum(mem.values())
@@ -395,7 +397,7 @@ def time_table(recipe: Recipe, spec: TargetSpec, tokens: dict, parts: dict, stag
     ref_train = REFERENCES["gpu" if gpus else "cpu"]["train"]
     ref_parts = drafter_parameters(_reference_drafter(ref_train[2]))["parts"]
     train_scale = (train_flops_per_token(ref_parts, ref_train[3])
-                   / train_flops_per_token(parts, recipe.train.ttt_steps))
+                   / train_flops_per_token(parts, METHODS[recipe.train.method].queries(recipe.train)))
     row("train", tokens["tokens"] * recipe.train.epochs, "tokens x epochs", "train", "tokens_per_s",
         train_scale, "drafter training FLOPs ratio")
     if online and rows[-1]["source"].startswith("default"):  # a measured online rate includes the target
@@ -443,7 +445,7 @@ def make_plan(recipe: Recipe, folder: RunFolder | None = None, *, target: str | 
     per_token = bytes_per_token(n_states, spec.hidden_size, store_dtype)
     tokens = expected_tokens(recipe, folder, tokens_per_sample)
     hidden_bytes = tokens["tokens"] * disk_bytes_per_token(n_states, spec.hidden_size, store_dtype)
-    dcfg = drafter_config(spec, aux, recipe.train.draft_vocab_size)
+    dcfg = METHODS[recipe.train.method].plan_config(spec.target, recipe.train)
     params = drafter_parameters(dcfg, frozen_head=recipe.train.lm_head_init == "target-frozen")
     mach = machine(folder.path if folder is not None else None, gpus, gpu_memory_gib)
     n_gpus = mach["gpus"]
@@ -479,10 +481,10 @@ def make_plan(recipe: Recipe, folder: RunFolder | None = None, *, target: str | 
                    # Shards already extracted take no more free disk than they have.
                    "on_disk_bytes": _tree_bytes(folder.hidden) if folder is not None else 0},
         "tokens": tokens,
-        "drafter": {"config": dcfg.to_dict(), **params},
+        "drafter": {"method": recipe.train.method, "config": dcfg.to_dict(), **params},
         "train_memory": {"per_gpu": mem, "row_tokens": row_tokens,
                          "activation": activation_bytes(dcfg, recipe.train.batch_tokens, row_tokens,
-                                                        recipe.train.ttt_steps),
+                                                        METHODS[recipe.train.method].queries(recipe.train)),
                          "device": "gpu" if n_gpus else "cpu", "fsdp": sharded},
         "time": times,
         "total_seconds": round(sum(r["seconds"] for r in times), 1),

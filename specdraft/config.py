@@ -190,6 +190,9 @@ class ExtractConfig:
 
 @dataclass
 class TrainConfig:
+    # The drafter trained: "eagle3" (one token per drafter step, chained or in trees) or "dflash" (a whole
+    # block per drafter forward, docs/dflash.md). Every method reads the same extracted hidden states.
+    method: Literal["eagle3", "dflash"] = "eagle3"
     draft_vocab_size: int = 8192  # 0: the target's whole vocabulary
     # Training-time test: how many drafting steps are unrolled, and the weight decay per step.
     ttt_steps: int = 7
@@ -248,6 +251,17 @@ class TrainConfig:
     norm_output: bool = False
     # DataLoader processes that read and pack the hidden states while the step runs (0: in this process).
     loader_workers: int = 2
+    # DFlash only (docs/dflash.md). A block is the anchor plus block_size - 1 drafted tokens, served
+    # as num_speculative_tokens = block_size - 1; the published drafters use 16.
+    block_size: int = 16
+    dflash_layers: int = 1  # the drafter's decoder layers (the published drafters have 5)
+    dflash_gamma: float = 7.0  # slot j of a block weighs exp(-(j - 1) / gamma) in the loss
+    dflash_anchors: int = 512  # blocks drawn per packed row, at most
+    mask_token_id: int = -1  # the mask slots' token; -1: the target's default (dflash.default_mask_token)
+
+    # Lower bounds checked when a recipe or a --set gives the field (the value, inclusive).
+    AT_LEAST: typing.ClassVar[dict] = {"block_size": 2, "dflash_layers": 1, "dflash_anchors": 1,
+                                       "dflash_gamma": 1e-3, "mask_token_id": -1}
 
 
 @dataclass
@@ -386,8 +400,16 @@ def _fill(cls, values: dict, source: str, section: str = ""):
                 raise ConfigError(f"{source}: {name}: expected a table")
             setattr(obj, key, _fill(sub, value, source, name))
         else:
-            setattr(obj, key, _coerce(value, sub, f"{source}: {name}"))
+            setattr(obj, key, _at_least(cls, key, _coerce(value, sub, f"{source}: {name}"), f"{source}: {name}"))
     return obj
+
+
+def _at_least(cls, key: str, value, where: str):
+    """`value`, refused below the field's lower bound (the class's AT_LEAST, where it has one)."""
+    low = getattr(cls, "AT_LEAST", {}).get(key)
+    if low is not None and value < low:
+        raise ConfigError(f"{where}: {value!r} is below the least allowed, {low!r}")
+    return value
 
 
 def recipe_from_dict(values: dict, where: str = "recipe") -> Recipe:
@@ -426,7 +448,7 @@ def apply_override(recipe: Recipe, dotted: str, value) -> None:
     hints = typing.get_type_hints(type(obj))
     if key not in hints or dataclasses.is_dataclass(hints[key]):
         raise ConfigError(f"--set {dotted}: no field {key!r} in {type(obj).__name__}")
-    setattr(obj, key, _coerce(value, hints[key], f"--set {dotted}"))
+    setattr(obj, key, _at_least(type(obj), key, _coerce(value, hints[key], f"--set {dotted}"), f"--set {dotted}"))
 
 
 def apply_sets(recipe: Recipe, items: list[str]) -> Recipe:

@@ -35,6 +35,7 @@ def test_the_typed_fields_and_their_choices():
         "ExtractConfig.dtype": ("auto", "bfloat16", "float16", "float32"),
         "ExtractConfig.store_dtype": ("bfloat16", "fp8_e4m3"),
         "ExtractConfig.backend": ("transformers", "vllm"),
+        "TrainConfig.method": ("eagle3", "dflash"),
         "TrainConfig.optimizer": ("adamw", "muon"),
         "TrainConfig.autocast_dtype": ("auto", "bfloat16", "float32"),
         "TrainConfig.hidden": ("disk", "online"),
@@ -63,7 +64,8 @@ def test_the_stages_accept_the_same_choices():
     from specdraft.decoding.runners import ENGINES
     from specdraft.drafters.ttt import LOSSES
     from specdraft.hidden.store import STORE_DTYPES
-    from specdraft.stages.export import FORMATS
+    from specdraft.methods import METHODS
+    from specdraft.stages.export import FORMATS, WRITERS
     from specdraft.stages.gen import ANSWERS
     from specdraft.stages.train import HEAD_INITS, OPTIMIZERS
 
@@ -74,6 +76,15 @@ def test_the_stages_accept_the_same_choices():
     assert field_choices(ExtractConfig, "store_dtype") == STORE_DTYPES
     assert field_choices(ExportConfig, "formats") == (*FORMATS, "both")
     assert field_choices(GenConfig, "answers") == ANSWERS
+    assert field_choices(TrainConfig, "method") == tuple(METHODS) == tuple(WRITERS)
+
+
+def test_dflash_fields_are_bounded_when_loaded_and_when_set():
+    with pytest.raises(ConfigError, match=r"train.block_size: 1 is below the least allowed, 2"):
+        recipe_from_dict({"train": {"method": "dflash", "block_size": 1}})
+    with pytest.raises(ConfigError, match=r"--set train.mask_token_id: -2 is below"):
+        apply_sets(Recipe(), ["train.mask_token_id=-2"])
+    assert apply_sets(Recipe(), ["train.method=dflash", "train.block_size=2"]).train.block_size == 2
 
 
 def test_a_list_of_choices_checks_each_item():

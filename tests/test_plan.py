@@ -135,6 +135,27 @@ def test_smollm2_plan_is_the_trainers_drafter(target):
     assert all(r["source"].startswith("default:") for r in plan["time"])
 
 
+@pytest.mark.parametrize("draft_vocab_size", [0, 512])
+def test_a_dflash_plan_bills_the_drafter_the_trainer_builds(target, draft_vocab_size):
+    """train.method = dflash: the parameters of the drafter methods.build_dflash makes for real (the
+    target's lm_head frozen when the vocabulary is the target's), and activations growing with the
+    block slots trained per token."""
+    import torch
+
+    from specdraft.config import apply_sets
+    from specdraft.methods import build_dflash
+
+    recipe = apply_sets(load_recipe("smollm2-cpu"), ["train.method=dflash", f"train.draft_vocab_size={draft_vocab_size}"])
+    plan = make_plan(recipe)
+    real = build_dflash(recipe.train, target, torch.ones(target.vocab_size))
+    assert plan["drafter"]["method"] == "dflash"
+    assert plan["drafter"]["trainable"] == sum(p.numel() for p in real.parameters() if p.requires_grad)
+    assert plan["drafter"]["frozen"] - plan["drafter"]["parts"]["teacher_head"]["frozen"] == sum(
+        p.numel() for p in real.parameters() if not p.requires_grad)
+    bigger = make_plan(apply_sets(recipe, [f"train.block_size={2 * recipe.train.block_size}"]))
+    assert bigger["train_memory"]["per_gpu"]["activations"] > 1.5 * plan["train_memory"]["per_gpu"]["activations"]
+
+
 def test_a_plan_that_does_not_fit_recommends_with_numbers(tmp_path):
     """Through the CLI with a config folder: more hidden states than the disk holds, and a drafter that
     needs more than one GPU's memory, give online / fp8 / fewer samples / FSDP, each with its figures."""

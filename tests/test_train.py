@@ -146,7 +146,7 @@ def test_init_from_names_what_does_not_fit(tmp_path):
     """Starting from a published drafter checks every shape against the target's drafter; a drafter
     for another target is refused with each tensor that does not fit."""
     from specdraft.drafters.formats import write_sglang
-    from specdraft.stages.train import init_from
+    from specdraft.drafters.checkpoint import init_from
 
     def drafter(hidden, vocab):
         from specdraft.drafters import vocab as vocabulary

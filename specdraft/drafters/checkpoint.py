@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from specdraft.config import Recipe
+from specdraft.drafters.dflash import DFlashConfig, DFlashDrafter
 from specdraft.drafters.eagle3 import DrafterConfig, Eagle3Drafter
 from specdraft.drafters.formats import read_drafter
 from specdraft.run import RunFolder, write_json
@@ -36,6 +37,21 @@ TRAINER_FORMAT, TRAINER_VERSION = "specdraft trainer state", 1
 PICKLED = "trainer.pt"  # what specdraft wrote before: a pickle, never read
 
 _TAGS = ("__tensor__", "__tuple__", "__items__")
+
+# The drafter of each method (train.method), with its config: a checkpoint's config.json names its
+# method, and one without that name predates DFlash (EAGLE-3).
+DRAFTERS = {"eagle3": (DrafterConfig, Eagle3Drafter), "dflash": (DFlashConfig, DFlashDrafter)}
+
+
+def drafter_of(config):
+    """The drafter of a config (of the method whose config it is), built on the current device."""
+    return next(cls for c, cls in DRAFTERS.values() if isinstance(config, c))(config)
+
+
+def target_tensors(config) -> set[str]:
+    """The drafter's tensors that are the target's own, frozen: left out of checkpoints (read from the
+    target on load). The embedding always; a DFlash lm_head over the whole vocabulary too."""
+    return {"embed_tokens.weight"} | ({"lm_head.weight"} if getattr(config, "shares_lm_head", False) else set())
 
 
 def flatten_state(state) -> tuple[dict[str, torch.Tensor], object]:
@@ -117,18 +133,20 @@ def load_trainer_state(path: Path) -> dict:
     return unflatten_state(doc["state"], load_file(str(path / TRAINER_TENSORS), device="cpu"))
 
 
-def save_checkpoint(drafter: Eagle3Drafter, path: Path, meta: dict, extra: dict | None = None) -> None:
+def save_checkpoint(drafter, path: Path, meta: dict, extra: dict | None = None) -> None:
     """A checkpoint folder, written whole under a temporary name, marked complete, then renamed. The
-    embedding is left out: it is the target's, read from there on load. `extra` (optimizer, scheduler,
-    data position, RNG) goes to trainer.safetensors + trainer.json for resuming."""
+    target's own tensors are left out (target_tensors), read from the target on load; config.json
+    names the method. `extra` (optimizer, scheduler, data position, RNG) goes to trainer.safetensors +
+    trainer.json for resuming."""
     from safetensors.torch import save_file
 
     tmp = path.with_name(f".{path.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    state = {k: v.detach().cpu().contiguous() for k, v in drafter.state_dict().items() if k != "embed_tokens.weight"}
+    shared = target_tensors(drafter.config)
+    state = {k: v.detach().cpu().contiguous() for k, v in drafter.state_dict().items() if k not in shared}
     save_file(state, str(tmp / "model.safetensors"))
-    write_json(tmp / "config.json", {"drafter": drafter.config.to_dict(), **meta})
+    write_json(tmp / "config.json", {"drafter": drafter.config.to_dict(), **meta, "method": drafter.METHOD})
     if extra is not None:
         save_trainer_state(tmp, extra)
     (tmp / COMPLETE).write_text("")
@@ -160,11 +178,11 @@ def set_rng_state(rng: dict) -> None:
     np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
 
 
-def save_training(path: Path, wrapped, optimizers: list, schedulers: list, config: DrafterConfig, meta: dict,
+def save_training(path: Path, wrapped, optimizers: list, schedulers: list, config, meta: dict,
                   state: dict, rank: int) -> None:
     """A resumable checkpoint of the drafter in training: its weights, plus the trainable weights,
     optimizer and scheduler states, `state` (step, tokens, ...) and RNG (see the module's doc). `wrapped`
-    is the TTT module, under DDP or FSDP or neither. Every process calls it, since gathering the full
+    is the method's objective module, under DDP or FSDP or neither; `config` the drafter's config. Every process calls it, since gathering the full
     state dicts is collective; only rank 0 writes. It draws nothing from the RNG: a run that goes on
     after it continues the stream a run resumed from it starts with."""
     from torch.distributed.checkpoint.state_dict import (
@@ -178,12 +196,13 @@ def save_training(path: Path, wrapped, optimizers: list, schedulers: list, confi
     optim_state = get_optimizer_state_dict(wrapped, optimizers, options=full)
     if rank != 0:
         return
-    trainable = {k: v for k, v in model_state.items() if "embed_tokens" not in k}
+    shared = {f"drafter.{name}" for name in target_tensors(config)}
+    trainable = {k: v for k, v in model_state.items() if k not in shared}
     extra = {"model": trainable, "optimizer": optim_state, "scheduler": [x.state_dict() for x in schedulers],
              "state": dict(state), "rng": rng_state()}
     # The copy written out is built on the CPU, and building it initialises weights from torch's RNG.
     with torch.random.fork_rng(devices=[]):
-        drafter = Eagle3Drafter(config)
+        drafter = drafter_of(config)
     drafter.load_state_dict({k.removeprefix("drafter."): v for k, v in model_state.items()})
     save_checkpoint(drafter, path, meta, extra)
 
@@ -207,17 +226,23 @@ def load_training(path: Path, wrapped, optimizers: list, schedulers: list) -> di
     return extra["state"]
 
 
-def load_checkpoint(path: Path, embed: torch.Tensor | None = None) -> tuple[Eagle3Drafter, dict]:
+def load_checkpoint(path: Path, embed: torch.Tensor | None = None, head: torch.Tensor | None = None
+                    ) -> tuple[Eagle3Drafter | DFlashDrafter, dict]:
+    """The drafter of a checkpoint, of the method its config.json names, with the target's `embed` (and
+    `head`, the target's lm_head weight, for a DFlash drafter sharing it) where the checkpoint left them
+    out."""
     from safetensors.torch import load_file
 
     path = Path(path)
     meta = json.loads((path / "config.json").read_text())
-    drafter = Eagle3Drafter(DrafterConfig(**meta["drafter"]))
+    config_cls, drafter_cls = DRAFTERS[meta.get("method", "eagle3")]
+    drafter = drafter_cls(config_cls(**meta["drafter"]))
     state = load_file(str(path / "model.safetensors"))
-    if "embed_tokens.weight" not in state:
-        if embed is None:
-            raise ValueError(f"{path}: checkpoint has no embedding; pass the target's")
-        state["embed_tokens.weight"] = embed
+    given = {"embed_tokens.weight": embed, "lm_head.weight": head}
+    for name in target_tensors(drafter.config) - set(state):
+        if given[name] is None:
+            raise ValueError(f"{path}: checkpoint has no {name}; pass the target's")
+        state[name] = given[name]
     drafter.load_state_dict(state)
     return drafter.eval(), meta
 
@@ -231,7 +256,9 @@ def load_trained(recipe: Recipe, folder: RunFolder):
     meta = json.loads((ckpt / "config.json").read_text())
     target = Target(recipe.target.model, meta["aux_layer_ids"])
     embed = target.embed_weight()
-    drafter, _ = load_checkpoint(ckpt, embed)
+    config_cls, _ = DRAFTERS[meta.get("method", "eagle3")]
+    head = target.head_weight() if "lm_head.weight" in target_tensors(config_cls(**meta["drafter"])) else None
+    drafter, _ = load_checkpoint(ckpt, embed, head)
     return drafter, target, embed
 
 

@@ -197,6 +197,8 @@ class DecoderLayer(nn.Module):
 
 
 class DFlashDrafter(nn.Module):
+    METHOD = "dflash"  # train.method; recorded in checkpoints (specdraft/methods.py)
+
     def __init__(self, cfg: DFlashConfig):
         super().__init__()
         self.config = cfg

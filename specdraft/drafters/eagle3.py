@@ -287,6 +287,8 @@ class DecoderLayer(nn.Module):
 
 
 class Eagle3Drafter(nn.Module):
+    METHOD = "eagle3"  # train.method; recorded in checkpoints (specdraft/methods.py)
+
     def __init__(self, cfg: DrafterConfig):
         super().__init__()
         self.config = cfg

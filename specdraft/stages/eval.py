@@ -1,8 +1,10 @@
 """eval: the trained drafter measured with the reference speculative decoder (specdraft.decoding), exact.
 
-Every held-out prompt (or one of `eval.prompts_file`) is decoded three ways on one engine: plain greedy,
-greedy with chain drafts and greedy with EAGLE-2 dynamic trees; with `temperature` > 0, sampled chains
-too. Writes eval/report.json, report.md and the accepted-length histogram.
+Every held-out prompt (or one of `eval.prompts_file`) is decoded on one engine plainly (greedy) and in
+each way its method drafts (specdraft/methods.py): an EAGLE-3 drafter with chain drafts and with
+EAGLE-2 dynamic trees (with `temperature` > 0, sampled chains too); a DFlash drafter one block of
+block_size - 1 drafts per round, verified by one target forward (decoding/dflash.py). Writes
+eval/report.json, report.md (both naming the method) and the accepted-length histogram.
 
 Each round the drafter proposes a tree of tokens from the target's aux states: the root is the last
 accepted token; every depth expands the `tree_topk` best nodes so far (by cumulative draft log-prob)
@@ -45,12 +47,12 @@ from specdraft.decoding.rounds import (
     check_exact,
     greedy,
     leviathan_bound,
-    speculative,
     speculative_sampled,
 )
 from specdraft.decoding.runners import TargetRunner, make_runner, sync
-from specdraft.decoding.tree import TreeShape, decode_capacity
+from specdraft.decoding.tree import decode_capacity
 from specdraft.drafters.checkpoint import load_trained
+from specdraft.methods import decodings_for
 from specdraft.run import RunFolder, atomic_path, write_json, write_text
 from specdraft.targets import Target, resolve_device
 
@@ -113,30 +115,21 @@ def plot_histogram(hists: dict[str, list[int]], path: Path) -> None:
     plt.close(fig)
 
 
-def decode_shapes(runner: TargetRunner, cfg) -> dict[str, TreeShape]:
-    """The chain and the tree each prompt is decoded with."""
-    tree = TreeShape(cfg.tree_topk, cfg.tree_depth, cfg.tree_tokens)
-    if "sliding" in runner.target.family.attention and tree.topk > 1:
-        # A tree's 4-D mask replaces the model's own, which is where sliding windows and attention
-        # sinks live (gpt-oss): verified that way the tree is not exact. Such targets are measured with
-        # chains (a chain's mask is the model's causal one).
-        print(f"eval: {runner.target.family.attention} attention: tree drafting measured as a chain of {tree.depth}")
-        tree = TreeShape.chain(tree.depth)
-    return {"chain": TreeShape.chain(cfg.draft_tokens), "tree": tree}
-
-
 def evaluate(runner: TargetRunner, drafter, prompts: list[dict], cfg, eos: int) -> dict:
-    """Greedy AR, chain and tree decoding of every prompt with the same engine: exactness and figures."""
+    """Greedy AR and every drafting of the drafter's method (chain and tree, or block) on every prompt
+    with the same engine: exactness and figures."""
     from tqdm import tqdm
 
-    shapes = decode_shapes(runner, cfg)
+    shapes = decodings_for(drafter, runner, cfg)
     stats = {name: Stats(shape.depth) for name, shape in shapes.items()}
     seconds, tokens = dict.fromkeys(("ar", *shapes), 0.0), dict.fromkeys(("ar", *shapes), 0)
     ties = dict.fromkeys(shapes, 0)
     per_prompt = []
     by_category = defaultdict(lambda: {"prompts": 0, **{name: Stats(shape.depth) for name, shape in shapes.items()}})
     # Sized once for every prompt: a static cache that grew mid-run would recapture its graphs in the timing.
-    runner.reserve(decode_capacity(prompts, cfg))
+    # A round feeds at most its drafts and the last token past the kept ones.
+    runner.reserve(max(decode_capacity(prompts, cfg), max(len(p["prompt_ids"]) for p in prompts)
+                       + cfg.max_new_tokens + 1 + max(shape.depth for shape in shapes.values())))
     for p in tqdm(prompts, desc="eval", unit="prompt"):
         sync(runner.device)
         t0 = time.perf_counter()
@@ -150,7 +143,7 @@ def evaluate(runner: TargetRunner, drafter, prompts: list[dict], cfg, eos: int) 
         for name, shape in shapes.items():
             rounds_before, hist_before = stats[name].rounds, list(stats[name].accepted_hist)
             t0 = time.perf_counter()
-            spec = speculative(runner, drafter, p["prompt_ids"], cfg.max_new_tokens, eos, shape, stats[name])
+            spec = shape.run(runner, drafter, p["prompt_ids"], cfg.max_new_tokens, eos, stats[name])
             sync(runner.device)
             took[name] = time.perf_counter() - t0
             tokens[name] += len(spec)
@@ -171,13 +164,13 @@ def evaluate(runner: TargetRunner, drafter, prompts: list[dict], cfg, eos: int) 
               "seconds_per_prompt": {k: round(v / len(prompts), 4) for k, v in seconds.items()}}
     for name, shape in shapes.items():
         tps = tokens[name] / seconds[name]
-        report[name] = {**stats[name].summary(), "shape": vars(shape), "exact_prompts": len(prompts) - ties[name],
+        report[name] = {**stats[name].summary(), "shape": shape.shape, "exact_prompts": len(prompts) - ties[name],
                         "numerical_ties": ties[name], "speculative_tokens_per_s": round(tps, 2),
                         **speed_figures(stats[name], shape.depth, tps / ar_tps, ar_step)}
     if len(by_category) > 1 or "all" not in by_category:
-        report["per_category"] = {k: {"prompts": v["prompts"], "tau_chain": round(v["chain"].tau, 4),
-                                      "tau_tree": round(v["tree"].tau, 4),
-                                      "per_position_acceptance_chain": v["chain"].summary()["per_position_acceptance"]}
+        first = next(iter(shapes))
+        report["per_category"] = {k: {"prompts": v["prompts"], **{f"tau_{n}": round(v[n].tau, 4) for n in shapes},
+                                      f"per_position_acceptance_{first}": v[first].summary()["per_position_acceptance"]}
                                   for k, v in sorted(by_category.items())}
     report["per_prompt"] = per_prompt
     return report
@@ -211,23 +204,27 @@ def run(recipe: Recipe, folder: RunFolder) -> dict:
     runner = make_runner(target, target.load_model(cfg.dtype, device=str(device)), cfg.engine)
     prompts = load_prompts(recipe, target)
     report = evaluate(runner, drafter, prompts, cfg, target.eos_token_id)
-    # Top-level figures are the chain's: what vLLM's num_speculative_tokens = K serves.
-    report = {"prompts": report["prompts"], "draft_tokens": cfg.draft_tokens,
-              **{k: v for k, v in report["chain"].items() if k != "shape"},
+    names = [k for k in report if isinstance(report[k], dict) and "tau" in report[k]]  # the drafting ways
+    # Top-level figures are the first drafting's (EAGLE-3's chain, DFlash's block): what vLLM's
+    # num_speculative_tokens = K serves.
+    report = {"method": drafter.METHOD, "drafting": names, "prompts": report["prompts"],
+              "draft_tokens": report[names[0]]["shape"].get("depth", report[names[0]]["shape"].get("drafted")),
+              **{k: v for k, v in report[names[0]].items() if k != "shape"},
               "autoregressive_tokens_per_s": report["autoregressive_tokens_per_s"],
               **{k: v for k, v in report.items() if k not in ("prompts", "autoregressive_tokens_per_s")}}
-    if cfg.temperature > 0:
+    if cfg.temperature > 0 and "chain" in names:  # sampled rounds are EAGLE-3 chains
         report["sampled"] = sampled_tau(runner, drafter, prompts, cfg, target.eos_token_id, recipe.train.seed)
     report.update({"dtype": cfg.dtype, "device": str(device), "hardware": environment.hardware_line()})
     out = folder.eval
     write_json(out / "report.json", report)
-    plot_histogram({"chain": report["chain"]["accepted_length_histogram"],
-                    "tree": report["tree"]["accepted_length_histogram"]}, out / "accepted_lengths.png")
+    plot_histogram({n: report[n]["accepted_length_histogram"] for n in names}, out / "accepted_lengths.png")
     write_text(out / "report.md", render_markdown(report))
-    metrics = {k: report[k] for k in ("tau", "per_position_acceptance", "speedup", "autoregressive_tokens_per_s",
-                                      "speculative_tokens_per_s", "draft_to_target_cost", "leviathan_bound")}
-    metrics["tau_tree"] = report["tree"]["tau"]
-    print(f"eval: tau chain {report['tau']:.3f}, tree {report['tree']['tau']:.3f}; report {out / 'report.md'}")
+    metrics = {k: report[k] for k in ("method", "tau", "per_position_acceptance", "speedup",
+                                      "autoregressive_tokens_per_s", "speculative_tokens_per_s",
+                                      "draft_to_target_cost", "leviathan_bound")}
+    metrics.update({f"tau_{n}": report[n]["tau"] for n in names[1:]})
+    print(f"eval: {drafter.METHOD} drafter, " + ", ".join(f"tau {n} {report[n]['tau']:.3f}" for n in names)
+          + f"; report {out / 'report.md'}")
     print(f"next: measure the served drafter: specdraft bench --run {folder.path} --endpoint URL")
     return folder.record("eval", state="done", config=cfg, metrics=metrics,
                       counts={"prompts": len(prompts), "exact": report["exact_prompts"],
@@ -235,9 +232,16 @@ def run(recipe: Recipe, folder: RunFolder) -> dict:
                       seconds=time.time() - t_start)
 
 
+def describe_shape(shape: dict) -> str:
+    """A drafting's shape as the report's table reads it."""
+    if "topk" in shape:
+        return f"top-k {shape['topk']}, depth {shape['depth']}, {shape['tokens']} tokens"
+    return f"block of {shape['block_size']}: {shape['drafted']} drafted per forward"
+
+
 def render_markdown(r: dict) -> str:
     lines = [
-        "# Drafter evaluation (reference decoder, greedy, exact)",
+        f"# {r['method']} drafter evaluation (reference decoder, greedy, exact)",
         "",
         f"- prompts: {r['prompts']}; dtype {r['dtype']}; device {r['device']}; hardware: {r['hardware']}",
         f"- engine: {r['engine']}; autoregressive decode (same engine): {r['autoregressive_tokens_per_s']} tok/s",
@@ -245,16 +249,15 @@ def render_markdown(r: dict) -> str:
         "| drafting | shape | tau | per-position acceptance | exact / ties | tok/s | speedup | c | α | bound |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for name in ("chain", "tree"):
+    for name in r["drafting"]:
         s = r[name]
-        shape = s["shape"]
         pos = " / ".join(f"{a:.2f}" for a in s["per_position_acceptance"])
-        lines.append(f"| {name} | top-k {shape['topk']}, depth {shape['depth']}, {shape['tokens']} tokens | "
+        lines.append(f"| {name} | {describe_shape(s['shape'])} | "
                      f"**{s['tau']:.3f}** | {pos} | {s['exact_prompts']} / {s['numerical_ties']} | "
                      f"{s['speculative_tokens_per_s']} | {s['speedup']}x | {s['draft_to_target_cost']} | "
                      f"{s['alpha']} | {s['leviathan_bound']}x |")
     lines += ["", ("Accepted-length histograms (0..depth): "
-                   f"chain {r['chain']['accepted_length_histogram']}, tree {r['tree']['accepted_length_histogram']}."),
+                   + ", ".join(f"{n} {r[n]['accepted_length_histogram']}" for n in r["drafting"]) + "."),
               ("The bound is Leviathan et al.'s S = (1 − α^(γ+1)) / ((1 − α)(γc + 1)) with γ = depth, α from tau, "
                "c = one drafting step / one autoregressive target step.")]
     if "sampled" in r:
@@ -262,7 +265,10 @@ def render_markdown(r: dict) -> str:
         lines.append(f"\nSampled chain (temperature {s['temperature']}, exact rejection sampling): tau {s['tau']:.3f}, "
                      f"per-position acceptance {' / '.join(f'{a:.2f}' for a in s['per_position_acceptance'])}")
     if "per_category" in r:
-        lines += ["", "| category | prompts | tau chain | tau tree |", "|---|---|---|---|"]
-        lines += [f"| {k} | {v['prompts']} | {v['tau_chain']} | {v['tau_tree']} |" for k, v in r["per_category"].items()]
+        names = r["drafting"]
+        lines += ["", "| category | prompts | " + " | ".join(f"tau {n}" for n in names) + " |",
+                  "|---|---|" + "---|" * len(names)]
+        lines += [f"| {k} | {v['prompts']} | " + " | ".join(str(v[f"tau_{n}"]) for n in names) + " |"
+                  for k, v in r["per_category"].items()]
     lines += ["", "![accepted lengths](accepted_lengths.png)", ""]
     return "\n".join(lines)

@@ -1,6 +1,8 @@
 """export: the drafter folders the engines load (export/vllm, export/sglang), every field written
-explicitly, and the command that serves each; after eval, the number of speculative tokens with the
-best expected speedup from the measured acceptance.
+explicitly, and the command that serves each. An EAGLE-3 drafter: vLLM's speculators format and the
+flat SGLang one, with (after eval) the number of speculative tokens of the best expected speedup from
+the measured acceptance. A DFlash drafter: vLLM's `method: dflash` folder (drafters/dflash_format.py),
+served with num_speculative_tokens = block_size - 1, the block it was trained on.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from pathlib import Path
 import torch
 
 from specdraft.drafters.checkpoint import load_trained
+from specdraft.drafters.dflash_format import serve_spec, write_dflash
 from specdraft.drafters.formats import FLAT_ARCHITECTURE, write_sglang, write_vllm
 
 
@@ -81,10 +84,37 @@ def choose_speculative_tokens(folder, default: int) -> dict:
 
 
 def run(recipe, folder) -> dict:
-
-    cfg = recipe.export
+    """The trained drafter's folders, by its method (WRITERS)."""
     t_start = time.time()
-    formats = resolve_formats(cfg.formats)
+    formats = resolve_formats(recipe.export.formats)
+    drafter, target, embed = load_trained(recipe, folder)
+    return WRITERS[drafter.METHOD](recipe, folder, formats, drafter, target, embed, t_start)
+
+
+def export_dflash(recipe, folder, formats: list[str], drafter, target, embed, t_start: float) -> dict:
+    """vLLM's DFlash folder and its serve command; refused before anything is written where vLLM would
+    not load it or would serve it as another network (dflash_format.problems)."""
+    if formats != ["vllm"]:
+        raise ValueError(f"export: a DFlash drafter has vLLM's folder format only, not {formats}; "
+                         "use --formats vllm")
+    out = folder.export("vllm")
+    write_dflash(drafter, out, target_num_layers=target.num_layers, provenance=provenance(recipe.name))
+    spec = serve_spec(out.resolve(), drafter.config)
+    command = f"vllm serve {target.path} --speculative-config '{json.dumps(spec)}'"
+    print(f"export: vLLM DFlash drafter in {out} (block of {drafter.config.block_size}, mask token "
+          f"{drafter.config.mask_token_id})\n  serve it with:\n  {command}\n\nnext: specdraft doctor {out}")
+    k = {"value": spec["num_speculative_tokens"], "source": "block_size - 1 (the block the drafter was trained on)"}
+    return folder.record("export", state="done", config=recipe.export, counts={"formats": 1},
+                         seconds=time.time() - t_start,
+                         extra={"method": "dflash", "serve_command": command, "serve_commands": {"vllm": command},
+                                "folders": {"vllm": {"path": str(out.relative_to(folder.path)),
+                                                     "format": "DFlash (DFlashDraftModel)"}},
+                                "embed_included": False, "speculative_tokens": k})
+
+
+def export_eagle3(recipe, folder, formats: list[str], drafter, target, embed, t_start: float) -> dict:
+    """The speculators and flat folders, with the K of the best expected speedup once eval measured it."""
+    cfg = recipe.export
     k = choose_speculative_tokens(folder, cfg.speculative_tokens)
     speculative_tokens = k["value"]
     if "expected_speedup" in k:
@@ -93,7 +123,6 @@ def run(recipe, folder) -> dict:
               f"({table}; draft/target cost {k['draft_to_target_cost']})")
     else:
         print(f"export: {speculative_tokens} speculative tokens from the {k['source']}")
-    drafter, target, embed = load_trained(recipe, folder)
     # The embedding is frozen at the target's during training, so the engine's shared copy is identical.
     include_embed = not torch.equal(drafter.embed_tokens.weight.detach(), embed.float())
     written, commands = {}, {}
@@ -116,6 +145,9 @@ def run(recipe, folder) -> dict:
     print(f"\nnext: specdraft doctor {folder.export(formats[0])}")
     return folder.record("export", state="done", config=cfg, counts={"formats": len(written)},
                       seconds=time.time() - t_start,
-                      extra={"folders": written, "serve_command": commands[formats[0]],
+                      extra={"method": "eagle3", "folders": written, "serve_command": commands[formats[0]],
                              "serve_commands": commands, "embed_included": include_embed,
                              "speculative_tokens": k})
+
+
+WRITERS = {"eagle3": export_eagle3, "dflash": export_dflash}

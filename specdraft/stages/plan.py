@@ -28,7 +28,7 @@ def render_text(plan: dict) -> str:
         f"  disk: {human_bytes(h['disk_bytes_if_disk'])}" + (" (not written: train.hidden = online)"
                                                          if h["mode"] == "online" else ""),
         "",
-        (f"drafter: {d['trainable'] / 1e6:,.1f} M trainable, {d['frozen'] / 1e6:,.1f} M frozen, "
+        (f"drafter ({d['method']}): {d['trainable'] / 1e6:,.1f} M trainable, {d['frozen'] / 1e6:,.1f} M frozen, "
          f"{d['total'] / 1e6:,.1f} M total"),
     ]
     for part, n in d["parts"].items():

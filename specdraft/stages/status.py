@@ -221,12 +221,19 @@ def _goal(recipe: dict) -> dict:
     hidden = "on the fly (online)" if tr.get("hidden") == "online" else "extracted to disk"
     answers = ("with the source's own answers" if g.get("answers") == "source" else
                f"whose answers the target writes itself (up to {g['max_new_tokens']} tokens each)")
-    text = (f"{recipe.get('description') or 'An EAGLE-3 drafter'}. Target: {t['model']}. Data: "
+    vocab = f"a {tr['draft_vocab_size']}-token draft vocabulary" if tr["draft_vocab_size"] else "the whole vocabulary"
+    if tr.get("method") == "dflash":
+        drafter = (f"DFlash drafter ({tr['dflash_layers']} layer(s), blocks of {tr['block_size']}) trained for "
+                   f"{tr['epochs']} epochs with {vocab}, exported for vLLM")
+        k = tr["block_size"] - 1
+    else:
+        drafter = (f"EAGLE-3 drafter trained for {tr['epochs']} epochs with {tr['ttt_steps']} TTT steps and "
+                   f"{vocab}, exported for {', '.join(ex['formats'])}")
+        k = ev["draft_tokens"]
+    text = (f"{recipe.get('description') or 'A speculative-decoding drafter'}. Target: {t['model']}. Data: "
             f"{d['num_train'] or 'all train-split'} {d['source']} conversations {answers}, rendered with the "
-            f"target's own chat template, hidden states {hidden}. Done means: a drafter "
-            f"trained for {tr['epochs']} epochs with {tr['ttt_steps']} TTT steps and a {tr['draft_vocab_size']}-token "
-            f"draft vocabulary, exported for {', '.join(ex['formats'])}, and measured by eval: tau and per-position "
-            f"acceptance over {ev['num_prompts']} held-out prompts with K = {ev['draft_tokens']} draft tokens.")
+            f"target's own chat template, hidden states {hidden}. Done means: a {drafter}, and measured by eval: "
+            f"tau and per-position acceptance over {ev['num_prompts']} held-out prompts with K = {k} draft tokens.")
     return {"text": text, "source": "recipe"}
 
 

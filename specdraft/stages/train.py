@@ -1,5 +1,7 @@
-"""train: the EAGLE-3 drafter with training-time test (TTT), from the target's hidden states. The
-objective (what the drafter reads and predicts at each drafting step) is specdraft/drafters/ttt.py's.
+"""train: the drafter of train.method from the target's hidden states: EAGLE-3 with training-time
+test (specdraft/drafters/ttt.py's objective) or DFlash blocks (drafters/dflash_objective.py). What
+differs between methods (the drafter, its objective, its statistics) comes from specdraft/methods.py;
+the loop, the data, the checkpoints and resuming are one.
 
 Documents are packed into rows of `batch_tokens` tokens (no padding waste); attention and rotary
 positions stay per document, so a packed row computes exactly what the documents would alone.
@@ -32,11 +34,9 @@ from specdraft.drafters import vocab
 from specdraft.drafters.checkpoint import (
     COMPLETE,
     check_trainer_state,
-    init_from,
     load_training,
     save_training,
 )
-from specdraft.drafters.eagle3 import DrafterConfig, Eagle3Drafter
 from specdraft.drafters.ttt import (
     LOGIT_CHUNK,
     LOSSES,
@@ -46,6 +46,7 @@ from specdraft.drafters.ttt import (
     summarize,
 )
 from specdraft.hidden.online import open_hidden
+from specdraft.methods import METHODS
 from specdraft.run import RunFolder
 from specdraft.targets import Target, resolve_dtype
 
@@ -283,10 +284,10 @@ def all_sum(t: torch.Tensor, world: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def evaluate(model: TTT, source, rows, tops, cfg, device, autocast) -> dict:
+def evaluate(model: nn.Module, source, rows, tops, cfg, device, autocast) -> dict:
     """summarize()'s loss, accuracy, conditional acceptance and tau over the packed `rows`, the model in eval mode."""
     model.eval()
-    total = torch.zeros(cfg.ttt_steps, len(STAT_COLUMNS), device=device)
+    total = torch.zeros(METHODS[cfg.method].positions(cfg), len(STAT_COLUMNS), device=device)
     for row in rows:
         batch = to_device(collate(source, [row], tops, cfg.batch_tokens, fixed_shape(cfg, device)), device)
         with autocast:
@@ -360,6 +361,7 @@ def check_choices(cfg: TrainConfig) -> None:
     if cfg.optimizer == "muon" and cfg.parallel == "fsdp":
         # Muon orthogonalises whole matrices; FSDP holds each rank's shard only.
         raise ValueError("train.optimizer = 'muon' needs whole weight matrices: use train.parallel = 'ddp'")
+    METHODS[cfg.method].check(cfg)
 
 
 class TrainMemoryError(RuntimeError):
@@ -388,9 +390,9 @@ def check_memory(recipe: Recipe, folder: RunFolder) -> None:
 
 
 # Fields that fix the data order, the schedule or the shapes: a resumed run must keep them.
-RESUME_FIXED = ("seed", "batch_tokens", "micro_batches", "epochs", "holdout", "draft_vocab_size", "ttt_steps",
-                "lr", "warmup_steps", "schedule", "norm_before_fc", "fc_norm", "norm_output", "norm_before_residual",
-                "lm_head_init", "optimizer")
+RESUME_FIXED = ("method", "block_size", "dflash_layers", "mask_token_id", "seed", "batch_tokens", "micro_batches",
+                "epochs", "holdout", "draft_vocab_size", "ttt_steps", "lr", "warmup_steps", "schedule",
+                "norm_before_fc", "fc_norm", "norm_output", "norm_before_residual", "lm_head_init", "optimizer")
 
 
 def check_resumable(path: Path, cfg: TrainConfig) -> None:
@@ -451,39 +453,20 @@ class Trainer:
         return vocab.token_counts([samples[i] for i in self.train_idx], self.target.vocab_size)
 
     def build_drafter(self, counts: torch.Tensor) -> torch.Tensor:
-        """The drafter on the target's embedding, with the draft vocabulary of `counts` (or init_from's)
-        and lm_head as train.lm_head_init says; returns the target's lm_head weight."""
-        cfg, target = self.cfg, self.target
-        dcfg = DrafterConfig.from_target(target, cfg.draft_vocab_size)  # its size: 0 and oversize resolved
-        d2t, t2d = vocab.build(counts, dcfg.draft_vocab_size)
-        dcfg.norm_before_fc, dcfg.fc_norm, dcfg.norm_output = cfg.norm_before_fc, cfg.fc_norm, cfg.norm_output
-        dcfg.norm_before_residual = cfg.norm_before_residual
-        drafter = Eagle3Drafter(dcfg)
-        embed = target.embed_weight().float()
-        drafter.embed_tokens.weight.data.copy_(embed)
-        drafter.d2t.copy_(d2t)
-        drafter.t2d.copy_(t2d)
-        if cfg.init_from:
-            # Its lm_head rows belong to its own draft vocabulary, so that vocabulary is kept.
-            init_from(drafter, Path(cfg.init_from), embed)
-            t2d = drafter.t2d.clone()
-        head = target.head_weight()
-        if cfg.lm_head_init.startswith("target") and not cfg.init_from:
-            drafter.lm_head.weight.data.copy_(head[t2d].float())
-            drafter.norm.weight.data.copy_(target.final_norm_weight())
-            # Frozen, the head is the target's own reading of a hidden state: the one layer learns to write
-            # states it reads right, rather than Vd x H more parameters from few answer tokens.
-            drafter.lm_head.weight.requires_grad_(cfg.lm_head_init == "target")
-        self.dcfg, self.drafter, self.t2d = dcfg, drafter, t2d
-        self.coverage = vocab.coverage(counts, t2d)
-        return head
+        """The method's drafter for the target, its draft vocabulary chosen from `counts`; returns the
+        target's lm_head weight."""
+        self.method = METHODS[self.cfg.method]
+        self.drafter = self.method.build(self.cfg, self.target, counts)
+        self.dcfg, self.t2d = self.drafter.config, self.drafter.t2d.clone()
+        self.coverage = vocab.coverage(counts, self.t2d)
+        self.positions = self.method.positions(self.cfg)
+        return self.target.head_weight()
 
     def build_model(self, head: torch.Tensor) -> None:
-        """The TTT module (wrapped for DDP / FSDP under torchrun), its optimizers and schedules, and
-        the held-out rows."""
+        """The method's objective module (wrapped for DDP / FSDP under torchrun), its optimizers and
+        schedules, and the held-out rows."""
         cfg = self.cfg
-        self.model = TTT(self.drafter, head[self.t2d].float(), cfg.ttt_steps, cfg.step_weight_decay, cfg.loss,
-                         cfg.gradient_checkpointing, cfg.hidden_noise).to(self.device)
+        self.model = self.method.objective(self.drafter, head[self.t2d].float(), cfg).to(self.device)
         if cfg.compile:
             self.model.drafter.compile()
         self.wrapped = wrap(self.model, cfg.parallel, self.world, self.device)
@@ -513,7 +496,7 @@ class Trainer:
     def resume_or_start(self) -> None:
         """Continue from `latest` (will_resume), else start over."""
         cfg, folder, resumed = self.cfg, self.folder, self.resuming
-        self.meta = {"train": to_dict(cfg), "autocast": self.autocast_dtype,
+        self.meta = {"method": cfg.method, "train": to_dict(cfg), "autocast": self.autocast_dtype,
                      "aux_layer_ids": self.source.aux_layer_ids, "target": self.target.describe(),
                      "vocab_coverage": round(self.coverage, 4), "holdout_samples": self.held_idx}
         self.state = {"step": 0, "tokens": 0, "seconds": 0.0, "best_tau": None}
@@ -528,8 +511,8 @@ class Trainer:
             folder.checkpoints.mkdir(parents=True, exist_ok=True)
             folder.record("train", state="partial", config=cfg)
             keep_log_until(folder.train_log, self.state["step"])
-            print(f"train: {len(self.train_idx)} samples (+{len(self.held_idx)} held out), draft vocab "
-                  f"{self.dcfg.draft_vocab_size} (covers {self.coverage:.1%} of answer tokens), "
+            print(f"train: {cfg.method} drafter, {len(self.train_idx)} samples (+{len(self.held_idx)} held out), "
+                  f"draft vocab {self.dcfg.draft_vocab_size} (covers {self.coverage:.1%} of answer tokens), "
                   f"{self.n_trainable / 1e6:.2f} M trainable parameters, {self.total_steps} steps on "
                   f"{self.world} process(es)" + (f", resumed at step {self.state['step']}" if resumed else ""))
 
@@ -573,11 +556,11 @@ class Trainer:
         return self.finish()
 
     def train_step(self, micro: list[dict]) -> torch.Tensor:
-        """One optimizer step on this process's packed batches of the step; returns the step's TTT
-        statistics [ttt_steps, len(STAT_COLUMNS)], summed over every process."""
+        """One optimizer step on this process's packed batches of the step; returns the step's
+        statistics [positions, len(STAT_COLUMNS)] (TTT steps or block slots), summed over every process."""
         cfg, device, wrapped = self.cfg, self.device, self.wrapped
         t0 = time.time()
-        step_stats = torch.zeros(cfg.ttt_steps, len(STAT_COLUMNS), device=device)
+        step_stats = torch.zeros(self.positions, len(STAT_COLUMNS), device=device)
         tokens = 0
         for m, batch in enumerate(micro):
             tokens += int((batch["documents"] != PAD_DOCUMENT).sum())
@@ -609,13 +592,13 @@ class Trainer:
         cfg, state, writer = self.cfg, self.state, self.writer
         step = state["step"]
         s = summarize(step_stats.cpu())
-        weighted = sum(cfg.step_weight_decay ** i * x for i, x in enumerate(s["loss"]))
+        weighted = sum(w * x for w, x in zip(self.method.loss_weights(cfg), s["loss"]))
         record = {"kind": "train", "step": step, "epoch": epoch, "lr": self.schedulers[0].get_last_lr()[0],
                   "weighted_loss": round(weighted, 6), **s}
         append_record(self.folder.train_log, record)
         if writer and step % cfg.log_every == 0:
             writer.add_scalar("train/loss", weighted, step)
-            for i in range(cfg.ttt_steps):
+            for i in range(self.positions):
                 writer.add_scalar(f"train/loss_{i}", s["loss"][i], step)
                 writer.add_scalar(f"train/acc_{i}", s["acc"][i], step)
                 writer.add_scalar(f"train/cond_accept_{i}", s["cond_accept"][i], step)

@@ -1,0 +1,130 @@
+"""DFlash as a train.method through the CLI, on the real SmolLM2 target and the tiny recipe's extracted
+hidden states: train -> export -> doctor -> eval, the method named at every step; doctor failing a
+broken DFlash folder; resume and export refusing what they cannot do, in one line."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from specdraft.cli import main
+from specdraft.run import RunFolder
+
+BLOCK = 4  # 3 drafted tokens per round: small blocks keep the CPU test short
+DFLASH = ["--set", "train.method=dflash", "--set", f"train.block_size={BLOCK}", "--set", "train.dflash_anchors=16",
+          "--set", "train.batch_tokens=160", "--set", "train.holdout=0.25", "--set", "train.epochs=2",
+          "--set", "train.eval_every=3", "--set", "train.checkpoint_every=2", "--set", "train.warmup_steps=2"]
+
+
+@pytest.fixture(scope="module")
+def dflash_run(extracted_run, tmp_path_factory) -> Path:
+    run = tmp_path_factory.mktemp("dflash") / "run"
+    shutil.copytree(extracted_run, run, ignore=shutil.ignore_patterns("checkpoints"))
+    recipe = str(extracted_run.parent / "tiny.toml")
+    assert main(["train", "--recipe", recipe, "--run", str(run), *DFLASH]) == 0
+    assert main(["export", "--run", str(run)]) == 0
+    assert main(["eval", "--run", str(run)]) == 0
+    return run
+
+
+def test_train_records_the_method_and_one_statistic_per_drafted_slot(dflash_run):
+    folder = RunFolder(dflash_run)
+    for name in ("latest", "final"):
+        meta = json.loads((folder.checkpoint(name) / "config.json").read_text())
+        assert meta["method"] == "dflash"
+        assert meta["drafter"]["block_size"] == BLOCK
+    records = [json.loads(line) for line in folder.train_log.read_text().splitlines()]
+    assert {len(r["acc"]) for r in records if r["kind"] == "train"} == {BLOCK - 1}
+    assert any(r["kind"] == "eval" for r in records)
+
+
+def test_export_writes_the_dflash_folder_served_with_k_of_the_block(dflash_run):
+    folder = RunFolder(dflash_run)
+    config = json.loads((folder.export("vllm") / "config.json").read_text())
+    assert config["architectures"] == ["DFlashDraftModel"]
+    assert config["block_size"] == BLOCK
+    entry = folder.stage("export")
+    assert entry["method"] == "dflash"
+    spec = json.loads(entry["serve_command"].split("--speculative-config ", 1)[1].strip("'"))
+    assert spec["method"] == "dflash" and spec["num_speculative_tokens"] == BLOCK - 1
+
+
+def test_eval_decodes_blocks_exactly_and_names_the_method(dflash_run):
+    folder = RunFolder(dflash_run)
+    report = json.loads(folder.eval_report.read_text())
+    assert report["method"] == "dflash" and report["drafting"] == ["block"]
+    assert report["exact_prompts"] == report["prompts"] == 3
+    block = report["block"]
+    assert len(block["accepted_length_histogram"]) == BLOCK and sum(block["accepted_length_histogram"]) == block["rounds"]
+    assert len(block["per_position_acceptance"]) == BLOCK - 1
+    assert block["tau"] == report["tau"] >= 1.0
+    assert "dflash drafter evaluation" in (folder.eval / "report.md").read_text()
+    assert main(["status", str(dflash_run)]) == 0
+    assert f"a DFlash drafter (1 layer(s), blocks of {BLOCK})" in folder.status.read_text()
+
+
+def doctor(folder: Path, run: Path, capsys) -> tuple[int, str]:
+    capsys.readouterr()
+    rc = main(["doctor", str(folder), "--run", str(run), "--no-measure"])
+    return rc, capsys.readouterr().out
+
+
+def broken_copy(dflash_run: Path, tmp_path: Path, edit) -> Path:
+    out = tmp_path / "broken"
+    shutil.copytree(RunFolder(dflash_run).export("vllm"), out)
+    config = json.loads((out / "config.json").read_text())
+    edit(config)
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+def test_doctor_passes_the_export(dflash_run, capsys):
+    rc, out = doctor(RunFolder(dflash_run).export("vllm"), dflash_run, capsys)
+    assert rc == 0, out
+    assert "PASS  mask_token_id = trained" in out and "PASS  served K = block_size - 1" in out
+
+
+@pytest.mark.parametrize("edit,failed", [
+    # eos: a token of every answer, and not the one trained with
+    (lambda c: c["dflash_config"].update(mask_token_id=2), ["mask token id", "mask_token_id = trained"]),
+    # the top-level list's numbers written in DFlash's convention: vLLM would read the neighbouring layers
+    (lambda c: c["dflash_config"].update(target_layer_ids=c["eagle_aux_hidden_state_layer_ids"]),
+     ["target layer ids in both conventions"]),
+    (lambda c: c.update(eagle_aux_hidden_state_layer_ids=[k + 1 for k in c["eagle_aux_hidden_state_layer_ids"]],
+                        dflash_config={**c["dflash_config"], "target_layer_ids": c["eagle_aux_hidden_state_layer_ids"]}),
+     ["aux_layer_ids = trained", "aux layer ids = extracted ones"]),
+    (lambda c: c.update(block_size=BLOCK + 4), ["block_size = trained", "served K = block_size - 1"]),
+    (lambda c: c["dflash_config"].pop("mask_token_id"), ["mask token id", "drafter loads"]),
+])
+def test_doctor_fails_a_broken_dflash_folder(dflash_run, tmp_path, capsys, edit, failed):
+    rc, out = doctor(broken_copy(dflash_run, tmp_path, edit), dflash_run, capsys)
+    assert rc == 1
+    for name in failed:
+        assert f"FAIL  {name}:" in out, out
+
+
+def test_resume_refuses_a_method_change_in_one_line(dflash_run, extracted_run, tmp_path, capsys):
+    run = tmp_path / "run"
+    shutil.copytree(dflash_run, run)
+    folder = RunFolder(run)
+    manifest = folder.manifest()
+    manifest["stages"]["train"]["state"] = "partial"  # as a run killed after its last checkpoint leaves it
+    folder.save_manifest(manifest)
+    capsys.readouterr()
+    rc = main(["train", "--recipe", str(extracted_run.parent / "tiny.toml"), "--run", str(run), *DFLASH,
+               "--set", "train.method=eagle3"])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert err.count("\n") == 1 and err.startswith("specdraft: error: ")
+    assert "method: 'dflash' -> 'eagle3'" in err
+
+
+def test_export_refuses_sglang_for_a_dflash_drafter(dflash_run, tmp_path, capsys):
+    run = tmp_path / "run"
+    shutil.copytree(dflash_run, run)
+    capsys.readouterr()
+    assert main(["export", "--run", str(run), "--formats", "both"]) == 2
+    assert "a DFlash drafter has vLLM's folder format only" in capsys.readouterr().err
