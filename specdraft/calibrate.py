@@ -87,23 +87,30 @@ def _dtypes(recipe: Recipe) -> dict:
             "train": resolve_dtype(recipe.train.autocast_dtype, "cpu")}
 
 
-def cache_file(run_path: Path | None) -> Path:
-    return (run_path / "calibration.json") if run_path is not None else cache_dir() / "calibration.json"
+def default_cache() -> Path:
+    """Where a calibration made without a run folder (plan of a recipe) is kept."""
+    return cache_dir() / "calibration.json"
 
 
 def calibrate(recipe: Recipe, target: Target, cache: Path) -> Calibration:
     """The cached calibration for this machine, target and recipe, measured when there is none."""
-    k = key(recipe, target)
-    cached = json.loads(cache.read_text()) if cache.exists() else {}
-    if k in cached:
-        return Calibration(**cached[k])
+    found = cached(recipe, target, cache)
+    if found is not None:
+        return found
     result = measure(recipe, target)
-    cached[k] = result.to_dict()
+    entries = json.loads(cache.read_text()) if cache.exists() else {}
+    entries[key(recipe, target)] = result.to_dict()
     cache.parent.mkdir(parents=True, exist_ok=True)
     tmp = cache.with_name(cache.name + ".tmp")
-    tmp.write_text(json.dumps(cached, indent=2) + "\n")
+    tmp.write_text(json.dumps(entries, indent=2) + "\n")
     tmp.replace(cache)
     return result
+
+
+def cached(recipe: Recipe, target: Target, cache: Path) -> Calibration | None:
+    """The cached calibration, None where this machine, target and recipe have none yet."""
+    found = (json.loads(cache.read_text()) if cache.exists() else {}).get(key(recipe, target))
+    return Calibration(**found) if found else None
 
 
 def measure(recipe: Recipe, target: Target) -> Calibration:
