@@ -371,7 +371,7 @@ def time_table(recipe: Recipe, spec: TargetSpec, tokens: dict, parts: dict, stag
     """Seconds per phase: measured throughput where the run has one, else this machine's calibration (a
     CPU with the target's weights at hand), else a reference scaled by FLOPs."""
     if calibration is not None and not gpus and recipe.train.hidden == "disk":
-        rows = calibrated_rows(recipe, spec, tokens, parts, calibration)
+        rows = calibrated_rows(recipe, spec, tokens, parts, calibration, _trained_tau(stages))
         for r in rows:
             _use_measured(r, stages)
         return rows
@@ -391,7 +391,15 @@ def train_work(recipe: Recipe, tokens: dict) -> int:
     return round(tokens["tokens"] * (1 - recipe.train.holdout) * recipe.train.epochs)
 
 
-def calibrated_rows(recipe: Recipe, spec: TargetSpec, tokens: dict, parts: dict, cal: Calibration) -> list[dict]:
+def _trained_tau(stages: dict) -> float | None:
+    """The held-out tau train measured (its chain of train.ttt_steps), where train is done."""
+    entry = stages.get("train") or {}
+    tau = (entry.get("metrics") or {}).get("best_tau") if entry.get("state") == "done" else None
+    return float(tau) if tau else None
+
+
+def calibrated_rows(recipe: Recipe, spec: TargetSpec, tokens: dict, parts: dict, cal: Calibration,
+                    tau: float | None = None) -> list[dict]:
     """Each phase's work timed from this machine's calibration (specdraft.calibrate), step by step as the
     stage does it: gen's prefills and batched decode steps, extract's forward, train's top-token pass,
     TTT steps and held-out scoring, eval's three decodes of every prompt."""
@@ -410,7 +418,7 @@ def calibrated_rows(recipe: Recipe, spec: TargetSpec, tokens: dict, parts: dict,
     rows.append(_row("extract", tokens["tokens"], "tokens", tokens["tokens"] / cal.forward_tokens_per_s,
                      f"{where}: target forward at {cal.forward_tokens_per_s:,.0f} tok/s"))
     rows.append(_train_row(recipe, tokens, cal, where))
-    rows.append(_eval_row(recipe, spec, parts, prompt, cal, where))
+    rows.append(_eval_row(recipe, spec, parts, prompt, cal, where, tau))
     return rows
 
 
@@ -439,21 +447,24 @@ def _train_row(recipe: Recipe, tokens: dict, cal: Calibration, where: str) -> di
                 f"{cal.train_tokens_per_s:,.0f} tok/s ({cal.train_dtype}) + held-out scoring")
 
 
-def _eval_row(recipe: Recipe, spec: TargetSpec, parts: dict, prompt: int, cal: Calibration, where: str) -> dict:
+def _eval_row(recipe: Recipe, spec: TargetSpec, parts: dict, prompt: int, cal: Calibration, where: str,
+              tau: float | None) -> dict:
     """Eval decodes every prompt three times: autoregressively, as a chain of K and as a tree. A
-    speculative round is one verify forward plus its draft steps and yields tau tokens; before a drafter
-    exists tau is taken as 1 (none accepted), an upper bound."""
+    speculative round is one verify forward plus its draft steps and yields tau tokens: train's held-out
+    tau once it has one (for the tree too, which accepts at least as much: an upper bound on its time),
+    before that 1 (none accepted), an upper bound."""
     cfg = recipe.eval
     fc, step = _drafter_matmul_params(parts)
     draft_step = cal.eval_step_s * step / spec.params["matmul_per_token"]
     chain = cal.verify_step_s[str(cfg.draft_tokens + 1)] + cfg.draft_tokens * draft_step
     tree = cal.verify_step_s[str(cfg.tree_tokens)] + cfg.tree_depth * draft_step
     per_prompt = (EVAL_DECODES * prompt / cal.forward_tokens_per_s
-                  + cfg.max_new_tokens * (cal.eval_step_s + chain + tree))
+                  + cfg.max_new_tokens * (cal.eval_step_s + (chain + tree) / (tau or 1.0)))
     return _row("eval", EVAL_DECODES * cfg.num_prompts * cfg.max_new_tokens,
                 "decoded tokens (3 decodes x eval.num_prompts x eval.max_new_tokens)", cfg.num_prompts * per_prompt,
                 f"{where}: batch-1 step {cal.eval_step_s:.3g} s ({cal.eval_dtype}), chain round {chain:.3g} s, "
-                f"tree round {tree:.3g} s, tau 1 assumed (an upper bound)")
+                f"tree round {tree:.3g} s, "
+                + (f"tau {tau:.3g} (train's held-out)" if tau else "tau 1 assumed (an upper bound)"))
 
 
 def _reference_rows(recipe: Recipe, spec: TargetSpec, tokens: dict, parts: dict, stages: dict,

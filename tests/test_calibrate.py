@@ -74,6 +74,10 @@ def test_plan_uses_the_cached_calibration(tiny_recipe, target, tmp_path):
     assert rows["eval"]["work"] == 3 * recipe.eval.num_prompts * recipe.eval.max_new_tokens
     tokens = plan["tokens"]["tokens"]
     assert rows["extract"]["seconds"] == pytest.approx(tokens / 200.0, abs=0.1)
+    # Once train has measured a held-out tau, eval's speculative rounds yield that many tokens each.
+    run.record("train", state="done", metrics={"best_tau": 2.0})
+    trained = {r["phase"]: r for r in make_plan(recipe, run, calibration="cached")["time"]}
+    assert trained["eval"]["seconds"] < rows["eval"]["seconds"] and "tau 2 (train's" in trained["eval"]["source"]
     # Without one, the FLOP-scaled reference, and the row says so.
     plain = make_plan(recipe, calibration="off")
     assert all(r["source"].startswith("default") for r in plain["time"])
