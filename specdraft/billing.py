@@ -371,7 +371,8 @@ def time_table(recipe: Recipe, spec: TargetSpec, tokens: dict, parts: dict, stag
     """Seconds per phase: measured throughput where the run has one, else this machine's calibration (a
     CPU with the target's weights at hand), else a reference scaled by FLOPs."""
     if calibration is not None and not gpus and recipe.train.hidden == "disk":
-        rows = calibrated_rows(recipe, spec, tokens, parts, calibration, _trained_tau(stages))
+        rows = calibrated_rows(recipe, spec, tokens, parts, calibration, _trained_tau(stages),
+                               mean_prompt_tokens(recipe, spec.target))
         for r in rows:
             _use_measured(r, stages)
         return rows
@@ -398,13 +399,31 @@ def _trained_tau(stages: dict) -> float | None:
     return float(tau) if tau else None
 
 
+def mean_prompt_tokens(recipe: Recipe, target: Target) -> float | None:
+    """The mean first-turn prompt of the run's train conversations through the target's chat template
+    (the prompts over data.max_prompt_tokens, which gen skips, left out); None for sources of several
+    turns. The bound max_prompt_tokens billed ShareGPT's prefills several times over (issue 24)."""
+    d = recipe.data
+    if turns_answered(recipe) != 1 or recipe.gen.answers == "source":
+        return None
+    tok = target.tokenizer
+    lengths = []
+    for conv in prompts(d.source, "train", d.eval_fraction, d.split_seed, limit=d.num_train or None):
+        user = next(m for m in conv["messages"] if m["role"] == "user")
+        text = tok.apply_chat_template([user], tokenize=False, add_generation_prompt=True)
+        n = len(tok(text, add_special_tokens=False)["input_ids"])
+        if n <= d.max_prompt_tokens:
+            lengths.append(n)
+    return sum(lengths) / len(lengths) if lengths else None
+
+
 def calibrated_rows(recipe: Recipe, spec: TargetSpec, tokens: dict, parts: dict, cal: Calibration,
-                    tau: float | None = None) -> list[dict]:
+                    tau: float | None = None, prompt_tokens: float | None = None) -> list[dict]:
     """Each phase's work timed from this machine's calibration (specdraft.calibrate), step by step as the
     stage does it: gen's prefills and batched decode steps, extract's forward, train's top-token pass,
     TTT steps and held-out scoring, eval's three decodes of every prompt."""
     where = f"calibrated: {cal.machine}, {cal.dtype}"
-    samples, prompt = tokens["samples"], _prompt_tokens(recipe, tokens)
+    samples, prompt = tokens["samples"], prompt_tokens or _prompt_tokens(recipe, tokens)
     rows = []
     if recipe.gen.answers == "source":
         rows.append(_row("gen", 0, "answer tokens", 0.0, "gen.answers = source: nothing is generated"))
@@ -414,7 +433,7 @@ def calibrated_rows(recipe: Recipe, spec: TargetSpec, tokens: dict, parts: dict,
         seconds = samples * prompt / cal.forward_tokens_per_s + calls * steps * cal.decode_step_s
         rows.append(_row("gen", samples * steps, "answer tokens (samples x gen.max_new_tokens, an upper bound)",
                          seconds, f"{where}: {calls} generate calls x {steps} steps x {cal.decode_step_s:.3g} s "
-                                  f"(batch {cal.decode_batch}) + prefills at {cal.forward_tokens_per_s:,.0f} tok/s"))
+                                  f"(batch {cal.decode_batch}) + prefills of {prompt:,.0f} tokens at {cal.forward_tokens_per_s:,.0f} tok/s"))
     rows.append(_row("extract", tokens["tokens"], "tokens", tokens["tokens"] / cal.forward_tokens_per_s,
                      f"{where}: target forward at {cal.forward_tokens_per_s:,.0f} tok/s"))
     rows.append(_train_row(recipe, tokens, cal, where))
@@ -732,11 +751,12 @@ DEMO_SHRINK = (Shrinkable("data.num_train", 224), Shrinkable("gen.max_new_tokens
                Shrinkable("eval.num_prompts", 16))
 
 
-def plan_seconds(recipe: Recipe, spec: TargetSpec, cal: Calibration) -> float:
+def plan_seconds(recipe: Recipe, spec: TargetSpec, cal: Calibration, prompt_tokens: float | None = None) -> float:
     """The calibrated seconds of gen, extract, train and eval for a recipe not yet run."""
     parts = drafter_parameters(drafter_config(spec, spec.target.aux_layer_ids, recipe.train.draft_vocab_size),
                                frozen_head=recipe.train.lm_head_init == "target-frozen")["parts"]
-    rows = calibrated_rows(recipe, spec, expected_tokens(recipe, None, None), parts, cal)
+    rows = calibrated_rows(recipe, spec, expected_tokens(recipe, None, None), parts, cal,
+                           prompt_tokens=prompt_tokens)
     return sum(r["seconds"] for r in rows)
 
 
@@ -755,7 +775,12 @@ def size_to_budget(recipe: Recipe, spec: TargetSpec, cal: Calibration, budget_s:
                    fields=DEMO_SHRINK) -> tuple[Recipe, dict]:
     """The recipe with `fields` shrunk by the largest common factor whose calibrated plan fits `budget_s`
     (each field no lower than its floor), and what was chosen and why."""
-    full = plan_seconds(recipe, spec, cal)
+    prompt = mean_prompt_tokens(recipe, spec.target)
+
+    def seconds(r: Recipe) -> float:
+        return plan_seconds(r, spec, cal, prompt)
+
+    full = seconds(recipe)
     choice = {"budget_seconds": round(budget_s), "planned_seconds": round(full), "machine": cal.machine,
               "dtype": cal.dtype, "scale": 1.0, "changed": {}}
     if full <= budget_s:
@@ -763,13 +788,13 @@ def size_to_budget(recipe: Recipe, spec: TargetSpec, cal: Calibration, budget_s:
     lo, hi = 0.0, 1.0  # bisection on the factor: the plan's seconds grow with every field
     for _ in range(12):
         mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if plan_seconds(_scaled(recipe, mid, fields), spec, cal) <= budget_s else (lo, mid)
+        lo, hi = (mid, hi) if seconds(_scaled(recipe, mid, fields)) <= budget_s else (lo, mid)
     sized = _scaled(recipe, lo, fields)
     for f in fields:
         section, name = f.field.split(".")
         before, after = getattr(getattr(recipe, section), name), getattr(getattr(sized, section), name)
         if before != after:
             choice["changed"][f.field] = [before, after]
-    choice.update(scale=round(lo, 3), sized_seconds=round(plan_seconds(sized, spec, cal)))
+    choice.update(scale=round(lo, 3), sized_seconds=round(seconds(sized)))
     choice["fits"] = choice["sized_seconds"] <= budget_s
     return sized, choice

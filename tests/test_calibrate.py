@@ -71,6 +71,9 @@ def test_plan_uses_the_cached_calibration(tiny_recipe, target, tmp_path):
     assert plan["calibration"]["forward_tokens_per_s"] == 200.0
     # train bills the top-token pass before its steps; eval its three decodes of every prompt.
     assert "top tokens" in rows["train"]["source"]
+    # Prefills of the source's real prompts through the chat template, not data.max_prompt_tokens each.
+    prompt = float(rows["gen"]["source"].split("prefills of ")[1].split(" tokens")[0])
+    assert 0 < prompt < recipe.data.max_prompt_tokens
     assert rows["eval"]["work"] == 3 * recipe.eval.num_prompts * recipe.eval.max_new_tokens
     tokens = plan["tokens"]["tokens"]
     assert rows["extract"]["seconds"] == pytest.approx(tokens / 200.0, abs=0.1)
