@@ -120,13 +120,14 @@ def measure(recipe: Recipe, target: Target) -> Calibration:
     dtypes = _dtypes(recipe)
     print(f"calibrate: timing {target.path.name} ({dtypes['extract']}) on {environment.hardware_line()}", flush=True)
     model = target.load_model(dtypes["extract"], "cpu")
-    forward = _forward_rate(model, torch)
-    decode = _decode_step(model, recipe.gen.batch_size, torch)
+    vocab = target.vocab_size  # a wrapper's config (Kimi-K2.5's) has none of its own
+    forward = _forward_rate(model, vocab, torch)
+    decode = _decode_step(model, recipe.gen.batch_size, vocab, torch)
     if dtypes["eval"] != dtypes["extract"]:
         model = target.load_model(dtypes["eval"], "cpu")
-    eval_step = _decode_step(model, 1, torch)
+    eval_step = _decode_step(model, 1, vocab, torch)
     widths = sorted({recipe.eval.draft_tokens + 1, recipe.eval.tree_tokens})
-    verify = {str(n): _verify_step(model, n, eval_step, torch) for n in widths}
+    verify = {str(n): _verify_step(model, n, eval_step, vocab, torch) for n in widths}
     del model
     head = target.head_weight()
     return Calibration(
@@ -158,10 +159,10 @@ def _ids(rows: int, length: int, vocab: int, torch):
     return torch.randint(100, min(vocab, 30000), (rows, length))
 
 
-def _forward_rate(model, torch) -> float:
+def _forward_rate(model, vocab: int, torch) -> float:
     """Tokens/s of the target's decoder with its hidden states, without the lm_head: extract runs it so,
     and a prefill's logits are the last token's alone (SmolLM2's head is a fifth of its matmuls)."""
-    ids = _ids(FORWARD_TOKENS // FORWARD_ROW, FORWARD_ROW, model.config.vocab_size, torch)
+    ids = _ids(FORWARD_TOKENS // FORWARD_ROW, FORWARD_ROW, vocab, torch)
     decoder = model.get_decoder()
     with torch.inference_mode():
         s = _median_seconds(lambda: decoder(input_ids=ids, output_hidden_states=True))
@@ -174,10 +175,10 @@ def _generate(model, ids, steps: int, torch) -> None:
                        min_new_tokens=steps, do_sample=False, pad_token_id=0)
 
 
-def _decode_step(model, batch: int, torch) -> float:
+def _decode_step(model, batch: int, vocab: int, torch) -> float:
     """Seconds per greedy step at `batch` rows: the difference of two generate lengths, so the prefill
     (billed at the forward rate) is not counted in it."""
-    ids = _ids(batch, PROMPT_TOKENS, model.config.vocab_size, torch)
+    ids = _ids(batch, PROMPT_TOKENS, vocab, torch)
     short = _median_seconds(lambda: _generate(model, ids, 1, torch), repeats=1)
     long = _median_seconds(lambda: _generate(model, ids, 1 + DECODE_STEPS, torch), repeats=1)
     # A shared machine's noise can make the difference vanish: then the whole long call per step, prefill
@@ -185,11 +186,11 @@ def _decode_step(model, batch: int, torch) -> float:
     return (long - short) / DECODE_STEPS if long > short else long / (1 + DECODE_STEPS)
 
 
-def _verify_step(model, n: int, step_s: float, torch) -> float:
+def _verify_step(model, n: int, step_s: float, vocab: int, torch) -> float:
     """A batch-1 forward over n new tokens (a speculative verify), as the one-token decode step scaled by
     the measured cost of an n-token over a one-token forward (both after a PROMPT_TOKENS prefix)."""
     def timed(width):
-        ids = _ids(1, PROMPT_TOKENS + width, model.config.vocab_size, torch)
+        ids = _ids(1, PROMPT_TOKENS + width, vocab, torch)
         with torch.inference_mode():
             return _median_seconds(lambda: model(input_ids=ids))
     return step_s * max(1.0, timed(n) / timed(1))
