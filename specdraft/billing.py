@@ -24,6 +24,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from specdraft import environment
+from specdraft.calibrate import Calibration, cached, calibrate, default_cache, has_weights
 from specdraft.config import Recipe
 from specdraft.data.sources import prompts
 from specdraft.drafters.checkpoint import drafter_of
@@ -78,6 +79,10 @@ REFERENCES = {
         "eval": (12.0, "eager HF generate at batch 1, H200, bench/RESULTS.md"),
     },
 }
+
+
+# Decodes eval runs of each prompt: autoregressive, a chain and a tree, each to eval.max_new_tokens.
+EVAL_DECODES = 3
 
 
 # --- the target, from its config ---------------------------------------------------------------
@@ -363,8 +368,129 @@ def _measured_rate(stages: dict, stage: str, metric: str) -> tuple[float | None,
     return None, None
 
 
-def time_table(recipe: Recipe, spec: TargetSpec, tokens: dict, parts: dict, stages: dict, gpus: int) -> list[dict]:
-    """Seconds per phase: measured throughput where the run has one, else a reference scaled by FLOPs."""
+def time_table(recipe: Recipe, spec: TargetSpec, tokens: dict, parts: dict, stages: dict, gpus: int,
+               calibration: Calibration | None = None) -> list[dict]:
+    """Seconds per phase: measured throughput where the run has one, else this machine's calibration (a
+    CPU with the target's weights at hand), else a reference scaled by FLOPs."""
+    if calibration is not None and not gpus and recipe.train.hidden == "disk":
+        rows = calibrated_rows(recipe, spec, tokens, parts, calibration, _trained_tau(stages),
+                               mean_prompt_tokens(recipe, spec.target))
+        for r in rows:
+            _use_measured(r, stages)
+        return rows
+    return _reference_rows(recipe, spec, tokens, parts, stages, gpus)
+
+
+def _use_measured(row: dict, stages: dict) -> None:
+    """A phase its stage has run: its work at the stage's measured rate."""
+    metric = "autoregressive_tokens_per_s" if row["phase"] == "eval" else "tokens_per_s"
+    rate, source = _measured_rate(stages, row["phase"], metric)
+    if rate is not None and row["work"]:
+        row.update(rate_per_s=round(rate, 2), seconds=round(row["work"] / rate, 1), source=source)
+
+
+def train_work(recipe: Recipe, tokens: dict) -> int:
+    """Tokens the trainer steps over: the samples not held out, every epoch."""
+    return round(tokens["tokens"] * (1 - recipe.train.holdout) * recipe.train.epochs)
+
+
+def _trained_tau(stages: dict) -> float | None:
+    """The held-out tau train measured (its chain of train.ttt_steps), where train is done."""
+    entry = stages.get("train") or {}
+    tau = (entry.get("metrics") or {}).get("best_tau") if entry.get("state") == "done" else None
+    return float(tau) if tau else None
+
+
+def mean_prompt_tokens(recipe: Recipe, target: Target) -> float | None:
+    """The mean first-turn prompt of the run's train conversations through the target's chat template
+    (the prompts over data.max_prompt_tokens, which gen skips, left out); None for sources of several
+    turns. The bound max_prompt_tokens billed ShareGPT's prefills several times over (issue 24)."""
+    d = recipe.data
+    if turns_answered(recipe) != 1 or recipe.gen.answers == "source":
+        return None
+    tok = target.tokenizer
+    lengths = []
+    for conv in prompts(d.source, "train", d.eval_fraction, d.split_seed, limit=d.num_train or None):
+        user = next(m for m in conv["messages"] if m["role"] == "user")
+        text = tok.apply_chat_template([user], tokenize=False, add_generation_prompt=True)
+        n = len(tok(text, add_special_tokens=False)["input_ids"])
+        if n <= d.max_prompt_tokens:
+            lengths.append(n)
+    return sum(lengths) / len(lengths) if lengths else None
+
+
+def calibrated_rows(recipe: Recipe, spec: TargetSpec, tokens: dict, parts: dict, cal: Calibration,
+                    tau: float | None = None, prompt_tokens: float | None = None) -> list[dict]:
+    """Each phase's work timed from this machine's calibration (specdraft.calibrate), step by step as the
+    stage does it: gen's prefills and batched decode steps, extract's forward, train's top-token pass,
+    TTT steps and held-out scoring, eval's three decodes of every prompt."""
+    where = f"calibrated: {cal.machine}, {cal.dtype}"
+    samples, prompt = tokens["samples"], prompt_tokens or _prompt_tokens(recipe, tokens)
+    rows = []
+    if recipe.gen.answers == "source":
+        rows.append(_row("gen", 0, "answer tokens", 0.0, "gen.answers = source: nothing is generated"))
+    else:
+        steps = per_conversation(recipe, recipe.gen.max_new_tokens)
+        calls = math.ceil(samples / max(1, recipe.gen.batch_size))
+        seconds = samples * prompt / cal.forward_tokens_per_s + calls * steps * cal.decode_step_s
+        rows.append(_row("gen", samples * steps, "answer tokens (samples x gen.max_new_tokens, an upper bound)",
+                         seconds, f"{where}: {calls} generate calls x {steps} steps x {cal.decode_step_s:.3g} s "
+                                  f"(batch {cal.decode_batch}) + prefills of {prompt:,.0f} tokens at {cal.forward_tokens_per_s:,.0f} tok/s"))
+    rows.append(_row("extract", tokens["tokens"], "tokens", tokens["tokens"] / cal.forward_tokens_per_s,
+                     f"{where}: target forward at {cal.forward_tokens_per_s:,.0f} tok/s"))
+    rows.append(_train_row(recipe, tokens, cal, where))
+    rows.append(_eval_row(recipe, spec, parts, prompt, cal, where, tau))
+    return rows
+
+
+def _row(phase: str, work: int, unit: str, seconds: float, source: str) -> dict:
+    rate = round(work / seconds, 2) if seconds else None
+    return {"phase": phase, "work": work, "unit": unit, "rate_per_s": rate, "seconds": round(seconds, 1),
+            "source": source}
+
+
+def _prompt_tokens(recipe: Recipe, tokens: dict) -> int:
+    """A prompt's tokens: a sample less its answer, at most data.max_prompt_tokens."""
+    answer = recipe.gen.max_new_tokens if recipe.gen.answers != "source" else 0
+    return max(1, min(recipe.data.max_prompt_tokens, round(tokens["tokens_per_sample"]) - answer))
+
+
+def _train_row(recipe: Recipe, tokens: dict, cal: Calibration, where: str) -> dict:
+    cfg = recipe.train
+    work = train_work(recipe, tokens)
+    steps = math.ceil(work / cfg.batch_tokens)
+    # Held-out scoring every eval_every steps and at the end: a forward without backward, ~1/3 of a step.
+    scored = (steps // cfg.eval_every + 1) * tokens["tokens"] * cfg.holdout
+    seconds = (tokens["tokens"] / cal.top_tokens_per_s + work / cal.train_tokens_per_s
+               + scored / (3 * cal.train_tokens_per_s))
+    return _row("train", work, "tokens x epochs (held-out samples excluded)", seconds,
+                f"{where}: top tokens at {cal.top_tokens_per_s:,.0f} tok/s, then TTT steps at "
+                f"{cal.train_tokens_per_s:,.0f} tok/s ({cal.train_dtype}) + held-out scoring")
+
+
+def _eval_row(recipe: Recipe, spec: TargetSpec, parts: dict, prompt: int, cal: Calibration, where: str,
+              tau: float | None) -> dict:
+    """Eval decodes every prompt three times: autoregressively, as a chain of K and as a tree. A
+    speculative round is one verify forward plus its draft steps and yields tau tokens: train's held-out
+    tau once it has one (for the tree too, which accepts at least as much: an upper bound on its time),
+    before that 1 (none accepted), an upper bound."""
+    cfg = recipe.eval
+    fc, step = _drafter_matmul_params(parts)
+    draft_step = cal.eval_step_s * step / spec.params["matmul_per_token"]
+    chain = cal.verify_step_s[str(cfg.draft_tokens + 1)] + cfg.draft_tokens * draft_step
+    tree = cal.verify_step_s[str(cfg.tree_tokens)] + cfg.tree_depth * draft_step
+    per_prompt = (EVAL_DECODES * prompt / cal.forward_tokens_per_s
+                  + cfg.max_new_tokens * (cal.eval_step_s + (chain + tree) / (tau or 1.0)))
+    return _row("eval", EVAL_DECODES * cfg.num_prompts * cfg.max_new_tokens,
+                "decoded tokens (3 decodes x eval.num_prompts x eval.max_new_tokens)", cfg.num_prompts * per_prompt,
+                f"{where}: batch-1 step {cal.eval_step_s:.3g} s ({cal.eval_dtype}), chain round {chain:.3g} s, "
+                f"tree round {tree:.3g} s, "
+                + (f"tau {tau:.3g} (train's held-out)" if tau else "tau 1 assumed (an upper bound)"))
+
+
+def _reference_rows(recipe: Recipe, spec: TargetSpec, tokens: dict, parts: dict, stages: dict,
+                    gpus: int) -> list[dict]:
+    """Seconds per phase from a reference machine's throughput scaled by FLOPs (no weights to time)."""
     refs = REFERENCES["gpu" if gpus else "cpu"]
     devices = max(1, gpus)  # data parallel: gen, extract and train split their work over the GPUs
     target_scale = REFERENCE_MATMUL_PARAMS / spec.params["matmul_per_token"]
@@ -394,21 +520,21 @@ def time_table(recipe: Recipe, spec: TargetSpec, tokens: dict, parts: dict, stag
                      "source": "train.hidden = online: the target runs inside train instead"})
     else:
         row("extract", tokens["tokens"], "tokens", "extract", "tokens_per_s", target_scale, "forward FLOPs ratio")
-    ref_train = REFERENCES["gpu" if gpus else "cpu"]["train"]
+    ref_train = refs["train"]
     ref_parts = drafter_parameters(_reference_drafter(ref_train[2]))["parts"]
     train_scale = (train_flops_per_token(ref_parts, ref_train[3])
                    / train_flops_per_token(parts, METHODS[recipe.train.method].queries(recipe.train)))
-    row("train", tokens["tokens"] * recipe.train.epochs, "tokens x epochs", "train", "tokens_per_s",
+    row("train", train_work(recipe, tokens), "tokens x epochs (held-out samples excluded)", "train", "tokens_per_s",
         train_scale, "drafter training FLOPs ratio")
     if online and rows[-1]["source"].startswith("default"):  # a measured online rate includes the target
         extract_rate = refs["extract"][0] * target_scale * devices
         rows[-1]["seconds"] = round(rows[-1]["seconds"] + tokens["tokens"] * recipe.train.epochs / extract_rate, 1)
         rows[-1]["source"] += (f"; + the target's forward every epoch at {extract_rate:,.0f} tok/s "
                                f"(online hidden states)")
-    # Eval decodes each prompt twice, plainly then speculatively (at about the same rate or better), one
-    # prompt at a time on one device: no data-parallel speedup.
-    row("eval", 2 * recipe.eval.num_prompts * recipe.eval.max_new_tokens,
-        "decoded tokens (2 x eval.num_prompts x eval.max_new_tokens)", "eval", "autoregressive_tokens_per_s",
+    # Eval decodes each prompt three times (plainly, as a chain, as a tree), one prompt at a time on one
+    # device: no data-parallel speedup; speculative decodes taken at about the plain rate.
+    row("eval", EVAL_DECODES * recipe.eval.num_prompts * recipe.eval.max_new_tokens,
+        "decoded tokens (3 decodes x eval.num_prompts x eval.max_new_tokens)", "eval", "autoregressive_tokens_per_s",
         target_scale, "forward FLOPs ratio", devices=1)
     return rows
 
@@ -434,7 +560,9 @@ def machine(run_path: Path | None, gpus: int | None, gpu_memory_gib: float | Non
 
 def make_plan(recipe: Recipe, folder: RunFolder | None = None, *, target: str | None = None,
               tokens_per_sample: int | None = None, gpus: int | None = None,
-              gpu_memory_gib: float | None = None) -> dict:
+              gpu_memory_gib: float | None = None, calibration: str = "off") -> dict:
+    """The bill. `calibration`: "measure" times the work on this CPU where the target's weights are here
+    (cached), "cached" uses a calibration already cached, "off" bills by FLOPs alone."""
     # The target as every stage reads it: its aux layers (the recipe's, sorted, or its family's default)
     # checked against its depth.
     spec = read_target(target or recipe.target.model, recipe.target.aux_layer_ids)
@@ -466,7 +594,8 @@ def make_plan(recipe: Recipe, folder: RunFolder | None = None, *, target: str | 
 
     mem = memory(fsdp=sharded)
     stages = folder.manifest().get("stages", {}) if folder is not None else {}
-    times = time_table(recipe, spec, tokens, params["parts"], stages, n_gpus)
+    cal = machine_calibration(recipe, spec.target, folder, calibration) if not n_gpus else None
+    times = time_table(recipe, spec, tokens, params["parts"], stages, n_gpus, cal)
     plan = {
         "recipe": recipe.name,
         "computed": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -489,6 +618,7 @@ def make_plan(recipe: Recipe, folder: RunFolder | None = None, *, target: str | 
         "time": times,
         "total_seconds": round(sum(r["seconds"] for r in times), 1),
         "machine": mach,
+        "calibration": cal.to_dict() if cal is not None else None,
     }
     plan["checks"], plan["recommendations"] = _check(plan, recipe, spec, tokens, memory, fit_batch_tokens)
     return plan
@@ -565,10 +695,24 @@ def _tree_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.exists() else 0
 
 
+def machine_calibration(recipe: Recipe, target: Target, folder: RunFolder | None, how: str) -> Calibration | None:
+    """This CPU's calibration for the recipe (see make_plan's `calibration`), None where there is none."""
+    if how == "off" or not has_weights(target):
+        return None
+    cache = folder.calibration if folder is not None else default_cache()
+    return calibrate(recipe, target, cache) if how == "measure" else cached(recipe, target, cache)
+
+
 def record(folder: RunFolder, plan: dict) -> None:
-    """Keep the plan in the run's manifest: STATUS.md reads the target and the time left from it."""
+    """Keep the plan in the run's manifest: STATUS.md reads the target and the time left from it. Each
+    phase's last estimate made before its stage ran is kept in `planned` (later plans replace a finished
+    stage's estimate by what it measured): STATUS.md sets it against the seconds measured."""
     m = folder.manifest()
     m["plan"] = plan
+    planned = m.setdefault("planned", {})
+    for r in plan["time"]:
+        if not r["source"].startswith("measured"):
+            planned[r["phase"]] = {"seconds": r["seconds"], "source": r["source"], "computed": plan["computed"]}
     folder.save_manifest(m)
 
 
@@ -589,3 +733,70 @@ def human_seconds(s: float) -> str:
     return f"{s:,.0f} s"
 
 
+
+
+# --- sizing a run to a time budget ---------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Shrinkable:
+    """A recipe field that costs time, and the least it may be shrunk to."""
+
+    field: str  # section.name
+    floor: int
+
+
+# What the demo may shrink, all by one factor, each no lower than its floor. Training data and answer
+# length shrink least far: the recipe's 448 answers of 128 tokens gave tau 1.45 (issue 24), and nothing
+# below half of that has been measured, so half is the floor; eval keeps 16 prompts for a tau worth
+# reading. Epochs and the drafter's shape stay: fewer steps on less data would learn less.
+DEMO_SHRINK = (Shrinkable("data.num_train", 224), Shrinkable("gen.max_new_tokens", 96),
+               Shrinkable("eval.num_prompts", 16))
+
+
+def plan_seconds(recipe: Recipe, spec: TargetSpec, cal: Calibration, prompt_tokens: float | None = None) -> float:
+    """The calibrated seconds of gen, extract, train and eval for a recipe not yet run."""
+    parts = drafter_parameters(METHODS[recipe.train.method].plan_config(spec.target, recipe.train),
+                               frozen_head=recipe.train.lm_head_init == "target-frozen")["parts"]
+    rows = calibrated_rows(recipe, spec, expected_tokens(recipe, None, None), parts, cal,
+                           prompt_tokens=prompt_tokens)
+    return sum(r["seconds"] for r in rows)
+
+
+def _scaled(recipe: Recipe, scale: float, fields=DEMO_SHRINK) -> Recipe:
+    from copy import deepcopy
+
+    out = deepcopy(recipe)
+    for f in fields:
+        section, name = f.field.split(".")
+        value = getattr(getattr(recipe, section), name)
+        setattr(getattr(out, section), name, max(min(f.floor, value), round(value * scale)))
+    return out
+
+
+def size_to_budget(recipe: Recipe, spec: TargetSpec, cal: Calibration, budget_s: float,
+                   fields=DEMO_SHRINK) -> tuple[Recipe, dict]:
+    """The recipe with `fields` shrunk by the largest common factor whose calibrated plan fits `budget_s`
+    (each field no lower than its floor), and what was chosen and why."""
+    prompt = mean_prompt_tokens(recipe, spec.target)
+
+    def seconds(r: Recipe) -> float:
+        return plan_seconds(r, spec, cal, prompt)
+
+    full = seconds(recipe)
+    choice = {"budget_seconds": round(budget_s), "planned_seconds": round(full), "machine": cal.machine,
+              "dtype": cal.dtype, "scale": 1.0, "changed": {}}
+    if full <= budget_s:
+        return recipe, choice
+    lo, hi = 0.0, 1.0  # bisection on the factor: the plan's seconds grow with every field
+    for _ in range(12):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if seconds(_scaled(recipe, mid, fields)) <= budget_s else (lo, mid)
+    sized = _scaled(recipe, lo, fields)
+    for f in fields:
+        section, name = f.field.split(".")
+        before, after = getattr(getattr(recipe, section), name), getattr(getattr(sized, section), name)
+        if before != after:
+            choice["changed"][f.field] = [before, after]
+    choice.update(scale=round(lo, 3), sized_seconds=round(seconds(sized)))
+    choice["fits"] = choice["sized_seconds"] <= budget_s
+    return sized, choice

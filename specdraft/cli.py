@@ -114,6 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpus", type=_positive(int), help="GPUs to plan for (default: those of this machine)")
     p.add_argument("--gpu-memory-gib", type=_positive(float), help="memory per GPU to plan for (default: this machine's)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.add_argument("--no-calibrate", action="store_true",
+                   help="bill the CPU by FLOPs from a reference machine instead of timing a few steps here")
     p = sub.add_parser("status", help="write STATUS.md: the state of a run, from its manifest")
     p.add_argument("run", help="the run folder")
     p.add_argument("--json", action="store_true", help="print the status as JSON instead of Markdown")
@@ -153,7 +155,42 @@ def _run_stage(name: str, recipe, folder) -> dict:
         after_stage(name, recipe, folder)
 
 
+# The demo's promise: every stage within 30 minutes. The stages get 85 % of it: the calibration, model
+# loads, render and export take the rest.
+DEMO_BUDGET_S = 30 * 60
+DEMO_STAGE_SHARE = 0.85
+
+
+def size_demo(recipe, folder):
+    """Before gen: the demo's recipe shrunk to fit its budget on this machine (billing.size_to_budget over
+    a calibration of the real work here), the choice printed and kept in the manifest as `demo_sizing`."""
+    from specdraft.billing import machine_calibration, make_plan, read_target, record, size_to_budget
+    from specdraft.targets import resolve_device
+
+    # Sized once, before anything is generated (a resumed demo keeps its size); on a CPU only: the
+    # calibration times CPU work.
+    if (folder.stage("gen") or {}).get("state") == "done" or resolve_device("auto") != "cpu":
+        return recipe
+    spec = read_target(recipe.target.model, recipe.target.aux_layer_ids)
+    cal = machine_calibration(recipe, spec.target, folder, "measure")
+    if cal is None:
+        return recipe
+    sized, choice = size_to_budget(recipe, spec, cal, DEMO_BUDGET_S * DEMO_STAGE_SHARE)
+    changed = ", ".join(f"{k} {a} -> {b}" for k, (a, b) in choice["changed"].items())
+    print(f"demo: planned {choice['planned_seconds']:,} s for the recipe on {cal.machine} ({cal.dtype}); "
+          + (f"sized to fit {choice['budget_seconds']:,} s: {changed} (planned {choice['sized_seconds']:,} s"
+             + ("" if choice["fits"] else ", still over: the floors keep enough data to learn") + ")"
+             if choice["changed"] else f"fits the {choice['budget_seconds']:,} s budget as it is"), flush=True)
+    folder.init(sized)
+    m = folder.manifest()
+    m["demo_sizing"] = choice
+    folder.save_manifest(m)
+    record(folder, make_plan(sized, folder, calibration="cached"))  # gen's plan, before gen runs
+    return sized
+
+
 def demo(recipe, folder) -> None:
+    recipe = size_demo(recipe, folder)
     times = {}
     for name in (s.name for s in PIPELINE):
         print(f"\n== {name} ==", flush=True)
@@ -202,7 +239,8 @@ def main(argv: list[str] | None = None) -> int:
 
             return run_plan(args.spec, overrides=args.set, json_out=args.json, target=args.target,
                             tokens_per_sample=args.tokens_per_sample, gpus=args.gpus,
-                            gpu_memory_gib=args.gpu_memory_gib)
+                            gpu_memory_gib=args.gpu_memory_gib,
+                            calibration="cached" if args.no_calibrate else "measure")
         if args.command == "status":
             from specdraft.stages.status import run_status
 

@@ -10,6 +10,7 @@ between stages) and lists the stages in their order.
       export/vllm/ export/sglang/   export
       eval/                  eval: report.json, report.md, plots
       STATUS.md              status
+      calibration.json       plan: this machine's timed steps of the stages' work (specdraft.calibrate)
 
 Every file a stage produces is written under a temporary name and renamed into place, so an
 interrupted stage leaves either the old file or the new one, never half of one.
@@ -131,6 +132,10 @@ class RunFolder:
     @property
     def eval_report(self) -> Path:
         return self.eval / "report.json"
+
+    @property
+    def calibration(self) -> Path:
+        return self.path / "calibration.json"
 
     @property
     def status(self) -> Path:

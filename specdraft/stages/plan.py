@@ -54,14 +54,15 @@ def render_text(plan: dict) -> str:
 
 
 def run_plan(spec: str, *, overrides: list[str], json_out: bool, target: str | None, tokens_per_sample: int | None,
-             gpus: int | None, gpu_memory_gib: float | None) -> int:
-    """`specdraft plan <recipe or run>`: print the plan; a run's plan is also kept in its manifest."""
+             gpus: int | None, gpu_memory_gib: float | None, calibration: str = "measure") -> int:
+    """`specdraft plan <recipe or run>`: print the plan; a run's plan is also kept in its manifest.
+    `calibration` as billing.make_plan's: "measure" times a few steps on this CPU where it has none cached."""
 
     folder = RunFolder(Path(spec)) if (Path(spec) / "manifest.json").exists() else None
     recipe = folder.recipe() if folder is not None else load_recipe(spec)
     apply_sets(recipe, overrides)
     plan = make_plan(recipe, folder, target=target, tokens_per_sample=tokens_per_sample, gpus=gpus,
-                     gpu_memory_gib=gpu_memory_gib)
+                     gpu_memory_gib=gpu_memory_gib, calibration=calibration)
     if folder is not None:
         record(folder, plan)
     print(json.dumps(plan, indent=2) if json_out else render_text(plan))

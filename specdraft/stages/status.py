@@ -188,6 +188,24 @@ def _remaining(manifest: dict, stages: list[dict]) -> dict | None:
             "source": "plan.time x the share not yet done"}
 
 
+def _planned_vs_measured(manifest: dict) -> list[dict]:
+    """Per planned stage: the last plan's seconds made before it ran (manifest `planned`) against the
+    seconds it took, and their ratio (measured / planned: above 1, the plan was short)."""
+    rows = []
+    for stage, phase in PHASE_OF_STAGE.items():
+        planned = (manifest.get("planned") or {}).get(phase)
+        entry = manifest.get("stages", {}).get(stage) or {}
+        measured = entry.get("seconds") if entry.get("state") == "done" else None
+        if planned is None and measured is None:
+            continue
+        ratio = measured / planned["seconds"] if planned and measured is not None and planned["seconds"] else None
+        rows.append({"stage": stage, "planned_seconds": planned["seconds"] if planned else None,
+                     "measured_seconds": measured, "ratio": round(ratio, 3) if ratio is not None else None,
+                     "basis": planned["source"] if planned else None,
+                     "source": f"planned.{phase}.seconds, stages.{stage}.seconds"})
+    return rows
+
+
 def collect(folder: RunFolder) -> dict:
     """The status as JSON: every figure with the manifest path it came from."""
     manifest = folder.manifest()
@@ -213,6 +231,7 @@ def collect(folder: RunFolder) -> dict:
         "files": files,
         "next": _next_command(folder, manifest, stages),
         "remaining": _remaining(manifest, stages),
+        "planned_vs_measured": _planned_vs_measured(manifest),
     }
 
 
@@ -277,6 +296,18 @@ def _md_stages(s: dict) -> list[str]:
                 + "".join(f"; {r['phase']} {r['text']}" for r in rem["rows"])]
     else:
         out += ["", f"**Remaining time:** no plan recorded; `specdraft plan {s['run']}` writes one."]
+    return out
+
+
+def _md_planned(s: dict) -> list[str]:
+    out = ["## Planned against measured", ""]
+    rows = s["planned_vs_measured"]
+    if not rows:
+        return out + ["- no plan recorded before a stage ran"]
+    out += ["| stage | planned s | measured s | measured / planned | planned from |", "|---|---|---|---|---|"]
+    for r in rows:
+        cells = [_fmt(r[k]) if r[k] is not None else "" for k in ("planned_seconds", "measured_seconds", "ratio")]
+        out.append(f"| {r['stage']} | {' | '.join(cells)} | {r['basis'] or ''} |")
     return out
 
 
@@ -350,7 +381,7 @@ def _md_environment(s: dict) -> list[str]:
 def render_markdown(s: dict) -> str:
     out = [f"# STATUS: {s['name']}", "", f"Run folder `{s['run']}`, created {s['created']}.", ""]
     out += ["## Goal", "", s["goal"]["text"], ""]
-    for section in (_md_stages, _md_measured, _md_target, _md_environment):
+    for section in (_md_stages, _md_planned, _md_measured, _md_target, _md_environment):
         out += section(s) + [""]
     out += ["## Files", "", "| path | size |", "|---|---|"]
     out += [f"| {f['path']} | {f['text']} |" for f in s["files"]]
@@ -370,7 +401,7 @@ def after_stage(stage: str, recipe, folder: RunFolder) -> None:
 
     try:
         if (folder.stage(stage) or {}).get("state") == "done":
-            record(folder, make_plan(recipe, folder))
+            record(folder, make_plan(recipe, folder, calibration="cached"))
         write(folder)
     except Exception as e:  # noqa: BLE001 - the stage's own result matters more than its summary
         print(f"specdraft: warning: {folder.status} not updated: {type(e).__name__}: {e}", file=sys.stderr)

@@ -119,11 +119,13 @@ def target_top_tokens(source, head: torch.Tensor, indices=None, device: torch.de
     from tqdm import tqdm
 
     device = device or torch.device("cpu")
-    head = head.to(device, torch.bfloat16)
+    # bf16 where the device multiplies it; emulated bf16 (AVX2 CPUs) took 1-2.5 s a sample (issue 24).
+    dtype = getattr(torch, resolve_dtype("auto", device.type))
+    head = head.to(device, dtype)
     indices = range(len(source)) if indices is None else indices
     tops = {}
     for i in tqdm(indices, desc="target top tokens", unit="sample", leave=False):
-        last = source.last(i, device).to(torch.bfloat16)
+        last = source.last(i, device).to(dtype)
         tops[i] = torch.cat([(rows @ head.T).argmax(-1) for rows in last.split(LOGIT_CHUNK)]).cpu()
     return tops
 
