@@ -96,7 +96,7 @@ def test_eval_is_exact_and_reports_acceptance(tiny_run):
     assert len(r["accepted_length_histogram"]) == K + 1 and sum(r["accepted_length_histogram"]) == r["rounds"]
     assert r["tau"] == pytest.approx(
         sum((a + 1) * c for a, c in enumerate(r["accepted_length_histogram"])) / r["rounds"], abs=1e-3)
-    assert (tiny_run / "eval" / "report.md").read_text().startswith("# Drafter evaluation")
+    assert (tiny_run / "eval" / "report.md").read_text().startswith("# Drafter evaluation: eagle3")
     assert (tiny_run / "eval" / "accepted_lengths.png").stat().st_size > 1000
 
 

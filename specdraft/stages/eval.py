@@ -241,7 +241,7 @@ def describe_shape(shape: dict) -> str:
 
 def render_markdown(r: dict) -> str:
     lines = [
-        f"# {r['method']} drafter evaluation (reference decoder, greedy, exact)",
+        f"# Drafter evaluation: {r['method']} (reference decoder, greedy, exact)",
         "",
         f"- prompts: {r['prompts']}; dtype {r['dtype']}; device {r['device']}; hardware: {r['hardware']}",
         f"- engine: {r['engine']}; autoregressive decode (same engine): {r['autoregressive_tokens_per_s']} tok/s",
