@@ -253,7 +253,7 @@ def test_tools_through_a_template_that_writes_them_train_the_call_and_the_answer
     tok = template.tokenizer
     text = tok.decode(ids)
     assert "get_weather" in text[: text.index("Weather in Paris?")]  # the definitions, in the system turn
-    trained, spans, run = [], [], []
+    spans, run = [], []
     for t, k in zip(ids, mask):
         if k:
             run.append(t)
