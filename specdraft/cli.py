@@ -69,7 +69,7 @@ def _url(text: str) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="specdraft", description="Train and prove EAGLE-3 drafters.")
+    parser = _Parser(prog="specdraft", description="Train and prove speculative-decoding drafters (EAGLE-3, DFlash).")
     sub = parser.add_subparsers(dest="command", required=True)
 
     def common(p):
