@@ -269,6 +269,21 @@ def test_slot_weights_decay_from_the_first_drafted_slot():
     assert (w[2:] < w[1:-1]).all()
 
 
+def fit(d, objective, batch: dict, steps: int) -> dict:
+    """`steps` AdamW steps of `objective` on one batch; the statistics after them, in eval mode."""
+    from specdraft.drafters.ttt import summarize
+
+    optimizer = torch.optim.AdamW([p for p in d.parameters() if p.requires_grad], lr=1e-2)
+    for _ in range(steps):
+        loss, _ = objective(batch)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    d.eval()
+    with torch.no_grad():
+        return summarize(objective(batch)[1])
+
+
 def test_the_objective_trains_a_drafter_to_draft_the_targets_tokens():
     """A few hundred steps on one batch: the drafter learns the target's tokens, slot by slot (what the
     statistics say is what drafting one block at a time gives)."""
@@ -282,15 +297,7 @@ def test_the_objective_trains_a_drafter_to_draft_the_targets_tokens():
     objective.generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
         before = summarize(objective(batch)[1])
-    optimizer = torch.optim.AdamW([p for p in d.parameters() if p.requires_grad], lr=1e-2)
-    for _ in range(150):
-        loss, _ = objective(batch)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    d.eval()
-    with torch.no_grad():
-        after = summarize(objective(batch)[1])
+    after = fit(d, objective, batch, steps=150)
     assert before["tau"] < 1.3 and after["tau"] > 1 + 0.9 * (BS - 1), (before, after)
     # Drafting block by block at inference gives the target's tokens too: row 1, anchored at 8.
     context = d.context(batch["aux"][1:, :8], batch["positions"][1:, :8])
@@ -302,7 +309,6 @@ def test_the_objective_teaches_the_drafter_to_read_the_context():
     only the target states of the context tell them apart, so a drafter that drafts both right reads
     the context through fc and the injected keys and values."""
     from specdraft.drafters.dflash_objective import DFlashObjective
-    from specdraft.drafters.ttt import summarize
 
     d = tiny(seed=3)
     d.train()
@@ -317,15 +323,7 @@ def test_the_objective_teaches_the_drafter_to_read_the_context():
     nxt = torch.cat([batch["input_ids"][:, 1:], batch["input_ids"][:, :1]], dim=1)
     batch["top"], batch["last"] = nxt, 8 * head[nxt] / head[nxt].norm(dim=-1, keepdim=True)
     objective = DFlashObjective(d, head, max_anchors=64)
-    optimizer = torch.optim.AdamW([p for p in d.parameters() if p.requires_grad], lr=1e-2)
-    for _ in range(200):
-        loss, _ = objective(batch)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    d.eval()
-    with torch.no_grad():
-        after = summarize(objective(batch)[1])
+    after = fit(d, objective, batch, steps=200)
     # Anchors 6..16 in each row; at the 6 even ones both rows have the same token at the same position
     # and different next tokens: without the context, at most (5 + 5 + 6) / 22 = 0.73 of slot 1 is right.
     assert after["acc"][0] > 0.95, after
