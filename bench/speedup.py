@@ -4,7 +4,7 @@
                                       [--engine auto|eager|static|cuda-graphs]
     python bench/speedup.py runs/tiny --prompts 2 --new-tokens 16          # a CPU smoke run
 
-Prints one JSON line: tau of chain and tree drafting, autoregressive and speculative tokens/s, the
+Prints one JSON line: tau of each way the drafter's method drafts (EAGLE-3: chain and tree; DFlash: block), autoregressive and speculative tokens/s, the
 speedup, the draft/target cost ratio c, and Leviathan's bound for the measured α and c. Every
 speculative output is checked against the target's own greedy output (ties counted, not failed).
 The first prompt is decoded once untimed, so one-time costs (kernel selection, allocator growth, the
@@ -26,10 +26,10 @@ import torch
 from specdraft import environment
 from specdraft.decoding import runners
 from specdraft.decoding.tree import decode_capacity
-from specdraft.stages import eval as eval_stage
-from specdraft.run import RunFolder
-from specdraft.targets import resolve_device
 from specdraft.drafters.checkpoint import load_trained
+from specdraft.run import RunFolder
+from specdraft.stages import eval as eval_stage
+from specdraft.targets import resolve_device
 
 
 def main() -> None:
@@ -69,28 +69,24 @@ def main() -> None:
     eval_stage.evaluate(runner, drafter, prompts[:1], warm, target.eos_token_id)
     t0 = time.time()
     r = eval_stage.evaluate(runner, drafter, prompts, cfg, target.eos_token_id)
-    chain, tree = r["chain"], r["tree"]
-    print(json.dumps({
-        "bench": "speedup", "run": str(run.path), "prompts": len(prompts), "max_new_tokens": cfg.max_new_tokens,
-        "dtype": cfg.dtype, "device": str(device), "engine": r["engine"], "batch": 1, "greedy": True,
-        "K": cfg.draft_tokens, "tree": tree["shape"],
-        "tau_chain": chain["tau"], "tau_tree": tree["tau"],
-        "per_position_acceptance_chain": chain["per_position_acceptance"],
-        "per_position_acceptance_tree": tree["per_position_acceptance"],
-        "ar_tokens_per_s": r["autoregressive_tokens_per_s"],
-        "spec_tokens_per_s_chain": chain["speculative_tokens_per_s"],
-        "spec_tokens_per_s_tree": tree["speculative_tokens_per_s"],
-        "speedup_chain": chain["speedup"], "speedup_tree": tree["speedup"],
-        "c_chain": chain["draft_to_target_cost"], "c_tree": tree["draft_to_target_cost"],
-        "alpha_chain": chain["alpha"], "bound_chain": chain["leviathan_bound"],
-        "bound_tree": tree["leviathan_bound"],
-        "speedup_over_bound_chain": round(chain["speedup"] / chain["leviathan_bound"], 3),
-        "exact_prompts_chain": chain["exact_prompts"], "exact_prompts_tree": tree["exact_prompts"],
-        "numerical_ties_chain": chain["numerical_ties"], "numerical_ties_tree": tree["numerical_ties"],
+    ways = [k for k in r if isinstance(r[k], dict) and "tau" in r[k]]  # chain and tree, or DFlash's block
+    line = {"bench": "speedup", "run": str(run.path), "method": drafter.METHOD, "prompts": len(prompts),
+            "max_new_tokens": cfg.max_new_tokens, "dtype": cfg.dtype, "device": str(device), "engine": r["engine"],
+            "batch": 1, "greedy": True, "ar_tokens_per_s": r["autoregressive_tokens_per_s"]}
+    for way in ways:
+        w = r[way]
+        line.update({way: w["shape"], f"tau_{way}": w["tau"],
+                     f"per_position_acceptance_{way}": w["per_position_acceptance"],
+                     f"spec_tokens_per_s_{way}": w["speculative_tokens_per_s"], f"speedup_{way}": w["speedup"],
+                     f"c_{way}": w["draft_to_target_cost"], f"alpha_{way}": w["alpha"],
+                     f"bound_{way}": w["leviathan_bound"],
+                     f"speedup_over_bound_{way}": round(w["speedup"] / w["leviathan_bound"], 3),
+                     f"exact_prompts_{way}": w["exact_prompts"], f"numerical_ties_{way}": w["numerical_ties"]})
+    line.update({
         "seconds_per_prompt": r["seconds_per_prompt"],
         "seconds_per_prompt_max": {k: max(p["seconds"][k] for p in r["per_prompt"]) for k in r["seconds_per_prompt"]},
-        "seconds": round(time.time() - t0, 1), "hardware": environment.hardware_line(),
-    }))
+        "seconds": round(time.time() - t0, 1), "hardware": environment.hardware_line()})
+    print(json.dumps(line))
 
 
 if __name__ == "__main__":

@@ -1,12 +1,15 @@
-"""Training speed of the EAGLE-3 trainer (specdraft.stages.train.TTT): one JSON line per configuration.
+"""Training speed of the EAGLE-3 trainer (TTT) and the DFlash trainer (DFlashObjective): one JSON line
+per configuration.
 
-    python bench/train.py [--configs smollm2,llama8b] [--compile off,on] [--steps 20] [--tiny]
+    python bench/train.py [--configs smollm2,llama8b,smollm2-dflash] [--compile off,on] [--steps 20] [--tiny]
 
 Configurations, on random inputs shaped like packed training rows (documents of random lengths):
   smollm2  the SmolLM2-135M drafter, 3 TTT steps, draft vocab 8,192, 8,192-token packed rows
            (the speculators trainer ran this at ~160 k tok/s on an H200: bench/RESULTS.md)
   llama8b  a Llama-3.1-8B-shaped drafter (hidden 4096, 32/8 heads, intermediate 14336, draft vocab
            32,000, target vocab 128,256), 7 TTT steps
+  smollm2-dflash[-L]  a DFlash drafter for SmolLM2-135M: L decoder layers (default 5, as the published
+           drafters), blocks of 16, up to 512 blocks per 8,192-token row, the target's own lm_head (frozen)
 Figures: tokens/s, model FLOPs per token (counted below), TFLOP/s, MFU against 790 TFLOP/s (H200
 bf16 dense), peak memory. Without CUDA (or with --tiny) each shape is scaled down so it runs on a CPU.
 """
@@ -21,6 +24,8 @@ import time
 import torch
 
 from specdraft import environment
+from specdraft.drafters.dflash import DFlashConfig, DFlashDrafter
+from specdraft.drafters.dflash_objective import DFlashObjective
 from specdraft.drafters.eagle3 import DrafterConfig, Eagle3Drafter
 from specdraft.stages.train import PAD_DOCUMENT, TTT
 
@@ -40,6 +45,11 @@ CONFIGS = {
     "llama8b": dict(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
                     intermediate_size=14336, vocab_size=128256, draft_vocab_size=32000, target_hidden_size=4096,
                     ttt_steps=7, batch_tokens=8192),
+}
+DFLASH = {
+    "smollm2-dflash": dict(hidden_size=576, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
+                           intermediate_size=1536, vocab_size=49152, draft_vocab_size=49152, target_hidden_size=576,
+                           block_size=16, num_layers=5, batch_tokens=8192, anchors=512),
 }
 # CPU-sized: the same code path, shapes divided down so a step takes well under a second on 2 cores.
 TINY = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=128,
@@ -97,18 +107,63 @@ def flops_per_token(cfg: DrafterConfig, steps: int, lengths: list[int]) -> float
     return per_step + fc + target_head
 
 
-def bench(name: str, shape: dict, compile_: bool, steps: int, warmup: int, device) -> dict:
-    shape = dict(shape)
-    ttt_steps, tokens = shape.pop("ttt_steps"), shape.pop("batch_tokens")
+def dflash_flops_per_token(cfg: DFlashConfig, anchors: int, lengths: list[int]) -> float:
+    """Model FLOPs per training token of the DFlash objective (2 per multiply-add, backward = 2x forward
+    for trained weights, 1x for frozen ones that pass gradients on).
+
+    Per block slot (anchors x block_size of them per row, fewer where a row has fewer answer tokens): every
+    layer's q/k/v/o and MLP, attention over the context keys the slot sees (its document's positions before
+    its anchor, about half the document on average) and its block's keys, forward + backward; the frozen
+    shared lm_head, forward + input gradient. Per token: fc and every layer's k/v projections of the
+    context feature (forward + backward), and the frozen target head (forward: the target distribution).
+    The dense context scores the implementation computes over the whole row are not counted: model FLOPs.
+    """
+    H, nh, nkv, d, L = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.num_layers
+    proj = 2 * H * (nh + 2 * nkv) * d + nh * d * H
+    mlp = 3 * H * cfg.intermediate_size
+    tokens = sum(lengths)
+    keys = sum(n * n / 2 for n in lengths) / tokens + cfg.block_size  # context before the anchor + the block
+    per_slot = L * 3 * 2 * (proj + mlp + 2 * nh * d * keys) + 2 * 2 * H * cfg.draft_vocab_size
+    row = tokens / BATCHES  # tokens per packed row
+    slots_per_token = min(anchors, row * ANSWER_SHARE) * cfg.block_size / row
+    per_token = 3 * 2 * len(cfg.aux_layer_ids) * cfg.target_hidden_size * H + L * 3 * 2 * H * 2 * nkv * d \
+        + 2 * H * cfg.draft_vocab_size
+    return per_slot * slots_per_token + per_token
+
+
+def eagle3_model(shape: dict) -> tuple[torch.nn.Module, object, dict, callable]:
+    """The TTT objective of a drafter shaped `shape`, its config, the line's own fields, its FLOPs rule."""
+    ttt_steps = shape.pop("ttt_steps")
     cfg = DrafterConfig(**shape, aux_layer_ids=[2, 15, 27])
-    torch.manual_seed(0)
     drafter = Eagle3Drafter(cfg)
     t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
     t2d[torch.randperm(cfg.vocab_size)[: cfg.draft_vocab_size]] = True
     drafter.t2d.copy_(t2d)
     drafter.d2t.copy_(t2d.nonzero().squeeze(1) - torch.arange(cfg.draft_vocab_size))
     draft_head = torch.randn(cfg.draft_vocab_size, cfg.target_hidden_size) * cfg.target_hidden_size ** -0.5
-    model = TTT(drafter, draft_head, ttt_steps, 0.8).to(device)
+    return (TTT(drafter, draft_head, ttt_steps, 0.8), cfg, {"ttt_steps": ttt_steps},
+            lambda lengths: flops_per_token(cfg, ttt_steps, lengths))
+
+
+def dflash_model(shape: dict) -> tuple[torch.nn.Module, object, dict, callable]:
+    """The DFlash objective of a drafter shaped `shape` (over the target's whole vocabulary, its lm_head
+    frozen as the published drafters share the target's)."""
+    anchors = shape.pop("anchors")
+    cfg = DFlashConfig(**shape, mask_token_id=shape["vocab_size"] - 1, aux_layer_ids=[2, 15, 27])
+    drafter = DFlashDrafter(cfg)
+    draft_head = torch.randn(cfg.draft_vocab_size, cfg.target_hidden_size) * cfg.target_hidden_size ** -0.5
+    model = DFlashObjective(drafter, draft_head, max_anchors=anchors)
+    model.generator = torch.Generator().manual_seed(0)
+    return (model, cfg, {"method": "dflash", "layers": cfg.num_layers, "block_size": cfg.block_size,
+                         "anchors": anchors}, lambda lengths: dflash_flops_per_token(cfg, anchors, lengths))
+
+
+def bench(name: str, shape: dict, compile_: bool, steps: int, warmup: int, device) -> dict:
+    shape = dict(shape)
+    tokens = shape.pop("batch_tokens")
+    torch.manual_seed(0)
+    model, cfg, fields, flops = (dflash_model if "anchors" in shape else eagle3_model)(shape)
+    model = model.to(device)
     if compile_:
         model.drafter.compile()
     params = [p for p in model.parameters() if p.requires_grad]
@@ -140,11 +195,11 @@ def bench(name: str, shape: dict, compile_: bool, steps: int, warmup: int, devic
         loss = step(k)
     sync()
     seconds = (time.perf_counter() - t0) / steps
-    fpt = flops_per_token(cfg, ttt_steps, lengths)  # averaged over the rows' documents
+    fpt = flops(lengths)  # averaged over the rows' documents
     tflops = fpt * tokens / seconds / 1e12
     return {
         "bench": "train", "config": name, "compile": compile_, "device": device.type,
-        "hardware": environment.hardware_line(), "ttt_steps": ttt_steps, "batch_tokens": tokens,
+        "hardware": environment.hardware_line(), **fields, "batch_tokens": tokens,
         "documents_per_row": round(len(lengths) / BATCHES, 1), "hidden": cfg.hidden_size, "draft_vocab": cfg.draft_vocab_size,
         "trainable_params_m": round(sum(p.numel() for p in params) / 1e6, 1),
         "step_ms": round(seconds * 1e3, 2), "tokens_per_s": round(tokens / seconds),
@@ -154,6 +209,14 @@ def bench(name: str, shape: dict, compile_: bool, steps: int, warmup: int, devic
         "warmup_s": round(warmup_s, 1), "final_loss": round(loss.item(), 4),
         "torch": torch.__version__,
     }
+
+
+def config(name: str) -> dict:
+    """CONFIGS[name], or a DFlash configuration: "smollm2-dflash" or "smollm2-dflash-L" for L layers."""
+    if name in CONFIGS:
+        return CONFIGS[name]
+    base, _, layers = name.rpartition("-") if name.rsplit("-", 1)[-1].isdigit() else (name, "", "")
+    return {**DFLASH[base], **({"num_layers": int(layers)} if layers else {})}
 
 
 def main() -> None:
@@ -167,7 +230,9 @@ def main() -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     tiny = args.tiny or device.type != "cuda"
     for name in args.configs.split(","):
-        shape = {**CONFIGS[name], **(TINY if tiny else {})}
+        shape = {**config(name), **(TINY if tiny else {})}
+        if tiny and "anchors" in shape:  # the tiny target's whole vocabulary, as the real one shares it
+            shape.update(draft_vocab_size=TINY["vocab_size"], anchors=16)
         for c in args.compile.split(","):
             try:
                 print(json.dumps(bench(name + ("-tiny" if tiny else ""), shape, c == "on", args.steps,

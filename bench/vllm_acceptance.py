@@ -18,11 +18,12 @@ from pathlib import Path
 import httpx
 
 from specdraft import environment
-from specdraft.stages.gen import select_prompts
-from specdraft.stages.bench import acceptance, spec_decode_counters
 from specdraft.engines import VLLM_PYTHON, VllmServer
 from specdraft.run import RunFolder
+from specdraft.stages.bench import acceptance, spec_decode_counters
+from specdraft.stages.gen import select_prompts
 from specdraft.targets import Target
+
 
 def speedup_line(path: Path, prompts: int, max_tokens: int) -> dict:
     """The chain figures of the last bench/speedup.py line in `path` measured on as many prompts and
@@ -33,7 +34,8 @@ def speedup_line(path: Path, prompts: int, max_tokens: int) -> dict:
         have = sorted({(x.get("prompts"), x.get("max_new_tokens")) for x in lines})
         raise SystemExit(f"{path}: no line measured on {prompts} prompts x {max_tokens} tokens "
                          f"(it has {have}); pass --prompts and --max-tokens to match one")
-    return {"tau": fits[-1]["tau_chain"], "per_position_acceptance": fits[-1]["per_position_acceptance_chain"]}
+    way = "chain" if "tau_chain" in fits[-1] else "block"  # EAGLE-3's chain, or DFlash's block
+    return {"tau": fits[-1][f"tau_{way}"], "per_position_acceptance": fits[-1][f"per_position_acceptance_{way}"]}
 
 
 def main() -> None:
@@ -53,11 +55,16 @@ def main() -> None:
     prompts, _ = select_prompts(recipe, target, "eval", args.prompts or recipe.eval.num_prompts)
     max_tokens = args.max_tokens or recipe.eval.max_new_tokens
     drafter = (run.path / "export" / args.format).resolve()
-    K = recipe.eval.draft_tokens
+    export = run.stage("export") or {}
     # Read before serving, so a missing reference fails in a second rather than after the run.
     reference = (speedup_line(Path(args.reference), len(prompts), max_tokens) if args.reference
                  else json.loads((run.path / "eval" / "report.json").read_text()))
-    spec = {"method": "eagle3", "model": str(drafter), "num_speculative_tokens": K}
+    if export.get("method") == "dflash":  # a block of block_size - 1 drafts, whatever eval.draft_tokens says
+        spec = json.loads(export["serve_command"].split("--speculative-config ", 1)[1].strip("'"))
+        spec["model"] = str(drafter)
+    else:
+        spec = {"method": "eagle3", "model": str(drafter), "num_speculative_tokens": recipe.eval.draft_tokens}
+    K = spec["num_speculative_tokens"]
     log_path = Path(args.log or f"/tmp/vllm-acceptance-{os.getpid()}.log")
     with VllmServer(target.path, speculative=spec, log_path=log_path, python=Path(args.vllm_python)) as server:
         ready_s = server.ready_seconds
@@ -73,7 +80,7 @@ def main() -> None:
     acc = acceptance(before, after)
     print(json.dumps({
         "bench": "vllm_acceptance", "run": str(run.path), "format": args.format, "prompts": len(prompts), "max_tokens": max_tokens,
-        "num_speculative_tokens": K, "vllm_mean_acceptance_length": round(acc["mean_acceptance_length"], 4),
+        "method": spec["method"], "num_speculative_tokens": K, "vllm_mean_acceptance_length": round(acc["mean_acceptance_length"], 4),
         "vllm_per_position_acceptance": [round(a, 4) for a in acc["per_position_acceptance"]],
         "vllm_drafts": acc["drafts"], "vllm_single_stream_tokens_per_s": round(tokens / seconds, 2),
         "reference_tau_fp32": reference["tau"], "reference_per_position_acceptance": reference["per_position_acceptance"],
