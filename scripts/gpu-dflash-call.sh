@@ -7,7 +7,7 @@
 #   2. RUN: the carried conversations, gen (answers nothing: all are carried), render, extract (bf16);
 #   3. RUN: train with train.method=dflash, epochs sized to TRAIN_SECONDS at the rate step 1 measured;
 #      export, eval (the reference decoder, 64 held-out prompts x 128);
-#   4. bench/speedup.py on 64 held-out prompts x 256, as the EAGLE-3 rows of bench/RESULTS.md.
+#   4. bench/speedup.py on SPEEDUP_PROMPTS (64) held-out prompts x 256, as the EAGLE-3 rows of bench/RESULTS.md.
 # LAYERS (3), LR (1e-3) and EXTRA (more --set items) shape the drafter; the model and the ShareGPT wheel
 # come as ../shared/gpu/README.md says (three carried parts and assemble.sh) under $M.
 DEADLINE=${1:-560}
@@ -31,8 +31,8 @@ stage() {
 }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >> $LOG
 if [ ! -s $RES/train-gpu.jsonl ]; then
-  timeout 240 python3 bench/train.py --configs smollm2,smollm2-dflash-1,smollm2-dflash-$LAYERS,smollm2-dflash-5 \
-    --compile off --steps 20 --warmup 5 > $RES/train-gpu.jsonl 2>> $LOG
+  timeout 150 python3 bench/train.py --configs smollm2,smollm2-dflash-$LAYERS ${MORE_CONFIGS} \
+    --compile off --steps 10 --warmup 3 > $RES/train-gpu.jsonl 2>> $LOG
 fi
 [ -f $R/conversations.jsonl ] || python3 scripts/cut_turns.py 1 $G bench/data/*.conversations.jsonl.xz > $R/conversations.tmp \
   && mv $R/conversations.tmp $R/conversations.jsonl
@@ -50,9 +50,10 @@ print(max(1, int(0.8 * $TRAIN_SECONDS * rate / tokens)))")
   sets="--set train.method=dflash --set train.dflash_layers=$LAYERS --set train.draft_vocab_size=0 --set train.lr=$LR
         --set train.epochs=$epochs --set train.warmup_steps=100 $EXTRA"
 fi
-[ -n "$data" ] && stage train $sets && stage export && stage eval && ready=1
+# EVAL=0: bench/speedup.py alone measures the drafter (the same reference decoder, 256 tokens a prompt).
+[ -n "$data" ] && stage train $sets && stage export && { [ "${EVAL:-1}" = 0 ] || stage eval; } && ready=1
 if [ -n "$ready" ] && [ ! -s $RES/speedup-dflash.jsonl ] && [ $(left) -gt 90 ]; then
-  timeout $(( $(left) - 20 )) python3 bench/speedup.py $R --prompts 64 --new-tokens 256 > $RES/speedup-dflash.jsonl 2>> $LOG
+  timeout $(( $(left) - 20 )) python3 bench/speedup.py $R --prompts ${SPEEDUP_PROMPTS:-64} --new-tokens 256 > $RES/speedup-dflash.jsonl 2>> $LOG
 fi
 tail -c 3000000 $LOG > $OUT/dflash.log
 cp $RES/*.jsonl $OUT/ 2>/dev/null
