@@ -373,3 +373,26 @@ def test_any_json_rows_read_as_whole_records_or_one_data_error_naming_the_file(t
             assert str(e).startswith(f"{path}:")
 
     check()
+
+
+def test_pre_rendered_rows_keep_an_eval_split_whose_prompts_eval_drafts(tmp_path, target):
+    """A share of the rows (data.eval_fraction, by id) is held out of render; eval's prompts are those rows'
+    ids before their first trained token: the template's prompt through the assistant header."""
+    from specdraft.data.prompts import select_prompts
+    from specdraft.data.sources import split_of
+
+    rows = [{**row, "id": f"r{i}-{j}"} for i in range(6) for j, row in enumerate(_rendered_rows(target))]
+    path = write(rows, tmp_path / "rendered.jsonl", "jsonl")
+    recipe = recipe_file(tmp_path, f'source = "{path}"').read_text().replace("eval_fraction = 0.0", "eval_fraction = 0.5")
+    (tmp_path / "r.toml").write_text(recipe)
+    held = [r for r in rows if split_of(r["id"], 0.5, 0) == "eval"]
+    assert 0 < len(held) < len(rows)  # the split is by id: both sides have rows
+    run = tmp_path / "run"
+    assert main(["render", "--recipe", str(tmp_path / "r.toml"), "--run", str(run)]) == 0
+    counts = RunFolder(run).stage("render")["counts"]
+    assert counts["held_out_for_eval"] == len(held) and counts["samples"] == len(rows) - len(held)
+    prompts, _ = select_prompts(load_recipe(str(tmp_path / "r.toml")), target, "eval", None)
+    assert [p["id"] for p in prompts] == [r["id"] for r in held]
+    chat = {r["id"]: CHATS[int(r["id"].split("-")[1])] for r in held}
+    for p in prompts:
+        assert p["prompt_ids"] == target.chat_ids(chat[p["id"]]["messages"][:-1], add_generation_prompt=True)

@@ -1,11 +1,18 @@
 """Which prompts a run answers (gen) and measures on (eval): the data source's conversations of one
-split, cut at their first user turn, tokenized with the target's chat template and kept when they fit.
+split, cut at their first user turn, tokenized with the target's chat template and kept when they fit;
+or, for a source of pre-rendered rows, the rows of the split cut before their first trained token.
 """
 
 from __future__ import annotations
 
-from specdraft.config import Recipe
-from specdraft.data.sources import DataError, prompts
+from specdraft.config import DataConfig, Recipe
+from specdraft.data.sources import (
+    DataError,
+    prompts,
+    read_rendered,
+    source_is_rendered,
+    split_of,
+)
 from specdraft.targets import Target
 
 
@@ -44,6 +51,8 @@ def select_prompts(recipe: Recipe, target: Target, split: str, limit: int | None
     included), each with its tools (or None) and the source's own answer (a list of turns, or None); also
     how many were too long."""
     d = recipe.data
+    if source_is_rendered(d):
+        return rendered_prompts(d, split, limit)
     chosen, too_long = [], 0
     for conv in prompts(d.source, split, d.eval_fraction, d.split_seed, data=d):
         messages = _prompt_messages(conv)
@@ -54,6 +63,26 @@ def select_prompts(recipe: Recipe, target: Target, split: str, limit: int | None
         later = [m["content"] for m in conv["messages"][len(messages):] if m["role"] == "user"]
         chosen.append({"id": conv["id"], "messages": messages, "prompt_ids": ids, "tools": conv.get("tools"),
                        "source_answer": _source_answer(conv, len(messages)), "later_users": later})
+        if limit is not None and len(chosen) >= limit:
+            break
+    return chosen, too_long
+
+
+def rendered_prompts(d: DataConfig, split: str, limit: int | None) -> tuple[list[dict], int]:
+    """The prompts of a split of pre-rendered rows: each row's ids before its first trained token (the
+    template's prompt through the assistant's header, as add_generation_prompt writes it). There is no
+    text: the reference decoder drafts them; a server is asked for text (bench's vLLM runs) only with
+    eval.prompts_file."""
+    chosen, too_long = [], 0
+    for _, row in read_rendered(d):
+        if split_of(row["id"], d.eval_fraction, d.split_seed) != split:
+            continue
+        ids = row["input_ids"][: row["loss_mask"].index(1)]
+        if len(ids) > d.max_prompt_tokens:
+            too_long += 1
+            continue
+        chosen.append({"id": row["id"], "messages": None, "prompt_ids": ids, "tools": None,
+                       "source_answer": None, "later_users": []})
         if limit is not None and len(chosen) >= limit:
             break
     return chosen, too_long

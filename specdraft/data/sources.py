@@ -218,8 +218,7 @@ def conversation_record(row, where: str, data: DataConfig) -> dict:
     turns = row.get(key)
     if is_rendered(row, data):
         raise DataError(f"{where}: a pre-rendered row ({data.input_ids_field} + {data.loss_mask_field}) where a "
-                        f"conversation is needed: a source holds one kind of row, and eval's prompts of a "
-                        f"pre-rendered run come from eval.prompts_file")
+                        f"conversation is needed: a source holds one kind of row")
     if not isinstance(turns, list) or not turns:
         raise DataError(f"{where}: {key!r} must be a non-empty list (data.messages_field names the column; "
                         f"the row has {sorted(row)})")

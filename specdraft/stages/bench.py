@@ -324,6 +324,9 @@ def run_bench(args) -> int:
     prompts, _ = select_prompts(recipe, target, "eval", args.prompts or recipe.eval.num_prompts)
     if not prompts:
         raise ValueError(f"no held-out prompts in {recipe.data.source} for run {folder.path}")
+    if prompts[0]["messages"] is None:
+        raise ValueError(f"{recipe.data.source} holds pre-rendered rows: their held-out prompts are token ids, and "
+                         f"bench asks the server in text; bench a run whose data are conversations")
     messages = [p["messages"] for p in prompts]
     levels = (args.concurrency if args.concurrency
               else concurrency_levels(args.max_concurrency))

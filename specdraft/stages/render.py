@@ -35,7 +35,13 @@ from pathlib import Path
 
 from specdraft.config import Recipe
 from specdraft.data.client import REFUSED, Auth
-from specdraft.data.sources import DataError, read_jsonl, read_rendered, source_is_rendered
+from specdraft.data.sources import (
+    DataError,
+    read_jsonl,
+    read_rendered,
+    source_is_rendered,
+    split_of,
+)
 from specdraft.run import RunFolder, atomic_path, write_json
 from specdraft.targets import Target, tokenizer_thinking_markers
 
@@ -507,12 +513,16 @@ def takes_rendered_rows(recipe: Recipe, folder: RunFolder) -> bool:
 def run_rendered(recipe: Recipe, folder: RunFolder, target: Target, template: ChatTemplate, t_start: float) -> dict:
     """Pre-rendered rows written as extract reads them, trusted: checked to be ids of the target's
     vocabulary and cut at render.max_length, not re-rendered through nor compared with the template (there
-    is no conversation to render); the manifest says so."""
+    is no conversation to render); the manifest says so. Rows of the eval split (data.eval_fraction, by
+    id, as for conversations) are left out: eval drafts their prompts."""
     from tqdm import tqdm
 
     cfg, d = recipe.render, recipe.data
-    packed, counts = Packed(), {"rows": 0, "cut_at_max_length": 0, "skipped_no_loss": 0}
+    packed, counts = Packed(), {"rows": 0, "held_out_for_eval": 0, "cut_at_max_length": 0, "skipped_no_loss": 0}
     for where, row in tqdm(read_rendered(d), desc="render (pre-rendered)", unit="row"):
+        if split_of(row["id"], d.eval_fraction, d.split_seed) == "eval":
+            counts["held_out_for_eval"] += 1
+            continue
         top = max(row["input_ids"])
         if top >= target.vocab_size:
             raise DataError(f"{where}: token id {top} is outside the target's vocabulary ({target.vocab_size}): "
@@ -528,7 +538,8 @@ def run_rendered(recipe: Recipe, folder: RunFolder, target: Target, template: Ch
     trusted = (f"{counts['rows']} pre-rendered rows of {d.source} taken as they are ({d.input_ids_field} + "
                f"{d.loss_mask_field}), not re-rendered through the chat template")
     print(f"render: {trusted}; {counts['samples']} samples, {counts['loss_tokens']:,} loss tokens, "
-          f"{counts['cut_at_max_length']} cut at {cfg.max_length} tokens\nnext: specdraft extract --run {folder.path}")
+          f"{counts['cut_at_max_length']} cut at {cfg.max_length} tokens, {counts['held_out_for_eval']} rows "
+          f"held out for eval\nnext: specdraft extract --run {folder.path}")
     return folder.record("render", state="done", config=cfg, counts=counts, seconds=time.time() - t_start,
                          extra={"trusted": trusted, "template": template.describe()})
 
