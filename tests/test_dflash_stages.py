@@ -9,6 +9,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from hostops import CheckedGraphs
 
 from specdraft.cli import main
 from specdraft.run import RunFolder
@@ -128,3 +129,40 @@ def test_export_refuses_sglang_for_a_dflash_drafter(dflash_run, tmp_path, capsys
     capsys.readouterr()
     assert main(["export", "--run", str(run), "--formats", "both"]) == 2
     assert "a DFlash drafter has vLLM's folder format only" in capsys.readouterr().err
+
+
+def test_the_static_engine_drafts_blocks_as_the_eager_one(dflash_run):
+    """The static engine's block context (preallocated, advanced in padded calls, drafting against the
+    whole capacity under a mask: what the GPU captures) drafts the eager one's tokens at every anchor,
+    decodes the same output with the same accepted lengths, and its steps read nothing on the host."""
+    from specdraft.decoding import runners
+    from specdraft.decoding.dflash import speculative_dflash
+    from specdraft.decoding.rounds import Stats
+    from specdraft.drafters.checkpoint import load_trained
+    from specdraft.stages.eval import load_prompts
+
+    folder = RunFolder(dflash_run)
+    drafter, target, _ = load_trained(folder.recipe(), folder)
+    model = target.load_model("float32", device="cpu")
+    eager, static = (runners.make_runner(target, model, engine) for engine in ("eager", "static"))
+    static.graphs = checked = CheckedGraphs(static.device)
+    prompt = load_prompts(folder.recipe(), target)[0]["prompt_ids"]
+    static.reserve(len(prompt) + 32)
+    contexts = eager.block_context(drafter), static.block_context(drafter)
+    eager.reset()
+    _, aux = eager.forward(prompt)
+    first = len(prompt) - 8
+    for c in contexts:
+        c.advance(aux[:first], 0)
+    for m in (3, 1, 4):  # rounds accepting 2, 0 and 3 drafts: the static advance pads each to a block
+        drafts = [c.draft(prompt[first], first) for c in contexts]
+        assert drafts[0] == drafts[1] and len(drafts[0]) == BLOCK - 1
+        for c in contexts:
+            c.advance(aux[first:first + m], first)
+        first += m
+    outs = []
+    for runner in (eager, static):
+        stats = Stats(BLOCK - 1)
+        outs.append((speculative_dflash(runner, drafter, prompt, 12, target.eos_token_id, stats), stats.accepted_hist))
+    assert outs[0] == outs[1]
+    assert {k[0] for k in checked.keys} == {"target", "block-advance", "block-draft"}

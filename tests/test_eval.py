@@ -14,6 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from hostops import CheckedGraphs
 from scipy import stats as sps
 
 from specdraft.cli import main
@@ -249,52 +250,16 @@ def test_engine_choice(target):
 @pytest.mark.slow
 def test_steps_for_cuda_graphs_never_read_the_device_on_the_host(engine):
     """What the GPU captures as CUDA graphs (decode steps, tree drafting, the drafter's step 0) runs here
-    under torch function and dispatch modes that refuse every op reading tensor values on the host
-    (.item(), .tolist(), data-dependent shapes: a sync a capture cannot hold) and every tensor built
-    from Python data (a host-to-device copy inside the graph)."""
-    from torch.overrides import TorchFunctionMode
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    from specdraft.decoding.static import StepGraphs
-
-    # aten ops by name (or name.overload) that read values on the host, or make a tensor of host data.
-    refused_ops = {"aten.item", "aten._local_scalar_dense", "aten.is_nonzero", "aten.equal", "aten.nonzero",
-                   "aten.masked_select", "aten._unique2", "aten.lift_fresh",
-                   "aten.repeat_interleave.Tensor", "aten.repeat_interleave.self_Tensor"}
-    # Tensor methods that read values without an aten op of their own.
-    refused_methods = {"tolist", "numpy", "__bool__", "__int__", "__float__", "__index__"}
-
-    class NoHostOps(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            name = str(func)  # aten.op.overload
-            boolean_index = name == "aten.index.Tensor" and any(
-                i is not None and i.dtype in (torch.bool, torch.uint8) for i in args[1])
-            assert not boolean_index and name not in refused_ops and name.rsplit(".", 1)[0] not in refused_ops, \
-                f"{name} in a CUDA graph step"
-            return func(*args, **(kwargs or {}))
-
-    class NoHostMethods(TorchFunctionMode):
-        def __torch_function__(self, func, types, args=(), kwargs=None):
-            assert getattr(func, "__name__", "") not in refused_methods, f"Tensor.{func.__name__} in a CUDA graph step"
-            return func(*args, **(kwargs or {}))
-
-    keys = []
-
-    class Checked(StepGraphs):  # graphs off: each call runs eagerly, under both modes
-        def __call__(self, key, fn, *inputs):
-            keys.append(key)
-            with NoHostMethods(), NoHostOps():
-                return super().__call__(key, fn, *inputs)
-
+    under modes that refuse every host read and every tensor of host data (tests/hostops.py)."""
     runner, drafter, target, _, prompts = engine
     static = runners.make_runner(target, runner.model, "static")
-    static.graphs = Checked(static.device, enabled=False)
+    static.graphs = checked = CheckedGraphs(static.device)
     ids, eos = prompts[0]["prompt_ids"], target.eos_token_id
     rounds.greedy(static, ids, 4, eos)
     for shape in (tree.TreeShape.chain(3), tree.TreeShape(4, 3, 8)):
         rounds.speculative(static, drafter, ids, 6, eos, shape, rounds.Stats(shape.depth))
     rounds.speculative_sampled(static, drafter, ids, 6, eos, 3, 1.0, rounds.Stats(3), torch.Generator().manual_seed(0))
-    assert {k[0] for k in keys} == {"target", "draft", "advance", "step"}
+    assert {k[0] for k in checked.keys} == {"target", "draft", "advance", "step"}
 
 
 def test_failed_graph_capture_falls_back_loudly(capsys):

@@ -4,7 +4,8 @@ token (the next round's anchor).
 
 The drafter's cache is its context: the keys and values every drafter layer makes of the target's
 aux states, one per accepted position, appended after each round (vLLM writes the same into its
-drafter KV cache). A round at anchor position n (the last token the target produced, not yet fed to
+drafter KV cache); the runner keeps it (runners.BlockContext on the eager engine, grown by
+concatenation; static.StaticBlockContext on preallocated buffers, its calls CUDA graphs on the GPU). A round at anchor position n (the last token the target produced, not yet fed to
 it) drafts positions n + 1 .. n + K from the context of positions < n and the block
 [x_n, mask, ..., mask]; the target is fed x_n and the K drafts at positions n .. n + K.
 
@@ -21,14 +22,7 @@ import torch
 
 from specdraft.decoding.rounds import Stats
 from specdraft.decoding.runners import sync
-from specdraft.drafters.dflash import KV, DFlashDrafter
-
-
-def extend(context: list[KV] | None, new: list[KV]) -> list[KV]:
-    """Every layer's context keys/values with the new positions' appended along T."""
-    if context is None:
-        return new
-    return [(torch.cat([k, nk], dim=2), torch.cat([v, nv], dim=2)) for (k, v), (nk, nv) in zip(context, new)]
+from specdraft.drafters.dflash import DFlashDrafter
 
 
 @torch.inference_mode()
@@ -37,24 +31,19 @@ def speculative_dflash(runner, drafter: DFlashDrafter, prompt: list[int], max_ne
     """Greedy speculative decoding with DFlash blocks; returns the generated ids."""
     dev = runner.device
     K = drafter.config.speculative_tokens
-    dtype = drafter.fc.weight.dtype
-
-    def context_of(aux: torch.Tensor, first: int) -> list[KV]:
-        positions = torch.arange(first, first + aux.shape[0], device=dev)[None]  # [1, n]
-        return drafter.context(aux.to(dtype)[None], positions)
-
     runner.reserve(len(prompt) + max_new + K + 1)
     runner.reset()
+    context = runner.block_context(drafter)
     logits, aux = runner.forward(prompt)
     out = [int(logits[-1].argmax())]
     n = len(prompt)  # the anchor's position: out[-1] is x_n, not yet fed to the target
     t0 = time.perf_counter()
-    context = context_of(aux, 0)
+    context.advance(aux, 0)
     stats.draft_seconds += time.perf_counter() - t0
     while out[-1] != eos and len(out) < max_new:
         sync(dev)
         t0 = time.perf_counter()
-        drafts = drafter.draft(context, out[-1], n)  # x_{n+1} .. x_{n+K}
+        drafts = context.draft(out[-1], n)  # x_{n+1} .. x_{n+K}
         sync(dev)
         stats.draft_seconds += time.perf_counter() - t0
         stats.draft_steps += 1
@@ -70,7 +59,7 @@ def speculative_dflash(runner, drafter: DFlashDrafter, prompt: list[int], max_ne
         accepted = drafts[:a] + [choice[a]]
         runner.keep(n + 1 + a, [])  # x_n and the a accepted drafts stay in the target's cache
         t0 = time.perf_counter()
-        context = extend(context, context_of(aux[: a + 1], n))
+        context.advance(aux[: a + 1], n)
         sync(dev)
         stats.draft_seconds += time.perf_counter() - t0
         n += a + 1

@@ -43,6 +43,9 @@ class TargetRunner:
     def drafter_state(self, drafter, max_accepted: int) -> DrafterState:
         return DrafterState(drafter)
 
+    def block_context(self, drafter) -> BlockContext:
+        return BlockContext(drafter)
+
     def reset(self):
         from transformers import DynamicCache
 
@@ -138,3 +141,26 @@ class DrafterState:
     def draft(self, shape: TreeShape) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Every node of this round's dynamic tree (grow_tree)."""
         return grow_tree(self.drafter, self.step, self.root_hidden, self.root_logits, shape)
+
+
+class BlockContext:
+    """A DFlash drafter's context on the eager engine: every drafter layer's keys and values of the
+    positions the target has verified (one per position, what vLLM writes into the drafter's KV cache),
+    grown by concatenation each round."""
+
+    def __init__(self, drafter):
+        self.drafter = drafter
+        self.kv = None  # per layer (keys, values) [1, kv heads, T, d]
+
+    @torch.inference_mode()
+    def advance(self, aux: torch.Tensor, first_position: int):
+        """The context of aux states [m, n_aux*Ht] at positions first_position .. + m - 1, appended."""
+        d = self.drafter
+        positions = torch.arange(first_position, first_position + aux.shape[0], device=aux.device)[None]  # [1, m]
+        new = d.context(aux.to(d.fc.weight.dtype)[None], positions)
+        self.kv = new if self.kv is None else [(torch.cat([k, nk], 2), torch.cat([v, nv], 2))
+                                               for (k, v), (nk, nv) in zip(self.kv, new)]
+
+    def draft(self, anchor_token: int, anchor_position: int) -> list[int]:
+        """The block_size - 1 target ids drafted after the anchor, which sits one past the context."""
+        return self.drafter.draft(self.kv, anchor_token, anchor_position)

@@ -132,6 +132,7 @@ class StaticTargetRunner:
         self.graphs = StepGraphs(self.device, graphs)
         self.cache = StaticKV(self.layers, 0)
         self._drafter_state: StaticDrafterState | None = None
+        self._block_context: StaticBlockContext | None = None
 
     @property
     def engine(self) -> str:
@@ -145,7 +146,7 @@ class StaticTargetRunner:
         if tokens > self.cache.capacity:
             self.cache = StaticKV(self.layers, -(-tokens // CAPACITY_ALIGNMENT) * CAPACITY_ALIGNMENT)
             self.graphs.clear()
-            self._drafter_state = None
+            self._drafter_state = self._block_context = None
 
     def reset(self):
         self.cache.length = 0  # stale keys stay in the buffers, hidden by the mask and overwritten
@@ -160,6 +161,12 @@ class StaticTargetRunner:
             self._drafter_state = StaticDrafterState(drafter, self.cache.capacity, self.graphs)
         self._drafter_state.reset(max_accepted)
         return self._drafter_state
+
+    def block_context(self, drafter) -> StaticBlockContext:
+        if self._block_context is None or self._block_context.drafter is not drafter:
+            self.graphs.clear()  # the drafter's graphs hold the old context's buffers
+            self._block_context = StaticBlockContext(drafter, self.cache.capacity, self.graphs)
+        return self._block_context
 
     @torch.inference_mode()
     def forward(self, ids: list[int], positions: list[int] | None = None,
@@ -290,3 +297,58 @@ class StaticDrafterState:
         mask = (torch.arange(self.capacity, device=tokens.device) <= root)[None]  # [1, C]: the whole cache
         diag = [(flat[i], flat[i + 1]) for i in range(0, len(flat), 2)]
         return self.drafter(hidden, tokens, positions, base=(self.keys, self.values), diag=diag, mask=mask)
+
+
+class StaticBlockContext:
+    """BlockContext's interface (advance, draft) for a DFlash drafter on preallocated buffers: every
+    layer's context keys and values at the cache's capacity, a position's slot its position. After the
+    prefill both calls have fixed shapes: advance padded to block_size rows (a round accepts at most
+    block_size - 1 drafts and the target's own token), and the block drafted against the whole capacity
+    under a mask of the positions before the anchor, so each is one CUDA graph when graphs are on."""
+
+    def __init__(self, drafter, capacity: int, graphs: StepGraphs):
+        cfg = drafter.config
+        dtype, device = drafter.fc.weight.dtype, drafter.fc.weight.device
+        self.drafter, self.capacity, self.graphs = drafter, capacity, graphs
+        shape = (1, cfg.num_key_value_heads, capacity, cfg.head_dim)
+        self.kv = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+                   for _ in range(cfg.num_layers)]  # per layer (keys, values) [1, kv heads, C, d]
+
+    @torch.inference_mode()
+    def advance(self, aux: torch.Tensor, first_position: int):
+        """As BlockContext.advance. The padded rows write slots past the next anchor, which the next
+        draft does not see and the next advance overwrites."""
+        m, rows, dev = aux.shape[0], self.drafter.config.block_size, aux.device
+        if first_position == 0:  # the prefill: its length differs per prompt, so it is never captured
+            self._advance(aux, torch.tensor(0, device=dev))
+            return
+        if first_position + rows > self.capacity:
+            raise RuntimeError(f"drafter cache of {self.capacity} slots is full: reserve() more before decoding")
+        padded = aux.new_zeros((rows, aux.shape[1]))  # [rows, n_aux*Ht]
+        padded[:m] = aux
+        self.graphs(("block-advance", rows), self._advance, padded, torch.tensor(first_position))
+
+    def _advance(self, aux, first):
+        """aux [W, n_aux*Ht], first [] -> writes every layer's keys and values at slots first .. first + W - 1."""
+        d = self.drafter
+        slots = first + torch.arange(aux.shape[0], device=aux.device)  # [W]
+        for (keys, values), (k, v) in zip(self.kv, d.context(aux.to(d.fc.weight.dtype)[None], slots[None])):
+            keys.index_copy_(2, slots, k)
+            values.index_copy_(2, slots, v)
+        return slots
+
+    @torch.inference_mode()
+    def draft(self, anchor_token: int, anchor_position: int) -> list[int]:
+        """As BlockContext.draft."""
+        ids = self.graphs(("block-draft",), self._draft, torch.tensor([[anchor_token]]), torch.tensor(anchor_position))
+        return ids.tolist()
+
+    def _draft(self, token, position):
+        """token [1, 1], position [] -> the drafted target ids [block_size - 1]."""
+        d = self.drafter
+        bs = d.config.block_size
+        ids = torch.cat([token, torch.full((1, bs - 1), d.config.mask_token_id, device=token.device)], dim=1)  # [1, bs]
+        positions = (position + torch.arange(bs, device=token.device))[None]  # [1, bs]
+        visible = (torch.arange(self.capacity, device=token.device) < position)[None, None].expand(1, bs, -1)  # [1, bs, C]
+        logits = d(ids, positions, self.kv, visible)  # [1, bs, Vd]
+        return d.to_target_ids(logits[0, 1:].argmax(-1))

@@ -121,23 +121,27 @@ def default_mask_token(tokenizer, vocab_size: int) -> int:
 KV = tuple[torch.Tensor, torch.Tensor]
 
 
-def attend(q: torch.Tensor, context: KV, block: KV, visible: torch.Tensor, block_size: int) -> torch.Tensor:
+def attend(q: torch.Tensor, context: KV, block: KV, visible: torch.Tensor | None, block_size: int) -> torch.Tensor:
     """Exact softmax attention of a row of blocks over the context and their own block.
 
     q [B, nh, Q, d] with Q = N * block_size (N blocks, each block_size consecutive queries); context
     keys / values [B, nkv, T, d] under `visible` [B, Q, T] (bool: which context positions each query
-    sees); block keys / values [B, nkv, Q, d], of which each query sees its own block's, all of them.
-    One softmax over both key sets, through torch's fused attention (on CUDA its memory-efficient kernel
-    never holds the [Q, T + Q] scores: with 512 blocks of 16 over an 8,192-token row they would be
-    ~2.4 GB per layer in float32). Every query sees at least its own block, so no row is all masked.
-    -> [B, nh, Q, d]."""
+    sees; None: all of them); block keys / values [B, nkv, Q, d], of which each query sees its own
+    block's, all of them. One softmax over both key sets, through torch's fused attention (on CUDA its
+    memory-efficient kernel never holds the [Q, T + Q] scores: with 512 blocks of 16 over an 8,192-token
+    row they would be ~2.4 GB per layer in float32). Every query sees at least its own block, so no row
+    is all masked. -> [B, nh, Q, d]."""
     B, nh, Q, _ = q.shape
     g = nh // context[0].shape[1]
     keys = torch.cat([context[0], block[0]], dim=2).repeat_interleave(g, dim=1)  # [B, nh, T+Q, d]
     values = torch.cat([context[1], block[1]], dim=2).repeat_interleave(g, dim=1)  # [B, nh, T+Q, d]
-    blocks = torch.arange(Q, device=q.device) // block_size
-    own = (blocks[:, None] == blocks[None]).expand(B, Q, Q)  # [B, Q, Q]
-    mask = torch.cat([visible, own], dim=-1)[:, None]  # [B, 1, Q, T+Q]
+    mask = None  # one block that sees the whole context: every key, no mask (the fastest kernels)
+    if visible is not None or Q > block_size:
+        if visible is None:
+            visible = torch.ones(B, Q, context[0].shape[2], dtype=torch.bool, device=q.device)
+        blocks = torch.arange(Q, device=q.device) // block_size
+        own = (blocks[:, None] == blocks[None]).expand(B, Q, Q)  # [B, Q, Q]
+        mask = torch.cat([visible, own], dim=-1)[:, None]  # [B, 1, Q, T+Q]
     return F.scaled_dot_product_attention(q, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask)
 
 
@@ -161,9 +165,10 @@ class Attention(nn.Module):
         cos, sin = rotary(positions, self.head_dim, self.theta)  # [B, 1, T, d]
         return apply_rotary(k, cos, sin), v
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, context: KV, visible: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, context: KV, visible: torch.Tensor | None
+                ) -> torch.Tensor:
         """x [B, Q, H] (the blocks' normed states) at positions [B, Q]; context keys/values of this
-        layer, 2 x [B, nkv, T, d]; visible [B, Q, T]. -> [B, Q, H]."""
+        layer, 2 x [B, nkv, T, d]; visible [B, Q, T] (None: all of the context). -> [B, Q, H]."""
         B, Q, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(B, Q, self.n_heads, self.head_dim)).transpose(1, 2)  # [B, nh, Q, d]
         cos, sin = rotary(positions, self.head_dim, self.theta)  # [B, 1, Q, d]
@@ -226,10 +231,10 @@ class DFlashDrafter(nn.Module):
         return ids.reshape(B, N * self.config.block_size)
 
     def forward(self, block_ids: torch.Tensor, block_positions: torch.Tensor, context: list[KV],
-                visible: torch.Tensor) -> torch.Tensor:
+                visible: torch.Tensor | None) -> torch.Tensor:
         """Draft N blocks at once: block_ids, block_positions [B, Q] (Q = N * block_size, each block
         its anchor then masks, at anchor + 0 .. block_size - 1), every layer's context (`context`)
-        and which context positions each query sees (`visible` [B, Q, T]). -> logits [B, Q, Vd];
+        and which context positions each query sees (`visible` [B, Q, T]; None: all). -> logits [B, Q, Vd];
         slot j of a block predicts the token at its own position."""
         hidden = self.embed_tokens(block_ids).to(self.fc.weight.dtype)  # [B, Q, H]
         for layer, ctx in zip(self.layers, context):
@@ -247,6 +252,5 @@ class DFlashDrafter(nn.Module):
         dev = context[0][0].device
         ids = self.block_inputs(torch.tensor([[anchor_token]], device=dev))  # [1, bs]
         positions = torch.arange(anchor_position, anchor_position + bs, device=dev)[None]  # [1, bs]
-        visible = torch.ones(1, bs, context[0][0].shape[2], dtype=torch.bool, device=dev)  # [1, bs, T]
-        logits = self(ids, positions, context, visible)  # [1, bs, Vd]
+        logits = self(ids, positions, context, None)  # [1, bs, Vd]: the block sees all of the context
         return self.to_target_ids(logits[0, 1:].argmax(-1)).tolist()
