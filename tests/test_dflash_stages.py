@@ -153,12 +153,12 @@ def test_the_static_engine_drafts_blocks_as_the_eager_one(dflash_run):
     _, aux = eager.forward(prompt)
     first = len(prompt) - 8
     for c in contexts:
-        c.advance(aux[:first], 0)
+        c.advance(aux[:first], prompt[1:first + 1], 0)
     for m in (3, 1, 4):  # rounds accepting 2, 0 and 3 drafts: the static advance pads each to a block
-        drafts = [c.draft(prompt[first], first) for c in contexts]
+        drafts = [c.draft() for c in contexts]
         assert drafts[0] == drafts[1] and len(drafts[0]) == BLOCK - 1
         for c in contexts:
-            c.advance(aux[first:first + m], first)
+            c.advance(aux[first:first + m], prompt[first + 1:first + m + 1], first)
         first += m
     outs = []
     for runner in (eager, static):

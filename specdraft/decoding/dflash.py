@@ -38,12 +38,12 @@ def speculative_dflash(runner, drafter: DFlashDrafter, prompt: list[int], max_ne
     out = [int(logits[-1].argmax())]
     n = len(prompt)  # the anchor's position: out[-1] is x_n, not yet fed to the target
     t0 = time.perf_counter()
-    context.advance(aux, 0)
+    context.advance(aux, prompt[1:] + out[-1:], 0)
     stats.draft_seconds += time.perf_counter() - t0
     while out[-1] != eos and len(out) < max_new:
         sync(dev)
         t0 = time.perf_counter()
-        drafts = context.draft(out[-1], n)  # x_{n+1} .. x_{n+K}
+        drafts = context.draft()  # x_{n+1} .. x_{n+K}
         sync(dev)
         stats.draft_seconds += time.perf_counter() - t0
         stats.draft_steps += 1
@@ -59,7 +59,7 @@ def speculative_dflash(runner, drafter: DFlashDrafter, prompt: list[int], max_ne
         accepted = drafts[:a] + [choice[a]]
         runner.keep(n + 1 + a, [])  # x_n and the a accepted drafts stay in the target's cache
         t0 = time.perf_counter()
-        context.advance(aux[: a + 1], n)
+        context.advance(aux[: a + 1], accepted, n)
         sync(dev)
         stats.draft_seconds += time.perf_counter() - t0
         n += a + 1

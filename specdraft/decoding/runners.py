@@ -144,23 +144,27 @@ class DrafterState:
 
 
 class BlockContext:
-    """A DFlash drafter's context on the eager engine: every drafter layer's keys and values of the
-    positions the target has verified (one per position, what vLLM writes into the drafter's KV cache),
-    grown by concatenation each round."""
+    """A DFlash drafter's state on the eager engine: its context (every drafter layer's keys and values of
+    the positions the target has verified, one per position: what vLLM writes into the drafter's KV
+    cache), grown by concatenation each round, and the next round's anchor."""
 
     def __init__(self, drafter):
         self.drafter = drafter
         self.kv = None  # per layer (keys, values) [1, kv heads, T, d]
+        self.anchor, self.anchor_position = -1, -1
 
     @torch.inference_mode()
-    def advance(self, aux: torch.Tensor, first_position: int):
-        """The context of aux states [m, n_aux*Ht] at positions first_position .. + m - 1, appended."""
+    def advance(self, aux: torch.Tensor, next_tokens: list[int], first_position: int):
+        """Newly accepted positions first_position, ... with the target's aux states aux [m, n_aux*Ht];
+        next_tokens[i] is the token after position first_position + i, so the last one is the next
+        round's anchor, at the position after them."""
         d = self.drafter
         positions = torch.arange(first_position, first_position + aux.shape[0], device=aux.device)[None]  # [1, m]
         new = d.context(aux.to(d.fc.weight.dtype)[None], positions)
         self.kv = new if self.kv is None else [(torch.cat([k, nk], 2), torch.cat([v, nv], 2))
                                                for (k, v), (nk, nv) in zip(self.kv, new)]
+        self.anchor, self.anchor_position = next_tokens[-1], first_position + len(next_tokens)
 
-    def draft(self, anchor_token: int, anchor_position: int) -> list[int]:
-        """The block_size - 1 target ids drafted after the anchor, which sits one past the context."""
-        return self.drafter.draft(self.kv, anchor_token, anchor_position)
+    def draft(self) -> list[int]:
+        """The block's K drafts: target ids of positions anchor + 1 .. anchor + K."""
+        return self.drafter.draft(self.kv, self.anchor, self.anchor_position)

@@ -313,12 +313,14 @@ class StaticBlockContext:
         shape = (1, cfg.num_key_value_heads, capacity, cfg.head_dim)
         self.kv = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
                    for _ in range(cfg.num_layers)]  # per layer (keys, values) [1, kv heads, C, d]
+        self.anchor, self.anchor_position = -1, -1
 
     @torch.inference_mode()
-    def advance(self, aux: torch.Tensor, first_position: int):
+    def advance(self, aux: torch.Tensor, next_tokens: list[int], first_position: int):
         """As BlockContext.advance. The padded rows write slots past the next anchor, which the next
         draft does not see and the next advance overwrites."""
         m, rows, dev = aux.shape[0], self.drafter.config.block_size, aux.device
+        self.anchor, self.anchor_position = next_tokens[-1], first_position + len(next_tokens)
         if first_position == 0:  # the prefill: its length differs per prompt, so it is never captured
             self._advance(aux, torch.tensor(0, device=dev))
             return
@@ -338,9 +340,10 @@ class StaticBlockContext:
         return slots
 
     @torch.inference_mode()
-    def draft(self, anchor_token: int, anchor_position: int) -> list[int]:
+    def draft(self) -> list[int]:
         """As BlockContext.draft."""
-        ids = self.graphs(("block-draft",), self._draft, torch.tensor([[anchor_token]]), torch.tensor(anchor_position))
+        ids = self.graphs(("block-draft",), self._draft, torch.tensor([[self.anchor]]),
+                          torch.tensor(self.anchor_position))
         return ids.tolist()
 
     def _draft(self, token, position):
