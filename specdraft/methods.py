@@ -12,7 +12,10 @@ hidden states, in the same trainer loop, and is measured by the same eval. What 
 - `plan_config` and `queries`: what plan bills (the drafter's config; how many drafter queries a
   batch token costs: EAGLE-3 one per TTT step, DFlash block_size per anchor);
 - `decodings`: the reference decoder's ways of drafting, each a function of (runner, drafter, prompt,
-  max_new, eos, stats) (EAGLE-3: a chain and a tree; DFlash: one block per round).
+  max_new, eos, stats) (EAGLE-3: a chain and a tree; DFlash: one block per round), all rounds of
+  decoding/rounds.py's one loop;
+- `position` and `first_position`: what a statistic row is called in the training curves (TTT step
+  0, 1, ... or block slot 1, 2, ...).
 
 Which method a saved drafter belongs to is its class's METHOD (written into checkpoints), so readers
 dispatch on the drafter they load, never on a recipe that may have changed since.
@@ -60,6 +63,12 @@ class Method:
     check: Callable  # TrainConfig -> None, raising ValueError for a choice the method does not take
     plan_config: Callable  # (Target, TrainConfig) -> the drafter's config, for plan's bill
     queries: Callable  # TrainConfig -> drafter queries per batch token (each through every drafter layer)
+    position: str  # what one statistic row is, as plots and logs name it
+    first_position: int  # the number of the first row (TTT steps count from 0, drafted block slots from 1)
+
+    def position_labels(self, n: int) -> list[str]:
+        """The names of n statistic rows: 'TTT step 0', ... or 'block slot 1', ..."""
+        return [f"{self.position} {self.first_position + i}" for i in range(n)]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -184,10 +193,10 @@ METHODS: dict[str, Method] = {
                      lambda cfg: [cfg.step_weight_decay ** i for i in range(cfg.ttt_steps)],
                      eagle3_decodings, check_eagle3,
                      lambda target, cfg: DrafterConfig.from_target(target, cfg.draft_vocab_size),
-                     lambda cfg: cfg.ttt_steps),
+                     lambda cfg: cfg.ttt_steps, "TTT step", 0),
     "dflash": Method("dflash", build_dflash, dflash_objective, lambda cfg: cfg.block_size - 1,
                      lambda cfg: slot_weights(cfg.block_size, cfg.dflash_gamma)[1:].tolist(),
-                     dflash_decodings, check_dflash, plan_dflash, dflash_queries),
+                     dflash_decodings, check_dflash, plan_dflash, dflash_queries, "block slot", 1),
 }
 
 

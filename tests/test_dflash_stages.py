@@ -128,3 +128,40 @@ def test_export_refuses_sglang_for_a_dflash_drafter(dflash_run, tmp_path, capsys
     capsys.readouterr()
     assert main(["export", "--run", str(run), "--formats", "both"]) == 2
     assert "a DFlash drafter has vLLM's folder format only" in capsys.readouterr().err
+
+
+def test_training_curves_name_block_slots(dflash_run, tmp_path):
+    from specdraft.methods import METHODS
+    from specdraft.stages.train import plot_curves
+
+    folder = RunFolder(dflash_run)
+    assert folder.curves.exists()
+    drawn = plot_curves(folder.train_log, tmp_path / "curves.png", METHODS["dflash"])
+    assert drawn[:2] == ["train loss per block slot", "train top-1 accuracy per block slot"]
+    assert drawn[3:] == [f"block slot {j}" for j in range(1, BLOCK)]
+    assert METHODS["eagle3"].position_labels(3) == ["TTT step 0", "TTT step 1", "TTT step 2"]
+
+
+@pytest.mark.slow
+def test_block_rounds_of_the_memorised_drafter_are_exact_and_accept_deep(memorised_dflash_run):
+    """The memorised DFlash drafter (conftest) decoding its 8 training prompts in float32 through the
+    one round loop (rounds.decode with GreedyBlock): the target's own greedy output on every prompt, many
+    drafts accepted per round, and one drafter forward counted per round."""
+    from specdraft.decoding.dflash import speculative_dflash
+    from specdraft.decoding.rounds import Stats, check_exact, greedy
+    from specdraft.decoding.runners import TargetRunner
+    from specdraft.drafters.checkpoint import load_trained
+
+    folder = RunFolder(memorised_dflash_run)
+    drafter, target, _ = load_trained(folder.recipe(), folder)
+    runner = TargetRunner(target, target.load_model("float32"))
+    stats = Stats(drafter.config.speculative_tokens)
+    records = [json.loads(line) for line in (memorised_dflash_run / "conversations.jsonl").read_text().splitlines()]
+    for r in records:
+        prompt = target.chat_ids(r["messages"][:-1], add_generation_prompt=True)
+        ref, gaps = greedy(runner, prompt, 32, target.eos_token_id)
+        spec = speculative_dflash(runner, drafter.float(), prompt, 32, target.eos_token_id, stats)
+        assert check_exact(spec, ref, gaps, 0.0, r.get("id", "?"))["exact"]
+    print(f"reference decoder, memorised DFlash drafter, fp32: {stats.summary()}")
+    assert stats.draft_steps == stats.rounds
+    assert stats.tau > 2.0, stats.summary()

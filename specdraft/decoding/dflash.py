@@ -1,82 +1,67 @@
-"""Rounds of DFlash speculative decoding: one block drafted in one drafter forward, verified by one
-target forward, the longest drafted prefix the target itself picks kept, plus the target's own next
-token (the next round's anchor).
+"""DFlash rounds in the reference decoder's one round loop (rounds.decode): a round drafts a whole block
+in one drafter forward, and the target verifies it in one forward as it verifies an EAGLE-3 chain.
 
-The drafter's cache is its context: the keys and values every drafter layer makes of the target's
-aux states, one per accepted position, appended after each round (vLLM writes the same into its
-drafter KV cache). A round at anchor position n (the last token the target produced, not yet fed to
-it) drafts positions n + 1 .. n + K from the context of positions < n and the block
-[x_n, mask, ..., mask]; the target is fed x_n and the K drafts at positions n .. n + K.
-
-Any target runner of decoding/runners.py serves: it returns logits and aux states for the tokens fed
-to it and keeps a prefix of its cache. Greedy output is the target's own, whatever the drafts; the
-statistics are rounds.Stats with K = block_size - 1.
+BlockContext is the drafter's state across rounds: its context is the keys and values every drafter
+layer makes of the target's aux states, one per accepted position, appended as rounds accept them (vLLM
+writes the same into its drafter KV cache). A round whose last token x_n (the anchor: produced by the
+target, not yet fed to it) sits at position n drafts positions n + 1 .. n + K from the context of the
+positions < n and the block [x_n, mask, ..., mask]; the target is then fed x_n and the K drafts at
+positions n .. n + K, and GreedyBlock keeps the longest drafted prefix the target itself picks, plus the
+target's own next token (the next round's anchor). Greedy output is the target's own, whatever the
+drafts; K = block_size - 1.
 """
 
 from __future__ import annotations
 
-import time
-
 import torch
 
-from specdraft.decoding.rounds import Stats
-from specdraft.decoding.runners import sync
+from specdraft.decoding.rounds import GreedyTree, Stats, decode
+from specdraft.decoding.tree import Tree, TreeShape
 from specdraft.drafters.dflash import KV, DFlashDrafter
 
 
-def extend(context: list[KV] | None, new: list[KV]) -> list[KV]:
-    """Every layer's context keys/values with the new positions' appended along T."""
-    if context is None:
-        return new
-    return [(torch.cat([k, nk], dim=2), torch.cat([v, nv], dim=2)) for (k, v), (nk, nv) in zip(context, new)]
+class BlockContext:
+    """The drafter's context (every layer's keys and values of the accepted positions) and the anchor
+    of the next round."""
+
+    def __init__(self, drafter: DFlashDrafter):
+        self.drafter = drafter
+        self.context: list[KV] | None = None
+        self.anchor, self.anchor_position = -1, -1
+
+    @torch.inference_mode()
+    def advance(self, aux: torch.Tensor, next_tokens: list[int], first_position: int) -> None:
+        """Newly accepted positions first_position, ... with the target's aux states aux [n, n_aux*H];
+        next_tokens[i] is the token after position first_position + i, so the last one is the next
+        round's anchor, at the position after them."""
+        d = self.drafter
+        positions = torch.arange(first_position, first_position + aux.shape[0], device=aux.device)[None]  # [1, n]
+        new = d.context(aux.to(d.fc.weight.dtype)[None], positions)  # per layer 2 x [1, nkv, n, d]
+        self.context = new if self.context is None else [
+            (torch.cat([k, nk], dim=2), torch.cat([v, nv], dim=2)) for (k, v), (nk, nv) in zip(self.context, new)]
+        self.anchor, self.anchor_position = next_tokens[-1], first_position + len(next_tokens)
+
+    def draft(self) -> list[int]:
+        """The block's K drafts (target ids of positions anchor + 1 .. anchor + K)."""
+        return self.drafter.draft(self.context, self.anchor, self.anchor_position)
 
 
-@torch.inference_mode()
+class GreedyBlock(GreedyTree):
+    """Greedy DFlash rounds: one block of K drafts per round, verified and accepted as a chain of K."""
+
+    forwards = 1  # the whole block is one drafter forward
+
+    def __init__(self, K: int):
+        super().__init__(TreeShape.chain(K))
+
+    def start(self, runner, drafter: DFlashDrafter) -> BlockContext:
+        return BlockContext(drafter)
+
+    def draft(self, state: BlockContext) -> Tree:
+        return Tree.chain(state.draft())
+
+
 def speculative_dflash(runner, drafter: DFlashDrafter, prompt: list[int], max_new: int, eos: int,
                        stats: Stats) -> list[int]:
     """Greedy speculative decoding with DFlash blocks; returns the generated ids."""
-    dev = runner.device
-    K = drafter.config.speculative_tokens
-    dtype = drafter.fc.weight.dtype
-
-    def context_of(aux: torch.Tensor, first: int) -> list[KV]:
-        positions = torch.arange(first, first + aux.shape[0], device=dev)[None]  # [1, n]
-        return drafter.context(aux.to(dtype)[None], positions)
-
-    runner.reserve(len(prompt) + max_new + K + 1)
-    runner.reset()
-    logits, aux = runner.forward(prompt)
-    out = [int(logits[-1].argmax())]
-    n = len(prompt)  # the anchor's position: out[-1] is x_n, not yet fed to the target
-    t0 = time.perf_counter()
-    context = context_of(aux, 0)
-    stats.draft_seconds += time.perf_counter() - t0
-    while out[-1] != eos and len(out) < max_new:
-        sync(dev)
-        t0 = time.perf_counter()
-        drafts = drafter.draft(context, out[-1], n)  # x_{n+1} .. x_{n+K}
-        sync(dev)
-        stats.draft_seconds += time.perf_counter() - t0
-        stats.draft_steps += 1
-        t0 = time.perf_counter()
-        logits, aux = runner.forward([out[-1]] + drafts)  # positions n .. n + K
-        choice = logits.argmax(-1).tolist()  # the target's token after each fed one
-        sync(dev)
-        stats.verify_seconds += time.perf_counter() - t0
-        a = 0
-        while a < K and drafts[a] == choice[a]:
-            a += 1
-        stats.add(a)
-        accepted = drafts[:a] + [choice[a]]
-        runner.keep(n + 1 + a, [])  # x_n and the a accepted drafts stay in the target's cache
-        t0 = time.perf_counter()
-        context = extend(context, context_of(aux[: a + 1], n))
-        sync(dev)
-        stats.draft_seconds += time.perf_counter() - t0
-        n += a + 1
-        out += accepted
-        if eos in accepted:
-            break
-    if eos in out:
-        out = out[: out.index(eos) + 1]
-    return out[:max_new]
+    return decode(runner, drafter, prompt, max_new, eos, GreedyBlock(drafter.config.speculative_tokens), stats)
