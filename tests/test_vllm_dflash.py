@@ -18,10 +18,12 @@ from test_vllm_serve import serve_and_measure, training_prompts
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
-# The served mean acceptance length the memorised drafter must beat. A folder that reads the wrong
-# target layers (below) measured 1.02, and a random or unusable drafter accepts nothing (1.0); the sound
-# memorised drafter measured 1.99 (bench/RESULTS.md). 1.5 sits half way: a sound drafter passes with
-# room for vLLM's bf16 trajectories to drift from the memorised ones, a broken one cannot reach it.
+# The served mean acceptance length the memorised drafter must beat. Measured (bench/RESULTS.md): the
+# sound drafter 2.07 (per position 0.42 / 0.33 / 0.31; 3/8 answers kept the memorised trajectory in
+# vLLM's bf16, after which it drafts from what it generalised); the same folder reading other target
+# layers 1.00 (0 of 744 drafts accepted), as a random drafter gets. 1.5 sits half way: a sound drafter
+# passes with room for vLLM's bf16 trajectories to drift further from the memorised ones, and a folder
+# vLLM feeds the wrong states cannot reach it.
 SERVED_FLOOR = 1.5
 
 
@@ -49,7 +51,7 @@ def test_vllm_serves_the_memorised_dflash_drafter_and_accepts_its_blocks(memoris
     assert acc["drafts"] > 0
     assert len(acc["per_position_acceptance"]) == 3  # K = block_size - 1, as export printed it
     assert acc["mean_acceptance_length"] > SERVED_FLOOR, acc
-    assert acc["per_position_acceptance"][0] > 0.4, acc
+    assert acc["per_position_acceptance"][0] > 0.25, acc
 
 
 def test_a_dflash_folder_reading_other_target_layers_accepts_far_less(memorised_dflash_run, served, target,
