@@ -178,10 +178,22 @@ def dflash_queries(cfg: TrainConfig) -> float:
     return min(cfg.dflash_anchors, cfg.batch_tokens) * cfg.block_size / cfg.batch_tokens
 
 
+# Through the target's lm_head (shared, or started from it) DFlash learnt nothing past the unigram at
+# lr 3e-3 with a short warmup, and memorised at 3e-4, or at 1e-3 after 50 warmup steps (bench/RESULTS.md).
+DFLASH_TARGET_HEAD_MAX_LR = 3e-4
+DFLASH_LONG_WARMUP = 50
+
+
 def check_dflash(cfg: TrainConfig) -> None:
     if cfg.init_from:
         raise ValueError("train.init_from starts from a published EAGLE-3 drafter; with train.method = 'dflash' "
                          "leave it empty")
+    target_head = cfg.draft_vocab_size == 0 or cfg.lm_head_init != "random"
+    if target_head and cfg.lr > DFLASH_TARGET_HEAD_MAX_LR and cfg.warmup_steps < DFLASH_LONG_WARMUP:
+        # A warning, not a refusal: a large data set may well train at it; the small ones measured did not.
+        print(f"train: warning: a DFlash drafter reading through the target's lm_head at lr {cfg.lr:g} with "
+              f"{cfg.warmup_steps} warmup steps stalled at the unigram when measured; lr <= "
+              f"{DFLASH_TARGET_HEAD_MAX_LR:g} or warmup_steps >= {DFLASH_LONG_WARMUP} trained (docs/dflash.md)")
 
 
 # ---------------------------------------------------------------------------------------------------
