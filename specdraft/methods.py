@@ -12,7 +12,10 @@ hidden states, in the same trainer loop, and is measured by the same eval. What 
 - `plan_config` and `queries`: what plan bills (the drafter's config; how many drafter queries a
   batch token costs: EAGLE-3 one per TTT step, DFlash block_size per anchor);
 - `decodings`: the reference decoder's ways of drafting, each a function of (runner, drafter, prompt,
-  max_new, eos, stats) (EAGLE-3: a chain and a tree; DFlash: one block per round).
+  max_new, eos, stats) (EAGLE-3: a chain and a tree; DFlash: one block per round), all rounds of
+  decoding/rounds.py's one loop;
+- `position` and `first_position`: what a statistic row is called in the training curves (TTT step
+  0, 1, ... or block slot 1, 2, ...).
 
 Which method a saved drafter belongs to is its class's METHOD (written into checkpoints), so readers
 dispatch on the drafter they load, never on a recipe that may have changed since.
@@ -60,6 +63,12 @@ class Method:
     check: Callable  # TrainConfig -> None, raising ValueError for a choice the method does not take
     plan_config: Callable  # (Target, TrainConfig) -> the drafter's config, for plan's bill
     queries: Callable  # TrainConfig -> drafter queries per batch token (each through every drafter layer)
+    position: str  # what one statistic row is, as plots and logs name it
+    first_position: int  # the number of the first row (TTT steps count from 0, drafted block slots from 1)
+
+    def position_labels(self, n: int) -> list[str]:
+        """The names of n statistic rows: 'TTT step 0', ... or 'block slot 1', ..."""
+        return [f"{self.position} {self.first_position + i}" for i in range(n)]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -169,10 +178,22 @@ def dflash_queries(cfg: TrainConfig) -> float:
     return min(cfg.dflash_anchors, cfg.batch_tokens) * cfg.block_size / cfg.batch_tokens
 
 
+# Through the target's lm_head (shared, or started from it) DFlash learnt nothing past the unigram at
+# lr 3e-3 with a short warmup, and memorised at 3e-4, or at 1e-3 after 50 warmup steps (bench/RESULTS.md).
+DFLASH_TARGET_HEAD_MAX_LR = 3e-4
+DFLASH_LONG_WARMUP = 50
+
+
 def check_dflash(cfg: TrainConfig) -> None:
     if cfg.init_from:
         raise ValueError("train.init_from starts from a published EAGLE-3 drafter; with train.method = 'dflash' "
                          "leave it empty")
+    target_head = cfg.draft_vocab_size == 0 or cfg.lm_head_init != "random"
+    if target_head and cfg.lr > DFLASH_TARGET_HEAD_MAX_LR and cfg.warmup_steps < DFLASH_LONG_WARMUP:
+        # A warning, not a refusal: a large data set may well train at it; the small ones measured did not.
+        print(f"train: warning: a DFlash drafter reading through the target's lm_head at lr {cfg.lr:g} with "
+              f"{cfg.warmup_steps} warmup steps stalled at the unigram when measured; lr <= "
+              f"{DFLASH_TARGET_HEAD_MAX_LR:g} or warmup_steps >= {DFLASH_LONG_WARMUP} trained (docs/dflash.md)")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -184,10 +205,10 @@ METHODS: dict[str, Method] = {
                      lambda cfg: [cfg.step_weight_decay ** i for i in range(cfg.ttt_steps)],
                      eagle3_decodings, check_eagle3,
                      lambda target, cfg: DrafterConfig.from_target(target, cfg.draft_vocab_size),
-                     lambda cfg: cfg.ttt_steps),
+                     lambda cfg: cfg.ttt_steps, "TTT step", 0),
     "dflash": Method("dflash", build_dflash, dflash_objective, lambda cfg: cfg.block_size - 1,
                      lambda cfg: slot_weights(cfg.block_size, cfg.dflash_gamma)[1:].tolist(),
-                     dflash_decodings, check_dflash, plan_dflash, dflash_queries),
+                     dflash_decodings, check_dflash, plan_dflash, dflash_queries, "block slot", 1),
 }
 
 

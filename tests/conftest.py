@@ -113,6 +113,32 @@ batch_tokens = 4096
 MEMORISED_NORMS_RECIPE = MEMORISED_RECIPE + "fc_norm = true\nnorm_output = true\n"
 
 
+# The same 8 samples memorised by a DFlash drafter: one layer, blocks of 4 (K = 3, as the EAGLE-3 test
+# serves), over the target's whole vocabulary with its lm_head shared and frozen (the folder vLLM serves
+# by default: no lm_head, no d2t), all 8 trained on (vLLM is served those 8 prompts). Its lr is a tenth of
+# the EAGLE-3 recipe's: through the target's tied lm_head, 3e-3 stalls at the unigram (~9 % top-1 after
+# 60 steps), 3e-4 memorises (~0.9 at 120 steps; bench/RESULTS.md, "Why the first DFlash drafter learnt
+# slowly").
+MEMORISED_DFLASH_RECIPE = """
+name = "overfit-dflash"
+[data]
+num_train = 8
+max_prompt_tokens = 96
+[gen]
+batch_size = 8
+max_new_tokens = 32
+[train]
+method = "dflash"
+block_size = 4
+draft_vocab_size = 0
+epochs = 150
+lr = 3e-4
+warmup_steps = 5
+batch_tokens = 4096
+holdout = 0.0
+"""
+
+
 # Stages that read a trained drafter but do not shape it: a change to them keeps the cached run.
 _NOT_TRAINING = {"export", "import_drafter", "eval", "bench", "doctor", "plan", "status"}
 
@@ -180,3 +206,10 @@ def memorised_run(tmp_path_factory, pytestconfig, target) -> Path:
 def memorised_norms_run(tmp_path_factory, pytestconfig, target) -> Path:
     """The same, trained with EAGLE-3.1's norms (the smollm2-h200 recipe's), exported for vLLM only."""
     return _memorised(MEMORISED_NORMS_RECIPE, "vllm", tmp_path_factory, pytestconfig)
+
+
+@pytest.fixture(scope="session")
+def memorised_dflash_run(tmp_path_factory, pytestconfig, target) -> Path:
+    """The 8 samples memorised by a DFlash drafter (MEMORISED_DFLASH_RECIPE), cached like
+    memorised_run, exported fresh in vLLM's DFlash folder format."""
+    return _memorised(MEMORISED_DFLASH_RECIPE, "vllm", tmp_path_factory, pytestconfig)

@@ -352,3 +352,16 @@ def test_default_mask_token_is_a_token_the_chat_template_never_writes(target):
         default_mask_token(Tok(mask_token_id=None, n=10, chat_template="<s>", bos_token_id=0, eos_token_id=1,
                                added_tokens_decoder={0: SimpleNamespace(content="<s>", **vars(special)),
                                                      1: SimpleNamespace(content="</s>", **vars(special))}), 10)
+
+
+def test_train_warns_of_a_learning_rate_that_stalls_through_the_targets_lm_head(capsys):
+    from specdraft.config import TrainConfig
+    from specdraft.methods import check_dflash
+
+    for cfg, warned in [(TrainConfig(method="dflash", draft_vocab_size=0, lr=3e-3, warmup_steps=5), True),
+                        (TrainConfig(method="dflash", draft_vocab_size=512, lm_head_init="target", lr=3e-3), True),
+                        (TrainConfig(method="dflash", draft_vocab_size=0, lr=3e-4, warmup_steps=5), False),
+                        (TrainConfig(method="dflash", draft_vocab_size=0, lr=1e-3, warmup_steps=50), False),
+                        (TrainConfig(method="dflash", draft_vocab_size=512, lr=3e-3), False)]:  # its own random head
+        check_dflash(cfg)
+        assert ("stalled at the unigram" in capsys.readouterr().out) == warned, cfg

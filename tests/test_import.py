@@ -255,3 +255,90 @@ def test_doctor_on_an_unreadable_foreign_folder_does_not_say_re_export(speculato
 def test_doctor_on_a_missing_folder_says_so(capsys):
     assert main(["doctor", "/no/such/folder", "--target", "smollm2"]) == 2
     assert "/no/such/folder is not a folder" in capsys.readouterr().err
+
+
+# --- DFlash folders ---------------------------------------------------------------------------------
+
+def dflash_drafter(target):
+    """A random one-layer DFlash drafter of the bundled target's shapes (blocks of 4), over its whole
+    vocabulary (the target's lm_head, as vLLM shares it), with non-trivial norms."""
+    from specdraft.drafters.dflash import DFlashConfig, DFlashDrafter
+
+    torch.manual_seed(0)
+    d = DFlashDrafter(DFlashConfig.from_target(target, mask_token_id=16, block_size=4))
+    d.embed_tokens.weight.data.copy_(target.embed_weight().float())
+    d.lm_head.weight.data.copy_(target.head_weight().float())
+    for name, t in d.state_dict().items():
+        if name.endswith("norm.weight"):
+            torch.nn.init.uniform_(t, 0.5, 1.5)
+    return d.eval()
+
+
+def block_logits(d, seed=1):
+    """Two blocks (anchors 3 and 7) over a random context of 9 positions."""
+    g = torch.Generator().manual_seed(seed)
+    aux = torch.randn(1, T, len(d.config.aux_layer_ids) * d.config.target_hidden_size, generator=g)
+    ids = torch.randint(0, d.config.vocab_size, (1, T), generator=g)
+    bs = d.config.block_size
+    anchors = torch.tensor([[3, 7]])
+    positions = (anchors[..., None] + torch.arange(bs)).reshape(1, -1)
+    visible = torch.arange(T)[None, None] < anchors.repeat_interleave(bs, dim=1)[..., None]
+    with torch.no_grad():
+        return d(d.block_inputs(ids[:, anchors[0]]), positions, d.context(aux, torch.arange(T)[None]), visible)
+
+
+def dflash_folder(d, target, out: Path, edit=None) -> Path:
+    from specdraft.drafters.dflash_format import write_dflash
+
+    write_dflash(d, out, target_num_layers=target.num_layers, provenance={"run": "test"})
+    if edit:
+        config = json.loads((out / "config.json").read_text())
+        edit(config)
+        (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+def test_dflash_export_import_gives_identical_logits(target, tmp_path, capsys):
+    d = dflash_drafter(target)
+    folder = dflash_folder(d, target, tmp_path / "dflash")
+    assert main(["import", str(folder), "--out", str(tmp_path / "ckpt"), "--target", "smollm2"]) == 0
+    imported, meta = load_checkpoint(tmp_path / "ckpt", target.embed_weight(), target.head_weight())
+    assert imported.METHOD == "dflash" and meta["imported_from"]["layout"] == "dflash"
+    assert imported.config == d.config and meta["imported_from"]["notes"] == []  # every field explicit
+    reference = copy.deepcopy(d).to(torch.bfloat16).float()  # the folder holds bf16
+    reference.lm_head.weight.data = target.head_weight().float()  # not exported: the target's, as vLLM shares it
+    torch.testing.assert_close(block_logits(imported), block_logits(reference), rtol=0, atol=0)
+    assert "DFlash, 1 layer(s)" in capsys.readouterr().out
+
+
+def test_dflash_fields_left_out_are_read_as_vllm_reads_them_and_reported(target, tmp_path, capsys):
+    """A folder as a peer might write it: no rope theta, no block_size, the mask token at the top level.
+    vLLM (through its Qwen3 config) reads theta 10,000, drafts the serve command's K and takes the top-level
+    mask token; import does the same and says so."""
+    def published_style(c):
+        c.pop("rope_theta"), c.pop("rope_parameters"), c.pop("block_size")
+        c["mask_token_id"] = c["dflash_config"].pop("mask_token_id")
+
+    folder = dflash_folder(dflash_drafter(target), target, tmp_path / "dflash", published_style)
+    assert main(["import", str(folder), "--out", str(tmp_path / "ckpt"), "--target", "smollm2"]) == 0
+    imported, meta = load_checkpoint(tmp_path / "ckpt", target.embed_weight(), target.head_weight())
+    assert imported.config.rope_theta == 10000.0 and imported.config.block_size == 16
+    assert imported.config.mask_token_id == 16
+    out = capsys.readouterr().out
+    for note in ("rope_theta: absent, read as 10000", "block_size: absent", "mask_token_id: read from the top level"):
+        assert note in out and any(n.startswith(note) for n in meta["imported_from"]["notes"]), out
+
+
+@pytest.mark.parametrize("edit,named", [
+    # vLLM reads a missing head_dim as 128 (its Qwen3 config default), not 576 / 9 = 64: the tensors misfit
+    (lambda c: c.pop("head_dim"), "self_attn.q_proj.weight: [576, 576] given, config.json needs [1152, 576]"),
+    (lambda c: c.update(head_dim=None), "null, which vLLM refuses"),
+    (lambda c: c["dflash_config"].update(causal=True), "causal block attention"),
+    (lambda c: c.update(eagle_aux_hidden_state_layer_ids=[2, 15, 30], dflash_config={
+        **c["dflash_config"], "target_layer_ids": [1, 14, 29]}), "target layers [30] outside 1..29"),
+])
+def test_dflash_folders_that_do_not_fit_are_refused_with_the_reason(edit, named, target, tmp_path, capsys):
+    folder = dflash_folder(dflash_drafter(target), target, tmp_path / "dflash", edit)
+    assert main(["import", str(folder), "--out", str(tmp_path / "ckpt"), "--target", "smollm2"]) == 2
+    assert named in capsys.readouterr().err
+    assert not (tmp_path / "ckpt").exists()

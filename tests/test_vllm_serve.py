@@ -22,16 +22,17 @@ from specdraft.stages.bench import acceptance, spec_decode_counters
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
 def serve_and_measure(target, drafter: Path, messages: list[list[dict]], log_path: Path,
-                      printed: str | None = None) -> tuple[dict, list[str]]:
+                      printed: str | None = None, speculative: dict | None = None) -> tuple[dict, list[str]]:
     """Serve `drafter` with vLLM, answer each conversation greedily, return (acceptance, answers).
     `printed`: the `vllm serve …` line export printed, served as printed (the test machine adds only
-    its port and dtype), instead of a speculative config built here."""
+    its port and dtype), instead of a speculative config built here; `speculative`: that config
+    (default: EAGLE-3 with 3 speculative tokens)."""
     if printed:
         argv = shlex.split(printed)
         assert argv[:3] == ["vllm", "serve", str(target.path)], argv
         server = VllmServer(argv[2], extra=argv[3:], log_path=log_path)
     else:
-        spec = {"method": "eagle3", "model": str(drafter), "num_speculative_tokens": 3}
+        spec = speculative or {"method": "eagle3", "model": str(drafter), "num_speculative_tokens": 3}
         server = VllmServer(target.path, speculative=spec, log_path=log_path)
     with server:
         before = spec_decode_counters(server.metrics_text())

@@ -1,10 +1,12 @@
 """Rounds of speculative decoding: draft, verify with one target forward, keep the accepted path.
 
-decode() is the one round loop (prefill, then rounds of draft, verify, accept, keep and drafter advance,
-timed and synced alike for every kind of round); a RoundPolicy says what a round drafts and what it
-accepts. GreedyTree keeps the longest drafted path of a tree (or chain) whose tokens the target itself
-picks, plus the target's own next token; SampledChain drafts a chain by sampling and accepts with exact
-rejection sampling (Leviathan et al. 2023), so the output is distributed as the target's own sampling.
+decode() is the one round loop of every drafter method (prefill, then rounds of draft, verify, accept,
+keep and drafter advance, timed and synced alike for every kind of round); a RoundPolicy says which
+drafter state a decode keeps, what a round drafts and what it accepts. GreedyTree keeps the longest
+drafted path of an EAGLE-3 tree (or chain) whose tokens the target itself picks, plus the target's own
+next token; SampledChain drafts an EAGLE-3 chain by sampling and accepts with exact rejection sampling
+(Leviathan et al. 2023), so the output is distributed as the target's own sampling; decoding/dflash.py's
+GreedyBlock drafts a DFlash block in one drafter forward and accepts it as GreedyTree does a chain.
 Greedy output is checked against plain greedy decoding on the same engine (check_exact): a divergence
 at a logit gap below the tolerance is a numerical tie (bf16 verification passes can flip near-ties),
 anything else is a bug. Stats turns the rounds into tau, the accepted-length histogram and
@@ -36,6 +38,12 @@ class ExactnessError(AssertionError):
 
 @dataclass
 class Stats:
+    """A decode's rounds. `draft_steps` counts drafter forward passes: an EAGLE-3 round makes one per
+    draft depth (the first is the advance over the tokens the last round accepted, whose output is the
+    root's), a DFlash round one for its whole block. `draft_seconds` is all the drafter's time in the
+    rounds: those forwards and the advance (for DFlash, projecting the accepted positions into its
+    context keys and values). So draft_step_seconds is the cost of one drafter forward, and
+    draft_seconds / rounds the drafting cost of a round, whatever the method."""
     K: int  # the deepest draft position
     rounds: int = 0
     accepted_hist: list[int] = field(default_factory=list)
@@ -85,10 +93,16 @@ def greedy(runner: TargetRunner, prompt: list[int], max_new: int, eos: int) -> t
 
 
 class RoundPolicy(Protocol[Draft, Verdict]):
-    """What differs between greedy and sampled rounds; decode() runs the rest. `shape` sizes the cache,
-    the drafter's padded advance and the draft steps counted per round."""
+    """What differs between greedy and sampled rounds, and between drafter methods; decode() runs the
+    rest. `shape` sizes the cache (a block drafter's K drafts are a chain); `forwards` is the drafter
+    forwards a round counts in Stats.draft_steps."""
 
     shape: TreeShape
+    forwards: int
+
+    def start(self, runner: TargetRunner, drafter) -> DrafterState:
+        """The drafter's state for one decode: advance(aux, next tokens, first position) feeds it the
+        target's states of newly accepted positions, and draft() reads it."""
 
     def first_token(self, logits: torch.Tensor) -> int:
         """The token after the prompt, from the prefill's last logits [V]."""
@@ -112,6 +126,13 @@ class GreedyTree:
 
     def __init__(self, shape: TreeShape):
         self.shape = shape
+
+    @property
+    def forwards(self) -> int:
+        return self.shape.depth
+
+    def start(self, runner: TargetRunner, drafter) -> DrafterState:
+        return runner.drafter_state(drafter, self.shape.depth + 1)
 
     def first_token(self, logits: torch.Tensor) -> int:
         return int(logits.argmax())
@@ -152,6 +173,13 @@ class SampledChain:
         self.shape = TreeShape.chain(K)
         self.temperature, self.generator = temperature, generator
         self.vocab = 0  # the target's, from the prefill: draft_probs spreads the draft vocab over it
+
+    @property
+    def forwards(self) -> int:
+        return self.shape.depth
+
+    def start(self, runner: TargetRunner, drafter) -> DrafterState:
+        return runner.drafter_state(drafter, self.shape.depth + 1)
 
     def sample(self, probs: torch.Tensor) -> int:
         return int(torch.multinomial(probs, 1, generator=self.generator))
@@ -194,7 +222,7 @@ def decode(runner: TargetRunner, drafter, prompt: list[int], max_new: int, eos: 
     logits, aux = runner.forward(prompt)
     out = [policy.first_token(logits[-1])]
     n = len(prompt)  # target cache length; out[-1] is x_n, not yet fed to the target
-    state = runner.drafter_state(drafter, policy.shape.depth + 1)
+    state = policy.start(runner, drafter)
     state.advance(aux, prompt[1:] + out[-1:], 0)
     while out[-1] != eos and len(out) < max_new:
         sync(dev)
@@ -202,7 +230,7 @@ def decode(runner: TargetRunner, drafter, prompt: list[int], max_new: int, eos: 
         draft = policy.draft(state)
         sync(dev)
         stats.draft_seconds += time.perf_counter() - t0
-        stats.draft_steps += policy.shape.depth
+        stats.draft_steps += policy.forwards
         t0 = time.perf_counter()
         verdict, aux = policy.verify(runner, out[-1], draft, n)
         sync(dev)
@@ -213,7 +241,7 @@ def decode(runner: TargetRunner, drafter, prompt: list[int], max_new: int, eos: 
         t0 = time.perf_counter()
         state.advance(aux[[0] + [1 + i for i in path]], accepted, n)
         sync(dev)
-        stats.draft_seconds += time.perf_counter() - t0  # step 0 is a drafting step too
+        stats.draft_seconds += time.perf_counter() - t0  # the advance is drafting work too
         n += len(accepted)
         out += accepted
         if eos in accepted:

@@ -45,6 +45,12 @@ class Tree:
     parents: list[int]  # index of the parent node; -1 = the root (the last accepted token)
     depths: list[int]  # 1 for the root's children
 
+    @classmethod
+    def chain(cls, tokens: list[int]) -> Tree:
+        """Tokens drafted one after the other: each node the child of the one before."""
+        return cls(tokens=list(tokens), parents=list(range(-1, len(tokens) - 1)),
+                   depths=list(range(1, len(tokens) + 1)))
+
     @property
     def is_chain(self) -> bool:
         return all(p == i - 1 for i, p in enumerate(self.parents))

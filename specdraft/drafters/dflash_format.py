@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from specdraft.drafters.dflash import DFlashConfig, DFlashDrafter
+from specdraft.drafters.dflash import DEFAULT_BLOCK_SIZE, DFlashConfig, DFlashDrafter
 from specdraft.run import atomic_path, write_json
 
 WEIGHTS = "model.safetensors"
@@ -186,17 +186,19 @@ def _target_layer_ids(config: dict, where: str) -> list[int]:
     return ids
 
 
-def parse_config(config: dict, where: str) -> DFlashConfig:
-    """A DFlash config.json -> our DFlashConfig, refusing what our drafter does not implement."""
-    if ARCHITECTURE not in (config.get("architectures") or []):
-        raise ValueError(f"{where}: architectures {config.get('architectures')} lack {ARCHITECTURE!r}")
-    dflash = config.get("dflash_config") or {}
+# What vLLM 0.32 takes for a field a DFlash config.json leaves out: it reads the folder as transformers'
+# Qwen3Config (5.19 in its venv), whose defaults these are (measured with vLLM's own get_config: no
+# rope_theta gives 10,000, so vLLM's 1,000,000 default for DFlash never applies; no head_dim gives 128,
+# not hidden_size / heads; no num_key_value_heads gives 32, not num_attention_heads).
+VLLM_DEFAULTS = {"head_dim": 128, "num_key_value_heads": 32, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+                 "max_position_embeddings": 32768}
+# Fields vLLM refuses to load as null (transformers' strict config fields); a null num_key_value_heads
+# means num_attention_heads there.
+NOT_NULL = ("head_dim", "rms_norm_eps", "max_position_embeddings", "rope_theta")
 
-    def need(key, source=config):
-        if source.get(key) is None:
-            raise ValueError(f"{where}: no {key!r}")
-        return source[key]
 
+def _refusals(config: dict, dflash: dict, where: str) -> None:
+    """The folders our drafter would run as another network than vLLM does: refused, with the reason."""
     if config.get("is_causal") or dflash.get("causal"):
         raise ValueError(f"{where}: causal block attention; this drafter's block attention is bidirectional")
     if dflash.get("use_swa") or "sliding_attention" in (config.get("layer_types") or []):
@@ -210,40 +212,82 @@ def parse_config(config: dict, where: str) -> DFlashConfig:
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
     if rope.get("rope_type", rope.get("type", "default")) != "default":
         raise ValueError(f"{where}: rope_type {rope.get('rope_type')!r}; the drafter implements only default RoPE")
-    vocab = need("vocab_size")
+    nulls = [k for k in NOT_NULL if k in config and config[k] is None]
+    if nulls:
+        raise ValueError(f"{where}: {nulls} null, which vLLM refuses to load; give the values or leave the "
+                         "fields out")
+
+
+def _defaulted(config: dict, dflash: dict, notes: list[str]) -> dict:
+    """The fields vLLM reads with a default when absent, as vLLM reads them; each default taken is noted."""
+    def read(key, default, why):
+        if config.get(key) is not None:
+            return config[key]
+        notes.append(f"{key}: absent, read as {default} ({why})")
+        return default
+
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    theta = rope.get("rope_theta", config.get("rope_theta"))
+    if theta is None:
+        theta = VLLM_DEFAULTS["rope_theta"]
+        notes.append(f"rope_theta: absent, read as {theta:g} (vLLM's Qwen3 config default)")
+    vocab = config["vocab_size"]
+    kv_default = config["num_attention_heads"] if "num_key_value_heads" in config else VLLM_DEFAULTS["num_key_value_heads"]
+    mask = dflash.get("mask_token_id")
+    if mask is None and config.get("mask_token_id") is not None:
+        mask = config["mask_token_id"]
+        notes.append(f"mask_token_id: read from the top level ({mask}), as vLLM does without dflash_config's")
+    # vLLM never reads block_size (it drafts the serve command's K); the published drafters' block is 16.
+    block = config.get("block_size") or dflash.get("block_size")
+    if block is None:
+        block = DEFAULT_BLOCK_SIZE
+        notes.append(f"block_size: absent (vLLM never reads it), taken as {block}: serve it with "
+                     f"num_speculative_tokens {block - 1} unless its trainer says otherwise")
+    return {
+        "num_key_value_heads": read("num_key_value_heads", kv_default, "vLLM's Qwen3 config default"),
+        "head_dim": read("head_dim", VLLM_DEFAULTS["head_dim"], "vLLM's Qwen3 config default"),
+        "draft_vocab_size": read("draft_vocab_size", vocab, "the target's vocabulary, through its lm_head"),
+        "target_hidden_size": read("target_hidden_size", config["hidden_size"], "vLLM: hidden_size"),
+        "rms_norm_eps": read("rms_norm_eps", VLLM_DEFAULTS["rms_norm_eps"], "vLLM's Qwen3 config default"),
+        "max_position_embeddings": read("max_position_embeddings", VLLM_DEFAULTS["max_position_embeddings"],
+                                        "vLLM's Qwen3 config default"),
+        "rope_theta": float(theta), "mask_token_id": mask, "block_size": block,
+    }
+
+
+def parse_config(config: dict, where: str, notes: list[str] | None = None) -> DFlashConfig:
+    """A DFlash config.json -> our DFlashConfig, read as vLLM reads it (absent fields take vLLM's
+    defaults, each appended to `notes`), refusing what our drafter does not implement."""
+    if ARCHITECTURE not in (config.get("architectures") or []):
+        raise ValueError(f"{where}: architectures {config.get('architectures')} lack {ARCHITECTURE!r}")
+    dflash = config.get("dflash_config") or {}
+    _refusals(config, dflash, where)
+    absent = [k for k in ("hidden_size", "num_attention_heads", "intermediate_size", "num_hidden_layers",
+                          "vocab_size") if config.get(k) is None]
+    if absent:
+        raise ValueError(f"{where}: no {absent}")
+    fields = _defaulted(config, dflash, notes if notes is not None else [])
+    if fields["mask_token_id"] is None:
+        raise ValueError(f"{where}: no 'mask_token_id' (dflash_config.mask_token_id): the mask slots' token")
     return DFlashConfig(
-        hidden_size=need("hidden_size"),
-        num_attention_heads=need("num_attention_heads"),
-        num_key_value_heads=config.get("num_key_value_heads") or config["num_attention_heads"],
-        head_dim=config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"],
-        intermediate_size=need("intermediate_size"),
-        num_layers=need("num_hidden_layers"),
-        vocab_size=vocab,
-        # vLLM's rule when absent: the target's whole vocabulary, through the target's lm_head.
-        draft_vocab_size=config.get("draft_vocab_size") or vocab,
-        target_hidden_size=config.get("target_hidden_size") or config["hidden_size"],
-        mask_token_id=need("mask_token_id", dflash),
-        # Older published folders keep it at the top level, newer ones in dflash_config.
-        block_size=config.get("block_size") or need("block_size", dflash),
-        aux_layer_ids=_target_layer_ids(config, where),
-        rms_norm_eps=need("rms_norm_eps"),
-        # vLLM's default theta for a DFlash drafter that names none.
-        rope_theta=rope.get("rope_theta", config.get("rope_theta", 1000000.0)),
-        max_position_embeddings=config.get("max_position_embeddings", 8192),
-    )
+        hidden_size=config["hidden_size"], num_attention_heads=config["num_attention_heads"],
+        intermediate_size=config["intermediate_size"], num_layers=config["num_hidden_layers"],
+        vocab_size=config["vocab_size"], aux_layer_ids=_target_layer_ids(config, where), **fields)
 
 
-def read_dflash(folder: Path, embed: torch.Tensor, lm_head: torch.Tensor | None = None) -> DFlashDrafter:
+def read_dflash(folder: Path, embed: torch.Tensor, lm_head: torch.Tensor | None = None,
+                notes: list[str] | None = None) -> DFlashDrafter:
     """A DFlash folder -> our drafter (float32, eval mode). `embed` is the target's embedding, and
     `lm_head` the target's lm_head weight when the folder drafts over the whole vocabulary (both are
-    what vLLM gives the drafter). Every tensor the config needs must be there, named when missing."""
+    what vLLM gives the drafter). Every tensor the config needs must be there, named when missing;
+    config fields read with vLLM's defaults are appended to `notes`."""
     from safetensors.torch import load_file
 
     folder = Path(folder)
     path = folder / "config.json"
     if not path.exists():
         raise ValueError(f"{path}: not found")
-    cfg = parse_config(json.loads(path.read_text()), str(path))
+    cfg = parse_config(json.loads(path.read_text()), str(path), notes)
     files = [folder / WEIGHTS] if (folder / WEIGHTS).exists() else sorted(folder.glob("*.safetensors"))
     if not files:
         raise ValueError(f"{folder}: no weights (*.safetensors)")

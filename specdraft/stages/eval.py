@@ -178,11 +178,14 @@ def evaluate(runner: TargetRunner, drafter, prompts: list[dict], cfg, eos: int) 
 
 def speed_figures(s: Stats, K: int, speedup: float, ar_step: float) -> dict:
     """The measured speedup beside what Leviathan's bound expects of the measured α (from tau) and cost
-    ratio c (one drafting step over one autoregressive target step, `ar_step` seconds)."""
+    ratio. Reported: one drafter forward over one autoregressive target step (`ar_step` seconds). The
+    bound's c is a round's drafting cost per drafted position: the same for EAGLE-3 (one forward per
+    position), a K-th of the block's forward for DFlash (rounds.Stats says what is counted)."""
     c = s.draft_seconds / max(1, s.draft_steps) / ar_step
+    c_position = s.draft_seconds / max(1, s.rounds) / K / ar_step
     alpha = alpha_from_tau(s.tau, K)
     return {"speedup": round(speedup, 3), "draft_to_target_cost": round(c, 4), "alpha": round(alpha, 4),
-            "leviathan_bound": round(leviathan_bound(alpha, K, c), 3)}
+            "leviathan_bound": round(leviathan_bound(alpha, K, c_position), 3)}
 
 
 def sampled_tau(runner, drafter, prompts, cfg, eos, seed: int) -> dict:

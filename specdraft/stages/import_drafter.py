@@ -1,16 +1,23 @@
-"""import: a published EAGLE-3 drafter (speculators or flat format, midlayer.* or layers.0.*) read,
-checked against the target and written as a specdraft checkpoint that eval, export and doctor use.
+"""import: a published drafter read, checked against the target and written as a specdraft checkpoint
+that eval, export and doctor use: an EAGLE-3 drafter (speculators or flat format, midlayer.* or
+layers.0.*) or a DFlash drafter (the folder vLLM loads for method "dflash", read as vLLM reads it:
+fields it leaves out take vLLM's defaults, each reported).
 """
 
 from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from specdraft.drafters.checkpoint import save_checkpoint
+from specdraft.drafters.dflash import DFlashDrafter
+from specdraft.drafters.dflash_format import ARCHITECTURE as DFLASH_ARCHITECTURE
+from specdraft.drafters.dflash_format import problems as dflash_problems
+from specdraft.drafters.dflash_format import read_dflash
 from specdraft.drafters.eagle3 import Eagle3Drafter
 from specdraft.drafters.formats import (
     EMBED_KEY,
@@ -50,6 +57,58 @@ def import_drafter(folder: Path, target, out: Path,
     return drafter, published
 
 
+def is_dflash(folder: Path) -> bool:
+    path = Path(folder) / "config.json"
+    return path.exists() and DFLASH_ARCHITECTURE in (json.loads(path.read_text()).get("architectures") or [])
+
+
+@dataclass
+class DFlashRead:
+    layout: str
+    notes: list[str]  # how it was read: vLLM's defaults taken, an embedding of its own
+
+
+def import_dflash(folder: Path, target, out: Path,
+                  extracted_aux_layer_ids: list[int] | None = None) -> tuple[DFlashDrafter, DFlashRead]:
+    """A DFlash folder -> a specdraft checkpoint at `out`, after checking it against `target` as vLLM
+    would serve it (the target's embedding and, over the whole vocabulary, its lm_head)."""
+    if (Path(folder) / "mask_embedding.pt").exists():
+        # vLLM feeds the mask slots that tensor instead of an embedding row, which our drafter has no place for.
+        raise ValueError(f"import: {folder} ships mask_embedding.pt (a mask embedding apart from the vocabulary), "
+                         "which specdraft's DFlash drafter does not model")
+    notes: list[str] = []
+    drafter = read_dflash(folder, target.embed_weight(), target.head_weight(), notes)
+    cfg = drafter.config
+    found = dflash_problems(cfg, target.num_layers)
+    if cfg.vocab_size != target.vocab_size:
+        found.append(f"vocab_size: drafter {cfg.vocab_size}, target {target.vocab_size} (another tokenizer)")
+    if cfg.target_hidden_size != target.hidden_size:
+        found.append(f"target_hidden_size: drafter {cfg.target_hidden_size}, target hidden_size {target.hidden_size}")
+    if extracted_aux_layer_ids is not None and list(extracted_aux_layer_ids) != cfg.aux_layer_ids:
+        found.append(f"aux layer ids: drafter {cfg.aux_layer_ids}, the run's hidden states "
+                     f"{list(extracted_aux_layer_ids)} (fine-tuning would feed it other layers)")
+    if found:
+        raise ValueError(f"import: {folder} does not fit the target {target.path}:\n  " + "\n  ".join(found))
+    if not torch.equal(drafter.embed_tokens.weight, target.embed_weight().float()):
+        notes.append("embed_tokens: the folder's own, differing from the target's (vLLM keeps it); kept")
+    published = DFlashRead("dflash", notes)
+    aux_ids = list(cfg.aux_layer_ids)
+    meta = {"aux_layer_ids": aux_ids, "target": type(target)(target.name, aux_ids).describe(),
+            "imported_from": {"folder": str(Path(folder).resolve()), "layout": "dflash", "notes": notes}}
+    save_checkpoint(drafter, Path(out), meta)
+    return drafter, published
+
+
+def describe(drafter) -> str:
+    cfg = drafter.config
+    common = (f"hidden {cfg.hidden_size}, {cfg.num_attention_heads} heads x {cfg.head_dim}, draft vocab "
+              f"{cfg.draft_vocab_size} of {cfg.vocab_size}, aux layers {cfg.aux_layer_ids}")
+    if isinstance(drafter, DFlashDrafter):
+        return (f"DFlash, {cfg.num_layers} layer(s), {common}, block {cfg.block_size}, mask token "
+                f"{cfg.mask_token_id}, rope theta {cfg.rope_theta:g}")
+    return f"EAGLE-3, {common}, norm_before_residual {cfg.norm_before_residual}"
+
+
 def run_import(source: str, recipe, folder: RunFolder | None = None, out: str | None = None) -> dict:
     """`specdraft import`: into a run (its checkpoints/imported, recorded as the run's drafter, so
     `eval`, `export` and `doctor` take it from there) or into a bare checkpoint folder (`out`)."""
@@ -66,14 +125,13 @@ def run_import(source: str, recipe, folder: RunFolder | None = None, out: str | 
         extracted = json.loads(index.read_text())["aux_layer_ids"] if index.exists() else None
     else:
         out_path, extracted = Path(out), None
-    drafter, published = import_drafter(Path(source), target, out_path, extracted)
+    read = import_dflash if is_dflash(Path(source)) else import_drafter
+    drafter, published = read(Path(source), target, out_path, extracted)
     cfg = drafter.config
     print(f"import: {source} ({published.layout})")
     for note in published.notes:
         print(f"  {note}")
-    print(f"  drafter: hidden {cfg.hidden_size}, {cfg.num_attention_heads} heads x {cfg.head_dim}, draft vocab "
-          f"{cfg.draft_vocab_size} of {cfg.vocab_size}, aux layers {cfg.aux_layer_ids}, "
-          f"norm_before_residual {cfg.norm_before_residual}")
+    print(f"  drafter: {describe(drafter)}")
     print(f"  checkpoint: {out_path}")
     info = {"folder": str(Path(source).resolve()), "layout": published.layout, "notes": published.notes}
     if folder is None:
@@ -86,5 +144,6 @@ def run_import(source: str, recipe, folder: RunFolder | None = None, out: str | 
     entry = folder.record("import", state="done", seconds=time.time() - t0, extra={**info, "checkpoint": rel})
     # Recorded as the run's drafter: eval and export load the train stage's checkpoint.
     folder.record("train", state="done", extra={"checkpoint": rel, "imported_from": info["folder"]})
-    print(f"\nnext: specdraft eval --run {folder.path}    (then: specdraft export --run {folder.path} --formats both)")
+    formats = "vllm" if isinstance(drafter, DFlashDrafter) else "both"  # DFlash: vLLM's folder format only
+    print(f"\nnext: specdraft eval --run {folder.path}    (then: specdraft export --run {folder.path} --formats {formats})")
     return entry

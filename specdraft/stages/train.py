@@ -46,7 +46,7 @@ from specdraft.drafters.ttt import (
     summarize,
 )
 from specdraft.hidden.online import open_hidden
-from specdraft.methods import METHODS
+from specdraft.methods import METHODS, Method
 from specdraft.run import RunFolder
 from specdraft.targets import Target, resolve_dtype
 
@@ -312,8 +312,10 @@ def tensorboard(logdir: Path, rank: int):
     return SummaryWriter(str(logdir))
 
 
-def plot_curves(log_path: Path, png: Path) -> None:
-    """The loss and held-out tau curves as a PNG beside the checkpoints."""
+def plot_curves(log_path: Path, png: Path, method: Method) -> list[str]:
+    """The loss and held-out tau curves as a PNG beside the checkpoints, one curve per statistic row
+    named as the method names it (TTT steps, block slots); returns the axes' titles and the curves'
+    labels, as drawn."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -323,17 +325,21 @@ def plot_curves(log_path: Path, png: Path) -> None:
     train = [r for r in records if r["kind"] == "train"]
     held = [r for r in records if r["kind"] == "eval"]
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
-    for i in range(len(train[0]["loss"]) if train else 0):
-        axes[0].plot([r["step"] for r in train], [r["loss"][i] for r in train], label=f"step {i}")
-        axes[1].plot([r["step"] for r in train], [r["acc"][i] for r in train], label=f"step {i}")
+    for i, label in enumerate(method.position_labels(len(train[0]["loss"]) if train else 0)):
+        axes[0].plot([r["step"] for r in train], [r["loss"][i] for r in train], label=label)
+        axes[1].plot([r["step"] for r in train], [r["acc"][i] for r in train], label=label)
     axes[2].plot([r["step"] for r in held], [r["tau"] for r in held], marker="o")
-    for ax, title in zip(axes, ("train loss per TTT step", "train top-1 accuracy", "held-out simulated tau")):
+    titles = (f"train loss per {method.position}", f"train top-1 accuracy per {method.position}",
+              "held-out simulated tau")
+    for ax, title in zip(axes, titles):
         ax.set_title(title)
         ax.set_xlabel("optimizer step")
     axes[0].legend()
     fig.tight_layout()
     fig.savefig(png)
+    drawn = [ax.get_title() for ax in axes] + [line.get_label() for line in axes[0].lines]
     plt.close(fig)
+    return drawn
 
 
 def keep_log_until(log_path: Path, step: int) -> None:
@@ -648,7 +654,7 @@ class Trainer:
         if self.rank != 0:
             return {}
         if folder.train_log.exists() and folder.train_log.stat().st_size:
-            plot_curves(folder.train_log, folder.curves)
+            plot_curves(folder.train_log, folder.curves, self.method)
         # The export stage reads `best` when held-out data chose one, else the final weights.
         chosen = "best" if (folder.checkpoint("best") / COMPLETE).exists() else "final"
         metrics = {"tokens_per_s": round(state["tokens"] / state["seconds"], 1) if state["seconds"] else None,
