@@ -216,3 +216,17 @@ def test_vllm_serves_the_memorised_qwen_drafter_and_accepts_its_drafts(qwen_memo
     # A drafter fed the wrong layers, a misread d2t or the wrong norm flag accepts ~nothing (length ~1.0).
     assert acc["mean_acceptance_length"] > 1.5, acc
     assert acc["per_position_acceptance"][0] > 0.3, acc
+
+
+def test_the_recipe_answers_programming_prompts_first():
+    from specdraft.config import load_recipe
+    from specdraft.data.prompts import is_programming, ordered
+    from specdraft.data.sources import prompts
+
+    recipe = load_recipe("qwen-coder-cpu")
+    assert recipe.target.model == QWEN and recipe.data.prefer == "programming"
+    d = recipe.data
+    convs = ordered(prompts(d.source, "train", d.eval_fraction, d.split_seed), d.prefer)
+    flags = [is_programming(c) for c in convs]
+    n = sum(flags)
+    assert n > d.num_train and all(flags[:n]) and not any(flags[n:])
