@@ -160,8 +160,12 @@ def test_template_round_trip_with_default_system_prompt_and_tools(qwen):
 @pytest.mark.slow
 def test_stored_states_are_the_layers_vllm_reads(qwen_memorised_run, qwen):
     """extract stored aux ids [2, 12, 21] as the residual stream after that many layers and `last` as the
-    final norm's output (vLLM's convention: test_extract.py's yardstick, on this target)."""
-    from states import Reference
+    final norm's output (vLLM's convention), within the target's own bf16 noise of its float32 forward.
+
+    Qwen2's residual stream is dominated by a few massive channels that barely change from one middle
+    layer to the next (layer 12 lies ~2 % from layer 11), so test_extract.py's "twice closer than either
+    neighbour" cannot hold here; each stored state must be the nearest of all the layers instead."""
+    from states import Reference, rel
 
     from specdraft.hidden.store import HiddenStore
 
@@ -172,9 +176,12 @@ def test_stored_states_are_the_layers_vllm_reads(qwen_memorised_run, qwen):
     for i in (0, len(store) - 1):
         item = store[i]
         ref = Reference(qwen, item["input_ids"], models)
-        for j, k in enumerate(store.aux_layer_ids):
-            ref.assert_layer(item["aux"][:, j * H:(j + 1) * H], k)
-        ref.assert_layer(item["last"], -1)
+        stored = [item["aux"][:, j * H:(j + 1) * H] for j in range(3)] + [item["last"]]
+        for state, k in zip(stored, store.aux_layer_ids + [len(ref.states) - 1]):
+            errors = [rel(state, layer) for layer in ref.states]
+            print(f"sample {i}, id {k}: {errors[k]:.4f}, nearest other {min(e for n, e in enumerate(errors) if n != k):.4f}")
+            assert errors[k] < ref.tolerance(k), (k, errors[k], ref.tolerance(k))
+            assert errors[k] == min(errors), (k, errors)
 
 
 @pytest.mark.slow
