@@ -157,6 +157,23 @@ def test_template_round_trip_with_default_system_prompt_and_tools(qwen):
     assert "<tool_response>" not in trained and "<tools>" not in trained  # context, not trained
 
 
+def assert_nearest_layers(store, qwen, models: dict, slack: float) -> None:
+    """Each stored aux state (and `last`) of the first and last sample is, of all the target's float32
+    layers, nearest to the one its id names, within `slack` times the target's own bf16 noise there."""
+    from states import Reference, rel
+
+    H = qwen.hidden_size
+    for i in (0, len(store) - 1):
+        item = store[i]
+        ref = Reference(qwen, item["input_ids"], models)
+        stored = [item["aux"][:, j * H:(j + 1) * H] for j in range(len(store.aux_layer_ids))] + [item["last"]]
+        for state, k in zip(stored, store.aux_layer_ids + [len(ref.states) - 1]):
+            errors = [rel(state, layer) for layer in ref.states]
+            print(f"sample {i}, id {k}: {errors[k]:.4f}, nearest other {min(e for n, e in enumerate(errors) if n != k):.4f}")
+            assert errors[k] < slack * ref.tolerance(k), (k, errors[k], ref.tolerance(k))
+            assert errors[k] == min(errors), (k, errors)
+
+
 @pytest.mark.slow
 def test_stored_states_are_the_layers_vllm_reads(qwen_memorised_run, qwen):
     """extract stored aux ids [2, 12, 21] as the residual stream after that many layers and `last` as the
@@ -165,23 +182,11 @@ def test_stored_states_are_the_layers_vllm_reads(qwen_memorised_run, qwen):
     Qwen2's residual stream is dominated by a few massive channels that barely change from one middle
     layer to the next (layer 12 lies ~2 % from layer 11), so test_extract.py's "twice closer than either
     neighbour" cannot hold here; each stored state must be the nearest of all the layers instead."""
-    from states import Reference, rel
-
     from specdraft.hidden.store import HiddenStore
 
     store = HiddenStore(qwen_memorised_run / "hidden")
     assert store.aux_layer_ids == [2, 12, 21]
-    models: dict = {}
-    H = qwen.hidden_size
-    for i in (0, len(store) - 1):
-        item = store[i]
-        ref = Reference(qwen, item["input_ids"], models)
-        stored = [item["aux"][:, j * H:(j + 1) * H] for j in range(3)] + [item["last"]]
-        for state, k in zip(stored, store.aux_layer_ids + [len(ref.states) - 1]):
-            errors = [rel(state, layer) for layer in ref.states]
-            print(f"sample {i}, id {k}: {errors[k]:.4f}, nearest other {min(e for n, e in enumerate(errors) if n != k):.4f}")
-            assert errors[k] < ref.tolerance(k), (k, errors[k], ref.tolerance(k))
-            assert errors[k] == min(errors), (k, errors)
+    assert_nearest_layers(store, qwen, {}, slack=1.0)
 
 
 @pytest.mark.slow
@@ -221,8 +226,9 @@ def test_vllm_serves_the_memorised_qwen_drafter_and_accepts_its_drafts(qwen_memo
     print(f"vLLM, Qwen2.5-Coder: {acc}, {same}/8 answers identical to the training answers")
     assert acc["drafts"] > 0 and len(acc["per_position_acceptance"]) == 3
     # A drafter fed the wrong layers, a misread d2t or the wrong norm flag accepts ~nothing (length ~1.0).
-    assert acc["mean_acceptance_length"] > 1.5, acc
-    assert acc["per_position_acceptance"][0] > 0.3, acc
+    # Measured: 2.61 (0.62 / 0.51 / 0.48), 7 of 8 answers identical to the memorised ones.
+    assert acc["mean_acceptance_length"] > 2.0, acc
+    assert acc["per_position_acceptance"][0] > 0.4, acc
 
 
 def test_the_recipe_answers_programming_prompts_first():
@@ -271,7 +277,7 @@ def test_vllm_hands_out_the_states_extract_stored(qwen_memorised_run, qwen, tmp_
         agree += int(((x["last"].float() @ head.T).argmax(-1) == (y["last"].float() @ head.T).argmax(-1)).sum())
         total += x["last"].shape[0]
     print(f"Qwen2.5-Coder, vLLM vs transformers: worst relative error {worst}, top-1 agreement {agree / total:.4f}")
-    # Two bf16 implementations drift apart over the layers; a neighbouring layer or a missing final norm
-    # is off by tens of percent.
-    assert worst["aux"] < 0.05 and worst["last"] < 0.1, worst
     assert agree / total > 0.9, agree / total
+    # vLLM's CPU kernels are another bf16 implementation: twice the target's own noise, and still the
+    # nearest layer to the one named (Qwen2's neighbouring middle layers lie only ~2 % apart).
+    assert_nearest_layers(vllm, qwen, {}, slack=2.0)
