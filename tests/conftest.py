@@ -143,7 +143,7 @@ holdout = 0.0
 _NOT_TRAINING = {"export", "import_drafter", "eval", "bench", "doctor", "plan", "status"}
 
 
-def _trainer_source_hash(recipe: str) -> str:
+def _trainer_source_hash(recipe: str, target_name: str = "smollm2") -> str:
     """The cache key of a memorised run: the recipe, the code that produces a trained drafter (every
     module but the stages that only read one), the torch and transformers versions and the target's
     weights (its GGUF and fingerprint), any of which changes the trained drafter."""
@@ -157,7 +157,7 @@ def _trainer_source_hash(recipe: str) -> str:
     root = Path(__file__).resolve().parents[1] / "specdraft"
     h = hashlib.sha256(recipe.encode())
     h.update(f"torch {torch.__version__} transformers {transformers.__version__}".encode())
-    target = Target("smollm2")  # its cached folder is named after the GGUF it was converted from
+    target = Target(target_name)  # its cached folder is named after the GGUF it was converted from
     h.update(f"{target.path.name} {sorted(target.fingerprint().items())}".encode())
     for path in sorted(root.rglob("*.py")):
         rel = path.relative_to(root)
@@ -166,14 +166,14 @@ def _trainer_source_hash(recipe: str) -> str:
     return h.hexdigest()[:16]
 
 
-def _memorised(recipe: str, formats: str, tmp_path_factory, pytestconfig) -> Path:
+def _memorised(recipe: str, formats: str, tmp_path_factory, pytestconfig, target_name: str = "smollm2") -> Path:
     """Train `recipe` (or take it from pytest's cache), copy it, export it fresh in `formats`."""
     import os
     import shutil
 
     from specdraft.cli import main
 
-    cached = pytestconfig.cache.mkdir("specdraft") / f"memorised-{_trainer_source_hash(recipe)}"
+    cached = pytestconfig.cache.mkdir("specdraft") / f"memorised-{_trainer_source_hash(recipe, target_name)}"
     if not (cached / "checkpoints" / "final").exists():
         build = tmp_path_factory.mktemp("memorised-build")
         (build / "overfit.toml").write_text(recipe)
@@ -213,3 +213,41 @@ def memorised_dflash_run(tmp_path_factory, pytestconfig, target) -> Path:
     """The 8 samples memorised by a DFlash drafter (MEMORISED_DFLASH_RECIPE), cached like
     memorised_run, exported fresh in vLLM's DFlash folder format."""
     return _memorised(MEMORISED_DFLASH_RECIPE, "vllm", tmp_path_factory, pytestconfig)
+
+
+# The same memorised drafter for the second real target, Qwen2.5-Coder-0.5B-Instruct (programming prompts
+# first). 40 epochs, not 60: its training accuracy on the 8 answers is near 1 by then, and its steps cost
+# more than SmolLM2's.
+MEMORISED_QWEN_RECIPE = """
+name = "overfit-qwen"
+[target]
+model = "qwen2.5-coder-0.5b"
+[data]
+num_train = 8
+max_prompt_tokens = 96
+prefer = "programming"
+[gen]
+batch_size = 8
+max_new_tokens = 32
+[train]
+draft_vocab_size = 512
+ttt_steps = 3
+epochs = 40
+lr = 3e-3
+warmup_steps = 5
+batch_tokens = 4096
+"""
+
+
+@pytest.fixture(scope="session")
+def qwen():
+    from specdraft.targets import Target
+
+    return Target("qwen2.5-coder-0.5b")
+
+
+@pytest.fixture(scope="session")
+def qwen_memorised_run(tmp_path_factory, pytestconfig, qwen) -> Path:
+    """A Qwen2.5-Coder drafter that memorised its answers to 8 programming prompts, exported for vLLM;
+    kept in pytest's cache like `memorised_run`."""
+    return _memorised(MEMORISED_QWEN_RECIPE, "vllm", tmp_path_factory, pytestconfig, "qwen2.5-coder-0.5b")

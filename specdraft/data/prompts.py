@@ -5,14 +5,10 @@ or, for a source of pre-rendered rows, the rows of the split cut before their fi
 
 from __future__ import annotations
 
+import re
+
 from specdraft.config import DataConfig, Recipe
-from specdraft.data.sources import (
-    DataError,
-    prompts,
-    read_rendered,
-    source_is_rendered,
-    split_of,
-)
+from specdraft.data.sources import DataError, prompts, read_rendered, source_is_rendered, split_of
 from specdraft.targets import Target
 
 
@@ -46,6 +42,28 @@ def _source_answer(conv: dict, prompt_len: int) -> list[dict] | None:
     return None
 
 
+# Words that mark a question about code; a turn needs two different ones (or a code fence) so that a
+# stray "class" or "return" in prose does not count.
+_CODE_WORDS = re.compile(
+    r"\b(python|javascript|typescript|java|c\+\+|c#|golang|rust|kotlin|swift|php|ruby|sql|html|css|react|vue|"
+    r"angular|django|flask|node\.?js|bash|shell|regex|api|json|yaml|function|class|method|variable|compiler?|"
+    r"debug|code|script|algorithm|array|loop|exception|github|docker|kubernetes|linux|query|database|pandas|"
+    r"numpy|programming|program|implement|def|import|return|int|const|var|async|await)\b", re.IGNORECASE)
+
+
+def is_programming(conv: dict) -> bool:
+    """Whether a conversation's first user turn is about code: a code fence, or two different code words."""
+    text = next(m["content"] for m in conv["messages"] if m["role"] == "user")
+    return "```" in text or len({w.lower() for w in _CODE_WORDS.findall(text)}) >= 2
+
+
+def ordered(convs: list[dict], prefer: str) -> list[dict]:
+    """The conversations in the order `data.prefer` asks: programming ones first, or as the source has them."""
+    if prefer == "programming":
+        return sorted(convs, key=lambda c: not is_programming(c))  # stable: source order within each group
+    return convs
+
+
 def select_prompts(recipe: Recipe, target: Target, split: str, limit: int | None) -> tuple[list[dict], int]:
     """The first `limit` (None: all) prompts of a split that fit `max_prompt_tokens` (tool definitions
     included), each with its tools (or None) and the source's own answer (a list of turns, or None); also
@@ -54,7 +72,7 @@ def select_prompts(recipe: Recipe, target: Target, split: str, limit: int | None
     if source_is_rendered(d):
         return rendered_prompts(d, split, limit)
     chosen, too_long = [], 0
-    for conv in prompts(d.source, split, d.eval_fraction, d.split_seed, data=d):
+    for conv in ordered(prompts(d.source, split, d.eval_fraction, d.split_seed, data=d), d.prefer):
         messages = _prompt_messages(conv)
         ids = target.chat_ids(messages, add_generation_prompt=True, tools=conv.get("tools"))
         if len(ids) > d.max_prompt_tokens:
