@@ -350,7 +350,7 @@ class StaticBlockContext:
         """token [1, 1], position [] -> the drafted target ids [block_size - 1]."""
         d = self.drafter
         bs = d.config.block_size
-        ids = torch.cat([token, torch.full((1, bs - 1), d.config.mask_token_id, device=token.device)], dim=1)  # [1, bs]
+        ids = d.block_inputs(token)  # [1, bs]: the anchor, then the mask token
         positions = (position + torch.arange(bs, device=token.device))[None]  # [1, bs]
         visible = (torch.arange(self.capacity, device=token.device) < position)[None, None].expand(1, bs, -1)  # [1, bs, C]
         logits = d(ids, positions, self.kv, visible)  # [1, bs, Vd]
