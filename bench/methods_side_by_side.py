@@ -32,10 +32,14 @@ def train_and_eval(run: Path, method: str, sets: list[str]) -> dict:
     for stage in ("train", "eval"):
         if cli([stage, "--run", str(copy), *flags]) != 0:
             raise SystemExit(f"{stage} failed on {copy}")
-    folder = RunFolder(copy)
+    return figures(RunFolder(copy))
+
+
+def figures(folder: RunFolder) -> dict:
+    """A trained and evaluated run's figures."""
     report = json.loads(folder.eval_report.read_text())
     first = report["drafting"][0]
-    return {"run": str(copy), "drafting": first, "shape": report[first]["shape"], "tau": report["tau"],
+    return {"run": str(folder.path), "drafting": first, "shape": report[first]["shape"], "tau": report["tau"],
             "per_position_acceptance": report["per_position_acceptance"],
             "accepted_length_histogram": report["accepted_length_histogram"],
             "exact_prompts": report["exact_prompts"], "prompts": report["prompts"],
@@ -52,13 +56,20 @@ def main() -> None:
     ap.add_argument("--common", nargs="*", default=[], help="--set items for both methods")
     ap.add_argument("--eagle3", nargs="*", default=[], help="--set items for EAGLE-3 only")
     ap.add_argument("--dflash", nargs="*", default=[], help="--set items for DFlash only")
+    ap.add_argument("--reuse", action="store_true", help="take RUN's own trained and evaluated drafter for its "
+                    "method (e.g. the demo's EAGLE-3) instead of training that method again")
     args = ap.parse_args()
     run = args.run.resolve()
+    own = RunFolder(run).manifest()["stages"]
+    reused = own["train"]["config"]["method"] if args.reuse and own.get("eval", {}).get("state") == "done" else None
     line = {"date": time.strftime("%Y-%m-%d"), "hardware": environment.hardware_line(),
             "recipe": RunFolder(run).manifest()["name"], "common": args.common}
     for method in ("eagle3", "dflash"):
         sets = args.common + getattr(args, method)
-        line[method] = {"sets": sets, **train_and_eval(run, method, sets)}
+        if method == reused:
+            line[method] = {"sets": "the run's own", **figures(RunFolder(run))}
+        else:
+            line[method] = {"sets": sets, **train_and_eval(run, method, sets)}
     text = json.dumps(line)
     print(text)
     args.out.parent.mkdir(parents=True, exist_ok=True)
