@@ -79,7 +79,7 @@ def main() -> None:
                      f"per_position_acceptance_{way}": w["per_position_acceptance"],
                      f"spec_tokens_per_s_{way}": w["speculative_tokens_per_s"], f"speedup_{way}": w["speedup"],
                      f"c_{way}": w["draft_to_target_cost"], f"alpha_{way}": w["alpha"],
-                     f"bound_{way}": w["leviathan_bound"],
+                     f"bound_{way}": w["leviathan_bound"], f"round_cost_{way}": w["round_cost"],
                      f"speedup_over_bound_{way}": round(w["speedup"] / w["leviathan_bound"], 3),
                      f"exact_prompts_{way}": w["exact_prompts"], f"numerical_ties_{way}": w["numerical_ties"]})
     line.update({

@@ -166,7 +166,7 @@ def evaluate(runner: TargetRunner, drafter, prompts: list[dict], cfg, eos: int) 
         tps = tokens[name] / seconds[name]
         report[name] = {**stats[name].summary(), "shape": shape.shape, "exact_prompts": len(prompts) - ties[name],
                         "numerical_ties": ties[name], "speculative_tokens_per_s": round(tps, 2),
-                        **speed_figures(stats[name], shape.depth, tps / ar_tps, ar_step)}
+                        **speed_figures(stats[name], shape.depth, tps / ar_tps, ar_step, seconds[name])}
     if len(by_category) > 1 or "all" not in by_category:
         first = next(iter(shapes))
         report["per_category"] = {k: {"prompts": v["prompts"], **{f"tau_{n}": round(v[n].tau, 4) for n in shapes},
@@ -176,16 +176,23 @@ def evaluate(runner: TargetRunner, drafter, prompts: list[dict], cfg, eos: int) 
     return report
 
 
-def speed_figures(s: Stats, K: int, speedup: float, ar_step: float) -> dict:
+def speed_figures(s: Stats, K: int, speedup: float, ar_step: float, seconds: float) -> dict:
     """The measured speedup beside what Leviathan's bound expects of the measured α (from tau) and cost
     ratio. Reported: one drafter forward over one autoregressive target step (`ar_step` seconds). The
     bound's c is a round's drafting cost per drafted position: the same for EAGLE-3 (one forward per
-    position), a K-th of the block's forward for DFlash (rounds.Stats says what is counted)."""
+    position), a K-th of the block's forward for DFlash (rounds.Stats says what is counted). The bound
+    takes a verification to cost one target step; where a round costs what drafting and that do not
+    explain, the round's drafting, verification and whole cost, each in target steps, say where it went
+    (`seconds`: all the speculative decodes, prefills included)."""
+    rounds = max(1, s.rounds)
     c = s.draft_seconds / max(1, s.draft_steps) / ar_step
-    c_position = s.draft_seconds / max(1, s.rounds) / K / ar_step
+    c_position = s.draft_seconds / rounds / K / ar_step
     alpha = alpha_from_tau(s.tau, K)
     return {"speedup": round(speedup, 3), "draft_to_target_cost": round(c, 4), "alpha": round(alpha, 4),
-            "leviathan_bound": round(leviathan_bound(alpha, K, c_position), 3)}
+            "leviathan_bound": round(leviathan_bound(alpha, K, c_position), 3),
+            "round_cost": {"draft": round(s.draft_seconds / rounds / ar_step, 3),
+                           "verify": round(s.verify_seconds / rounds / ar_step, 3),
+                           "whole": round(seconds / rounds / ar_step, 3)}}
 
 
 def sampled_tau(runner, drafter, prompts, cfg, eos, seed: int) -> dict:
