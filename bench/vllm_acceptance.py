@@ -54,11 +54,13 @@ def main() -> None:
     target = Target(recipe.target.model, recipe.target.aux_layer_ids)
     prompts, _ = select_prompts(recipe, target, "eval", args.prompts or recipe.eval.num_prompts)
     max_tokens = args.max_tokens or recipe.eval.max_new_tokens
-    drafter = (run.path / "export" / args.format).resolve()
+    drafter = run.export(args.format).resolve()
     export = run.stage("export") or {}
+    if not (drafter / "config.json").is_file():
+        raise SystemExit(f"vllm_acceptance: no {args.format} drafter in {drafter}: run `specdraft export --run {run.path}`")
     # Read before serving, so a missing reference fails in a second rather than after the run.
     reference = (speedup_line(Path(args.reference), len(prompts), max_tokens) if args.reference
-                 else json.loads((run.path / "eval" / "report.json").read_text()))
+                 else json.loads(run.eval_report.read_text()))
     if export.get("method") == "dflash":  # a block of block_size - 1 drafts, whatever eval.draft_tokens says
         spec = json.loads(export["serve_command"].split("--speculative-config ", 1)[1].strip("'"))
         spec["model"] = str(drafter)
