@@ -501,3 +501,20 @@ def test_vllms_own_reading_of_the_speculators_dflash_config_is_ours(speculators_
                                                               "sample_from_anchor": False, "causal": False}
     assert vllm["eagle_aux_hidden_state_layer_ids"] == ours["eagle_aux_hidden_state_layer_ids"] == SPEC_AUX
     assert vllm["architectures"] == ours["architectures"] and vllm["draft_vocab_size"] == ours["draft_vocab_size"]
+
+
+@pytest.mark.vllm
+def test_vllm_serves_the_speculators_dflash_folder_as_written(speculators_dflash, target, tmp_path):
+    """The folder as speculators wrote it, served by the real vLLM (CPU build) for method dflash: it
+    loads, answers and drafts blocks of its K. Untrained, it accepts next to nothing, so no more is asserted."""
+    from test_vllm_serve import serve_and_measure
+
+    from specdraft.drafters.dflash_format import speculators_k
+
+    k = speculators_k(json.loads((speculators_dflash / "config.json").read_text()))
+    spec = {"method": "dflash", "model": str(speculators_dflash), "num_speculative_tokens": k}
+    messages = [[{"role": "user", "content": "Name three colours."}]]
+    acc, answers = serve_and_measure(target, speculators_dflash, messages, tmp_path / "vllm.log", speculative=spec)
+    print(f"vLLM, speculators DFlash folder: {acc}; answer {answers[0]!r}")
+    assert answers[0].strip()
+    assert acc["drafts"] > 0 and len(acc["per_position_acceptance"]) == k == 3, acc
