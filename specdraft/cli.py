@@ -97,8 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run", help="the run it came from (default: the run the folder is inside)")
     p.add_argument("--no-measure", action="store_true",
                    help="skip the checks that run the target on held-out conversations (targets too big for here)")
-    p = sub.add_parser("import", help="a published EAGLE-3 drafter (speculators or flat, midlayer.* or layers.0.*) "
-                                      "-> a specdraft checkpoint, checked against the target")
+    p = sub.add_parser("import", help="a published drafter (EAGLE-3: speculators or flat, midlayer.* or layers.0.*; "
+                                      "DFlash: vLLM's or speculators') -> a specdraft checkpoint, checked against "
+                                      "the target")
     common(p)
     p.add_argument("folder", help="the drafter folder (config.json + safetensors)")
     p.add_argument("--out", help="write a bare checkpoint folder here instead of into a run")

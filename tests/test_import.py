@@ -193,11 +193,9 @@ SPECULATORS_NEEDS = ["openai", "loguru", "hs-connectors==0.9.0"]
 
 
 @pytest.fixture(scope="module")
-def speculators_folder(target, tmp_path_factory) -> Path:
-    """An EAGLE-3 folder for SmolLM2 written by the speculators package itself, installed from PyPI into a
-    throwaway venv over this interpreter's packages (kept in specdraft's cache between runs): its training
-    CLI's layer config (sliding window 2048), vocabulary mapping, `from_training_args` and
-    `save_pretrained` (tests/data/speculators_save.py)."""
+def speculators_python() -> Path:
+    """The python of a throwaway venv holding the speculators package from PyPI, over this interpreter's
+    packages (kept in specdraft's cache between runs)."""
     import subprocess
     import sys
 
@@ -210,12 +208,27 @@ def speculators_folder(target, tmp_path_factory) -> Path:
     pip = [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
     subprocess.run([*pip, "--no-deps", SPECULATORS], check=True, capture_output=True)
     subprocess.run([*pip, *SPECULATORS_NEEDS], check=True, capture_output=True)
-    out = tmp_path_factory.mktemp("speculators") / "drafter"
+    return python
+
+
+def speculators_save(python: Path, kind: str, target, out: Path, *args) -> Path:
+    """A `kind` drafter for `target` written by speculators' own `save_pretrained` to `out`, built as
+    tests/data/speculators_save.py says from `args`."""
+    import subprocess
+
     script = Path(__file__).parent / "data" / "speculators_save.py"
-    proc = subprocess.run([str(python), str(script), str(target.path), str(out), "256"], capture_output=True,
-                          text=True, check=False)
+    proc = subprocess.run([str(python), str(script), kind, str(target.path), str(out), *map(str, args)],
+                          capture_output=True, text=True, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out
+
+
+@pytest.fixture(scope="module")
+def speculators_folder(speculators_python, target, tmp_path_factory) -> Path:
+    """An EAGLE-3 folder for SmolLM2 written by the speculators package itself: its training CLI's layer
+    config (sliding window 2048), vocabulary mapping, `from_training_args` and `save_pretrained`."""
+    out = tmp_path_factory.mktemp("speculators") / "drafter"
+    return speculators_save(speculators_python, "eagle3", target, out, 256)
 
 
 def test_speculators_own_folder_imports_exactly_and_passes_doctor(speculators_folder, target, tmp_path, capsys):
@@ -342,3 +355,166 @@ def test_dflash_folders_that_do_not_fit_are_refused_with_the_reason(edit, named,
     assert main(["import", str(folder), "--out", str(tmp_path / "ckpt"), "--target", "smollm2"]) == 2
     assert named in capsys.readouterr().err
     assert not (tmp_path / "ckpt").exists()
+
+
+# --- DFlash folders written by the speculators package ----------------------------------------------
+
+SPEC_AUX = [4, 16, 25]  # not the target's default layers, so a lost or shifted list shows
+
+
+@pytest.fixture(scope="module")
+def speculators_dflash(speculators_python, target, tmp_path_factory) -> Path:
+    """A two-layer DFlash drafter for SmolLM2 with a draft vocabulary of 256 (lm_head, d2t, t2d), written
+    by speculators' own `from_training_args` and `save_pretrained` (float32, `target_hidden_size: null`,
+    no `is_neox_style`)."""
+    from specdraft.drafters.dflash import default_mask_token
+
+    mask = default_mask_token(target.tokenizer, target.vocab_size)
+    out = tmp_path_factory.mktemp("speculators-dflash") / "drafter"
+    return speculators_save(speculators_python, "dflash", target, out, 256, mask, ",".join(map(str, SPEC_AUX)))
+
+
+def edited_copy(folder: Path, tmp_path: Path, edit) -> Path:
+    import shutil
+
+    copy_ = shutil.copytree(folder, tmp_path / "edited")
+    config = json.loads((copy_ / "config.json").read_text())
+    edit(config)
+    (copy_ / "config.json").write_text(json.dumps(config))
+    return copy_
+
+
+def test_speculators_dflash_folder_imports_exactly_and_passes_doctor(speculators_dflash, target, tmp_path, capsys):
+    """Every tensor unchanged, the target layers as vLLM reads them (its target_layer_ids = ids - 1, the
+    residual after k layers in our count: the ids as written), and each default vLLM takes reported."""
+    from safetensors.torch import load_file
+
+    config = json.loads((speculators_dflash / "config.json").read_text())
+    assert config["speculators_model_type"] == "dflash" and config["speculators_version"] == "0.9.0"
+    assert config["target_hidden_size"] is None and config["aux_hidden_state_layer_ids"] == SPEC_AUX
+    assert main(["import", str(speculators_dflash), "--out", str(tmp_path / "ckpt"), "--target", "smollm2"]) == 0
+    out = capsys.readouterr().out
+    for note in ("aux_hidden_state_layer_ids [4, 16, 25]: vLLM's target_layer_ids [3, 15, 24]",
+                 "target_hidden_size: null; read as the drafter's hidden size 576",
+                 "is_neox_style: absent; read as true"):
+        assert note in out, out
+    imported, meta = load_checkpoint(tmp_path / "ckpt", target.embed_weight(), target.head_weight())
+    assert imported.METHOD == "dflash" and meta["imported_from"]["layout"] == "speculators (dflash)"
+    cfg = imported.config
+    assert (cfg.aux_layer_ids, cfg.num_layers, cfg.block_size, cfg.draft_vocab_size) == (SPEC_AUX, 2, 4, 256)
+    assert cfg.mask_token_id == config["mask_token_id"] and cfg.rope_theta == 100000.0
+    theirs, ours = load_file(str(speculators_dflash / "model.safetensors")), imported.state_dict()
+    assert {"lm_head.weight", "d2t", "t2d", "layers.1.self_attn.k_norm.weight"} <= set(theirs) <= set(ours)
+    for k in theirs:
+        assert torch.equal(ours[k].to(theirs[k].dtype), theirs[k]), k
+    assert main(["doctor", str(speculators_dflash), "--target", "smollm2", "--no-measure"]) == 0
+    out = capsys.readouterr().out
+    assert "PASS  drafter loads" in out and "PASS  served K = block_size - 1" in out and "FAIL" not in out, out
+
+
+def test_speculators_dflash_fields_left_out_take_vllms_defaults(speculators_dflash, target, tmp_path, capsys):
+    """vLLM builds this config from transformer_layer_config alone (no Qwen3 config behind it): no theta
+    means its DFlash default 1e6, no head_dim hidden / heads; no block_size means its K + 1."""
+    def leave_out(c):
+        for key in ("sample_from_anchor", "sliding_window_non_causal", "block_size"):
+            c.pop(key)
+        c["transformer_layer_config"].pop("head_dim"), c["transformer_layer_config"].pop("rope_parameters")
+
+    folder = edited_copy(speculators_dflash, tmp_path, leave_out)
+    assert main(["import", str(folder), "--out", str(tmp_path / "ckpt"), "--target", "smollm2"]) == 0
+    out = capsys.readouterr().out
+    for note in ("sample_from_anchor: absent; read as false", "sliding_window_non_causal: absent; read as true",
+                 "block_size: absent; read as speculative_tokens + 1 = 4", "head_dim: absent; read as "
+                 "hidden_size / num_attention_heads = 64", "rope_theta: absent; read as 1e+06"):
+        assert note in out, out
+    imported, _ = load_checkpoint(tmp_path / "ckpt", target.embed_weight(), target.head_weight())
+    assert (imported.config.block_size, imported.config.head_dim, imported.config.rope_theta) == (4, 64, 1e6)
+
+
+def test_speculators_dflash_over_the_whole_vocabulary_shares_the_targets_lm_head(speculators_python, target,
+                                                                                  tmp_path, capsys):
+    """speculators leaves lm_head out of a full-vocabulary drafter (it is the target's, frozen), as vLLM
+    expects: import gives the drafter the target's lm_head and no vocabulary mapping."""
+    from safetensors.torch import load_file
+
+    folder = speculators_save(speculators_python, "dflash", target, tmp_path / "full", target.vocab_size, 16,
+                              ",".join(map(str, SPEC_AUX)))
+    assert not {"lm_head.weight", "d2t", "t2d"} & set(load_file(str(folder / "model.safetensors")))
+    assert main(["import", str(folder), "--out", str(tmp_path / "ckpt"), "--target", "smollm2"]) == 0
+    imported, _ = load_checkpoint(tmp_path / "ckpt", target.embed_weight(), target.head_weight())
+    assert imported.config.shares_lm_head and not imported.d2t.any()
+    assert torch.equal(imported.lm_head.weight, target.head_weight().float())
+    assert main(["doctor", str(folder), "--target", "smollm2", "--no-measure"]) == 0
+    assert "FAIL" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("edit,named", [
+    (lambda c: c.update(sample_from_anchor=True), "sample_from_anchor true"),
+    (lambda c: c.pop("mask_token_id"), "mask_token_id None; vLLM requires"),
+    # vLLM: dflash_config.causal = not sliding_window_non_causal, for every layer
+    (lambda c: c.update(sliding_window_non_causal=False), "sliding_window_non_causal false, which vLLM reads as causal"),
+    (lambda c: c["transformer_layer_config"].update(layer_types=["sliding_attention"] * 2, sliding_window=64),
+     "sliding-window layers"),
+])
+def test_speculators_dflash_folders_we_cannot_be_are_refused_in_one_line(edit, named, speculators_dflash, tmp_path,
+                                                                         capsys):
+    folder = edited_copy(speculators_dflash, tmp_path, edit)
+    assert main(["import", str(folder), "--out", str(tmp_path / "ckpt"), "--target", "smollm2"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"specdraft: error: {folder}/config.json: ") and err.count("\n") == 1, err
+    assert named in err
+    assert not (tmp_path / "ckpt").exists()
+
+
+@pytest.mark.parametrize("edit,failed,fix", [
+    (lambda c: c.update(mask_token_id=2), "mask token id", "not bos / eos / pad / unk"),  # SmolLM2's eos
+    (lambda c: c.update(aux_hidden_state_layer_ids=[4, 16, 30]), "target layer ids in range", "1 <= k < 30"),
+])
+def test_doctor_fails_a_broken_speculators_dflash_folder_with_the_fix(edit, failed, fix, speculators_dflash,
+                                                                      tmp_path, capsys):
+    folder = edited_copy(speculators_dflash, tmp_path, edit)
+    assert main(["doctor", str(folder), "--target", "smollm2", "--no-measure"]) == 1
+    out = capsys.readouterr().out
+    line = out[out.index(f"FAIL  {failed}:"):]
+    assert line.splitlines()[1].strip().startswith("fix: ") and fix in line.splitlines()[1], out
+    assert "PASS  drafter loads" in out
+
+
+@pytest.mark.vllm
+def test_vllms_own_reading_of_the_speculators_dflash_config_is_ours(speculators_dflash):
+    """vLLM's own translation (its speculators `update_dflash`, run in its venv) against ours."""
+    import subprocess
+
+    from specdraft.drafters.dflash_format import from_speculators
+    from specdraft.engines import VLLM_PYTHON
+
+    code = ("import json, sys; from vllm.transformers_utils.configs.speculators.base import SpeculatorsConfig as S; "
+            "print(json.dumps(S.extract_transformers_pre_trained_config(json.load(open(sys.argv[1])))))")
+    proc = subprocess.run([str(VLLM_PYTHON), "-c", code, str(speculators_dflash / "config.json")],
+                          capture_output=True, text=True, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    vllm = json.loads(proc.stdout.splitlines()[-1])
+    written = json.loads((speculators_dflash / "config.json").read_text())
+    ours = from_speculators(written, "config.json", [])
+    assert vllm["dflash_config"] == ours["dflash_config"] == {"mask_token_id": written["mask_token_id"],
+                                                              "target_layer_ids": [3, 15, 24],
+                                                              "sample_from_anchor": False, "causal": False}
+    assert vllm["eagle_aux_hidden_state_layer_ids"] == ours["eagle_aux_hidden_state_layer_ids"] == SPEC_AUX
+    assert vllm["architectures"] == ours["architectures"] and vllm["draft_vocab_size"] == ours["draft_vocab_size"]
+
+
+@pytest.mark.vllm
+def test_vllm_serves_the_speculators_dflash_folder_as_written(speculators_dflash, target, tmp_path):
+    """The folder as speculators wrote it, served by the real vLLM (CPU build) for method dflash: it
+    loads, answers and drafts blocks of its K. Untrained, it accepts next to nothing, so no more is asserted."""
+    from test_vllm_serve import serve_and_measure
+
+    from specdraft.drafters.dflash_format import speculators_k
+
+    k = speculators_k(json.loads((speculators_dflash / "config.json").read_text()))
+    spec = {"method": "dflash", "model": str(speculators_dflash), "num_speculative_tokens": k}
+    messages = [[{"role": "user", "content": "Name three colours."}]]
+    acc, answers = serve_and_measure(target, speculators_dflash, messages, tmp_path / "vllm.log", speculative=spec)
+    print(f"vLLM, speculators DFlash folder: {acc}; answer {answers[0]!r}")
+    assert answers[0].strip()
+    assert acc["drafts"] > 0 and len(acc["per_position_acceptance"]) == k == 3, acc

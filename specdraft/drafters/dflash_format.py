@@ -23,6 +23,10 @@ Every field vLLM reads is written, never left to its default:
 
 Each tensor name is a literal key map (ours -> the folder's), and the reader inverts it, so an
 export read back gives the same logits (tests/test_dflash.py).
+
+The reader also takes the DFlash folder the speculators library writes (`speculators_model_type:
+"dflash"`): the same tensor names, the layer shapes under `transformer_layer_config`, and the DFlash
+fields at the top level, which it translates as vLLM does (`from_speculators`).
 """
 
 from __future__ import annotations
@@ -255,9 +259,136 @@ def _defaulted(config: dict, dflash: dict, notes: list[str]) -> dict:
     }
 
 
+# ---------------------------------------------------------------------------------------------------
+# The speculators library's DFlash folder (`speculators_model_type: "dflash"`), read as vLLM reads it:
+# vLLM builds its DFlash config from `transformer_layer_config` as written plus the speculators fields
+# (its `update_dflash`), then loads the same tensor names as above. speculators counts the target
+# layers as vLLM's top-level list does (id k = the residual after k layers, ours), and vLLM derives
+# dflash_config.target_layer_ids = k - 1 from them.
+
+SPECULATORS_TYPE = "dflash"
+# Layer fields vLLM has no default for on this path: its config is transformer_layer_config as written,
+# with no Qwen3 config behind it, so a missing one fails to load there.
+SPECULATORS_LAYER_NEEDS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size",
+                           "num_hidden_layers", "vocab_size", "rms_norm_eps", "max_position_embeddings",
+                           "hidden_act")
+# vLLM's DFlash layer's theta for a config without one (not Qwen3's 10,000: no Qwen3 config here).
+SPECULATORS_ROPE_THETA = 1_000_000.0
+
+
+def is_speculators(config: dict) -> bool:
+    """A speculators DFlash config (which names the DFlashDraftModel architecture too)."""
+    return config.get("speculators_model_type") == SPECULATORS_TYPE
+
+
+def speculators_k(config: dict) -> int | None:
+    """Tokens per round vLLM drafts for a speculators folder: its first proposal method's."""
+    methods = (config.get("speculators_config") or {}).get("proposal_methods") or [{}]
+    k = methods[0].get("speculative_tokens")
+    return k if isinstance(k, int) else None
+
+
+def _speculators_refusals(config: dict, layer: dict, where: str) -> None:
+    """What vLLM would not load, or our drafter cannot be: refused, with the reason."""
+    absent = [k for k in SPECULATORS_LAYER_NEEDS if layer.get(k) is None]
+    if absent:
+        raise ValueError(f"{where}: transformer_layer_config has no {absent}, without which vLLM cannot build "
+                         "the drafter")
+    mask = config.get("mask_token_id")
+    if not isinstance(mask, int):
+        raise ValueError(f"{where}: mask_token_id {mask!r}; vLLM requires the id of the token that fills the "
+                         "mask slots")
+    ids = config.get("aux_hidden_state_layer_ids")
+    if not isinstance(ids, list) or not ids or not all(isinstance(k, int) for k in ids):
+        raise ValueError(f"{where}: aux_hidden_state_layer_ids {ids!r}; vLLM requires a list of target layer ids")
+    if config.get("sample_from_anchor"):
+        raise ValueError(f"{where}: sample_from_anchor true (the anchor slot drafts a token too); specdraft's "
+                         "DFlash drafter drafts from the mask slots only")
+    if layer.get("is_causal"):  # vLLM reads it before dflash_config.causal
+        raise ValueError(f"{where}: transformer_layer_config.is_causal true: vLLM serves the block attention "
+                         "causal; specdraft's DFlash drafter attends both ways within the block")
+    non_causal = config.get("sliding_window_non_causal", True)  # vLLM: causal = not this, in every layer
+    if layer.get("is_causal") is None and not non_causal:
+        raise ValueError(f"{where}: sliding_window_non_causal {json.dumps(non_causal)}, which vLLM reads as causal "
+                         "attention within the block in every layer; specdraft's DFlash drafter attends both ways "
+                         "(as speculators trains full-attention layers)")
+
+
+def _speculators_block(config: dict, notes: list[str]) -> int | None:
+    """block_size, which vLLM does not read: it drafts speculators_config's K per round."""
+    block, k = config.get("block_size"), speculators_k(config)
+    if block is None and k is not None:
+        notes.append(f"block_size: absent; read as speculative_tokens + 1 = {k + 1} (vLLM drafts "
+                     f"speculators_config's {k} per round)")
+        return k + 1
+    if block is not None and k is not None and k != block - 1:
+        notes.append(f"speculative_tokens {k}: vLLM drafts {k} per round, not block_size - 1 = {block - 1} "
+                     "(doctor fails it)")
+    return block
+
+
+def _speculators_fields(config: dict, layer: dict, notes: list[str]) -> dict:
+    """The fields vLLM reads with a default on this path, as it reads them; each default noted."""
+    hidden, vocab = layer["hidden_size"], layer["vocab_size"]
+
+    def read(key, default, why):
+        if config.get(key) is not None:
+            return config[key]
+        notes.append(f"{key}: {'null' if key in config else 'absent'}; read as {why}")
+        return default
+
+    fields = {
+        "target_hidden_size": read("target_hidden_size", hidden, f"the drafter's hidden size {hidden}, as vLLM does"),
+        "draft_vocab_size": read("draft_vocab_size", vocab, f"the whole vocabulary, {vocab}, as vLLM does (the "
+                                 "target's lm_head, shared)"),
+    }
+    read("sample_from_anchor", False, "false, as vLLM does (the anchor slot drafts nothing)")
+    if layer.get("is_causal") is None and "sliding_window_non_causal" not in config:
+        notes.append("sliding_window_non_causal: absent; read as true, as vLLM does (attention within the block "
+                     "both ways)")
+    if layer.get("head_dim") is None:
+        fields["head_dim"] = hidden // layer["num_attention_heads"]
+        notes.append(f"head_dim: absent; read as hidden_size / num_attention_heads = {fields['head_dim']}, as vLLM does")
+    rope = layer.get("rope_parameters") or layer.get("rope_scaling") or {}
+    if rope.get("rope_theta", layer.get("rope_theta")) is None:
+        fields["rope_parameters"] = {"rope_type": "default", **rope, "rope_theta": SPECULATORS_ROPE_THETA}
+        notes.append(f"rope_theta: absent; read as {SPECULATORS_ROPE_THETA:g}, vLLM's DFlash default")
+    if "is_neox_style" not in layer:
+        fields["is_neox_style"] = True
+        notes.append("is_neox_style: absent; read as true, as vLLM does (the layout speculators rotates in)")
+    return fields
+
+
+def from_speculators(config: dict, where: str, notes: list[str]) -> dict:
+    """A speculators DFlash config.json -> the DFlash config vLLM builds from it (the form `parse_config`
+    reads), refusing what vLLM would not load or our drafter cannot be; defaults taken are appended to
+    `notes`, and the layer ids' translation too."""
+    try:
+        layer = config.get("transformer_layer_config")
+        if not isinstance(layer, dict):
+            raise ValueError(f"{where}: no transformer_layer_config (the drafter's layers)")
+        _speculators_refusals(config, layer, where)
+        ids = list(config["aux_hidden_state_layer_ids"])
+        notes.append(f"aux_hidden_state_layer_ids {ids}: vLLM's target_layer_ids {[k - 1 for k in ids]} (the "
+                     f"output of layer j = k - 1), i.e. the residual after k layers, specdraft's {ids}")
+        native = {**layer, **_speculators_fields(config, layer, notes), "architectures": [ARCHITECTURE],
+                  "eagle_aux_hidden_state_layer_ids": ids,
+                  "dflash_config": {"mask_token_id": config["mask_token_id"], "target_layer_ids": [k - 1 for k in ids],
+                                    "sample_from_anchor": False, "causal": False}}
+        block = _speculators_block(config, notes)
+        return native if block is None else {**native, "block_size": block}
+    except (TypeError, AttributeError, KeyError, IndexError) as e:
+        # A field of the wrong kind where an object, list or number belongs.
+        raise ValueError(f"{where}: a field holds a value of the wrong kind ({e!r})") from None
+
+
 def parse_config(config: dict, where: str, notes: list[str] | None = None) -> DFlashConfig:
-    """A DFlash config.json -> our DFlashConfig, read as vLLM reads it (absent fields take vLLM's
-    defaults, each appended to `notes`), refusing what our drafter does not implement."""
+    """A DFlash config.json (vLLM's own form, or speculators') -> our DFlashConfig, read as vLLM reads it
+    (absent fields take vLLM's defaults, each appended to `notes`), refusing what our drafter does not
+    implement."""
+    notes = notes if notes is not None else []
+    if is_speculators(config):
+        config = from_speculators(config, where, notes)
     if ARCHITECTURE not in (config.get("architectures") or []):
         raise ValueError(f"{where}: architectures {config.get('architectures')} lack {ARCHITECTURE!r}")
     dflash = config.get("dflash_config") or {}
@@ -266,13 +397,35 @@ def parse_config(config: dict, where: str, notes: list[str] | None = None) -> DF
                           "vocab_size") if config.get(k) is None]
     if absent:
         raise ValueError(f"{where}: no {absent}")
-    fields = _defaulted(config, dflash, notes if notes is not None else [])
+    fields = _defaulted(config, dflash, notes)
     if fields["mask_token_id"] is None:
         raise ValueError(f"{where}: no 'mask_token_id' (dflash_config.mask_token_id): the mask slots' token")
     return DFlashConfig(
         hidden_size=config["hidden_size"], num_attention_heads=config["num_attention_heads"],
         intermediate_size=config["intermediate_size"], num_layers=config["num_hidden_layers"],
         vocab_size=config["vocab_size"], aux_layer_ids=_target_layer_ids(config, where), **fields)
+
+
+def _vocab_map(state: dict, cfg: DFlashConfig, folder: Path) -> None:
+    """d2t and t2d into `state`: none for a drafter over the whole vocabulary; else d2t must hold offsets
+    to ids of the target's vocabulary (vLLM adds them unchecked), and t2d, which vLLM skips, is rebuilt
+    from it, or checked against it when the folder has one."""
+    if cfg.shares_lm_head:
+        state["d2t"] = torch.zeros(cfg.draft_vocab_size, dtype=torch.long)
+        state["t2d"] = torch.ones(cfg.vocab_size, dtype=torch.bool)
+        return
+    d2t = state["d2t"].long()
+    if d2t.shape != (cfg.draft_vocab_size,):
+        raise ValueError(f"{folder}: d2t has shape {list(d2t.shape)}, expected [{cfg.draft_vocab_size}]")
+    targets = torch.arange(cfg.draft_vocab_size) + d2t
+    if targets.numel() and (targets.min() < 0 or targets.max() >= cfg.vocab_size):
+        raise ValueError(f"{folder}: d2t maps draft ids outside the target vocabulary (0..{cfg.vocab_size - 1}); "
+                         "it must hold offsets (target id = draft id + d2t[draft id])")
+    t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
+    t2d[targets] = True
+    if "t2d" in state and not torch.equal(state["t2d"].bool(), t2d):
+        raise ValueError(f"{folder}: t2d does not mark the target ids that d2t maps the draft vocabulary to")
+    state["d2t"], state["t2d"] = d2t, t2d
 
 
 def read_dflash(folder: Path, embed: torch.Tensor, lm_head: torch.Tensor | None = None,
@@ -302,13 +455,8 @@ def read_dflash(folder: Path, embed: torch.Tensor, lm_head: torch.Tensor | None 
     state["embed_tokens.weight"] = theirs.get("embed_tokens.weight", embed)
     if cfg.shares_lm_head:
         state["lm_head.weight"] = theirs.get("lm_head.weight", lm_head if lm_head is not None else embed)
+    _vocab_map(state, cfg, folder)
     drafter = DFlashDrafter(cfg)
-    if "t2d" not in state:  # vLLM skips it; d2t determines it
-        state["t2d"] = drafter.t2d.clone()
-        if not cfg.shares_lm_head:
-            state["t2d"][torch.arange(cfg.draft_vocab_size) + state["d2t"].long()] = True
-    if cfg.shares_lm_head:
-        state["d2t"] = drafter.d2t.clone()
     expected = drafter.state_dict()
     misfits = [f"{k}: {list(v.shape)} given, config.json needs {list(expected[k].shape)}"
                for k, v in state.items() if v.shape != expected[k].shape]

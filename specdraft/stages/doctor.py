@@ -5,8 +5,8 @@ field (docs/engine-facts.md): aux layer ids missing or not the ones the hidden s
 missing or holding absolute ids, sizes that do not fit the target, norm flags left to an engine's
 default, and training data rendered with another chat template than the one served.
 
-A DFlash folder (architectures ["DFlashDraftModel"]) gets its own checks, for the silent failures of
-that format (docs/dflash.md): the target layers in two conventions, the mask token (its id, the
+A DFlash folder (architectures ["DFlashDraftModel"], or the speculators library's, checked as the config
+vLLM builds from it) gets its own checks, for the silent failures of that format (docs/dflash.md): the target layers in two conventions, the mask token (its id, the
 embedding row vLLM feeds the mask slots, whether the data contains it), the block size as trained and
 as served, the vocabulary mapping, and the first drafted slot's agreement with the target.
 """
@@ -24,7 +24,7 @@ from specdraft.data.tokens import load_tokens
 from specdraft.decoding.runners import TargetRunner
 from specdraft.drafters.dflash_format import ARCHITECTURE as DFLASH_ARCHITECTURE
 from specdraft.drafters.dflash_format import WEIGHTS as DFLASH_WEIGHTS
-from specdraft.drafters.dflash_format import read_dflash
+from specdraft.drafters.dflash_format import from_speculators, is_speculators, read_dflash, speculators_k
 from specdraft.drafters.formats import EAGLE31_FLAGS, FLAT_ARCHITECTURE, read_drafter
 from specdraft.drafters.vocab import token_counts
 from specdraft.hidden.store import INDEX
@@ -334,7 +334,7 @@ def diagnose(folder: Path, target, run_path: Path | None = None, measured: bool 
         config = json.loads((folder / "config.json").read_text())
     except (OSError, json.JSONDecodeError) as e:
         return [Check("config.json readable", False, str(e), "point doctor at an exported drafter folder")]
-    if DFLASH_ARCHITECTURE in (config.get("architectures") or []):
+    if DFLASH_ARCHITECTURE in (config.get("architectures") or []) or is_speculators(config):
         return diagnose_dflash(folder, config, target, Path(run_path) if run_path is not None else None, measured,
                                conversations)
     checks = _config_checks(config)
@@ -397,8 +397,9 @@ def _dflash_mask_checks(folder: Path, config: dict, target) -> list[Check]:
     ok = isinstance(mask, int) and 0 <= mask < target.vocab_size and mask not in reserved
     shown = f"{mask} ({tok.convert_ids_to_tokens(mask)!r})" if ok else f"{mask!r}"
     checks = [Check("mask token id", ok, f"{shown} in a vocabulary of {target.vocab_size}",
-                    "dflash_config.mask_token_id must be the trained mask token: an id of the target's vocabulary "
-                    "that is not bos / eos / pad / unk (specdraft's default: dflash.default_mask_token)")]
+                    "mask_token_id (dflash_config's; speculators': the top-level one) must be the trained mask "
+                    "token: an id of the target's vocabulary that is not bos / eos / pad / unk (specdraft's "
+                    "default: dflash.default_mask_token)")]
     if (folder / "mask_embedding.pt").exists():
         checks.append(Check("mask embedding", False, "mask_embedding.pt present: vLLM feeds it to the mask slots",
                             "remove it: specdraft's drafters train on the target's embedding row of the mask token "
@@ -481,15 +482,40 @@ def measure_dflash(drafter, target, conversations: list[tuple[list[int], list[in
     return {"agreement": agree / max(1, positions), "positions": positions, "conversations": len(conversations)}
 
 
+# A folder specdraft did not write is fixed where it was made, not by re-exporting it.
+FOREIGN_FIX = ("the folder is not one vLLM loads as this DFlash drafter, or one specdraft cannot hold: fix its "
+               "config.json where it was made")
+
+
+def _speculators_checks(raw: dict, config: dict) -> list[Check]:
+    """A speculators folder's own K: vLLM drafts speculators_config's, whatever the block was."""
+    k, block = speculators_k(raw), config.get("block_size")
+    if k is None or block is None:
+        return []
+    return [Check("served K = block_size - 1", k == block - 1, f"speculative_tokens {k}, block_size {block}",
+                  f"set speculators_config.proposal_methods[0].speculative_tokens to {block - 1}: vLLM drafts that "
+                  "many per round")]
+
+
 def diagnose_dflash(folder: Path, config: dict, target, run_path: Path | None, measured: bool,
                     conversations=None) -> list[Check]:
-    """Every check of a DFlash folder (module docstring)."""
+    """Every check of a DFlash folder (module docstring); a speculators one is checked as the config vLLM
+    builds from it."""
+    raw, fix = config, "re-export the drafter with `specdraft export`" if "specdraft" in config else FOREIGN_FIX
+    if is_speculators(raw):
+        try:
+            config = from_speculators(raw, str(folder / "config.json"), [])
+        except ValueError as e:
+            return [Check("drafter loads", False, str(e), fix)]
     checks = _dflash_layer_checks(config, target) + _dflash_mask_checks(folder, config, target)
-    checks += _dflash_shape_checks(config)
+    checks += _dflash_shape_checks(config) + _speculators_checks(raw, config)
     try:
         drafter = read_dflash(folder, target.embed_weight(), target.head_weight())
     except ValueError as e:
-        return checks + [Check("drafter loads", False, str(e), "re-export the drafter with `specdraft export`")]
+        return checks + [Check("drafter loads", False, str(e), fix)]
+    own = sum(t.numel() for name, t in drafter.named_parameters() if t.requires_grad)
+    checks.append(Check("drafter loads", True, f"{own / 1e6:.2f} M parameters besides the target's embedding"
+                        f"{' and lm_head' if drafter.config.shares_lm_head else ''}"))
     fits = drafter.config.target_hidden_size == target.hidden_size and drafter.config.vocab_size == target.vocab_size
     checks.append(Check("drafter fits the target", fits,
                         f"target width {drafter.config.target_hidden_size} / {target.hidden_size}, vocabulary "

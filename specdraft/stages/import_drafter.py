@@ -1,7 +1,7 @@
 """import: a published drafter read, checked against the target and written as a specdraft checkpoint
 that eval, export and doctor use: an EAGLE-3 drafter (speculators or flat format, midlayer.* or
-layers.0.*) or a DFlash drafter (the folder vLLM loads for method "dflash", read as vLLM reads it:
-fields it leaves out take vLLM's defaults, each reported).
+layers.0.*) or a DFlash drafter (the folder vLLM loads for method "dflash", in vLLM's own form or the
+speculators library's, read as vLLM reads it: fields it leaves out take vLLM's defaults, each reported).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import torch
 from specdraft.drafters.checkpoint import save_checkpoint
 from specdraft.drafters.dflash import DFlashDrafter
 from specdraft.drafters.dflash_format import ARCHITECTURE as DFLASH_ARCHITECTURE
+from specdraft.drafters.dflash_format import is_speculators
 from specdraft.drafters.dflash_format import problems as dflash_problems
 from specdraft.drafters.dflash_format import read_dflash
 from specdraft.drafters.eagle3 import Eagle3Drafter
@@ -57,9 +58,16 @@ def import_drafter(folder: Path, target, out: Path,
     return drafter, published
 
 
-def is_dflash(folder: Path) -> bool:
+def _config(folder: Path) -> dict:
     path = Path(folder) / "config.json"
-    return path.exists() and DFLASH_ARCHITECTURE in (json.loads(path.read_text()).get("architectures") or [])
+    config = json.loads(path.read_text()) if path.exists() else {}
+    return config if isinstance(config, dict) else {}
+
+
+def is_dflash(folder: Path) -> bool:
+    """vLLM's own DFlash form or speculators' (whose EAGLE-3 folders import_drafter reads)."""
+    config = _config(folder)
+    return DFLASH_ARCHITECTURE in (config.get("architectures") or []) or is_speculators(config)
 
 
 @dataclass
@@ -91,10 +99,10 @@ def import_dflash(folder: Path, target, out: Path,
         raise ValueError(f"import: {folder} does not fit the target {target.path}:\n  " + "\n  ".join(found))
     if not torch.equal(drafter.embed_tokens.weight, target.embed_weight().float()):
         notes.append("embed_tokens: the folder's own, differing from the target's (vLLM keeps it); kept")
-    published = DFlashRead("dflash", notes)
+    published = DFlashRead("speculators (dflash)" if is_speculators(_config(folder)) else "dflash", notes)
     aux_ids = list(cfg.aux_layer_ids)
     meta = {"aux_layer_ids": aux_ids, "target": type(target)(target.name, aux_ids).describe(),
-            "imported_from": {"folder": str(Path(folder).resolve()), "layout": "dflash", "notes": notes}}
+            "imported_from": {"folder": str(Path(folder).resolve()), "layout": published.layout, "notes": notes}}
     save_checkpoint(drafter, Path(out), meta)
     return drafter, published
 
