@@ -60,10 +60,11 @@ def main() -> None:
                     "method (e.g. the demo's EAGLE-3) instead of training that method again")
     args = ap.parse_args()
     run = args.run.resolve()
-    own = RunFolder(run).manifest()["stages"]
+    manifest = RunFolder(run).manifest()
+    own = manifest["stages"]
     reused = own["train"]["config"]["method"] if args.reuse and own.get("eval", {}).get("state") == "done" else None
     line = {"date": time.strftime("%Y-%m-%d"), "hardware": environment.hardware_line(),
-            "recipe": RunFolder(run).manifest()["name"], "common": args.common}
+            "recipe": manifest["name"], "common": args.common}
     for method in ("eagle3", "dflash"):
         sets = args.common + getattr(args, method)
         if method == reused:

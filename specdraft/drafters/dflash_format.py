@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 
 from specdraft.drafters.dflash import DEFAULT_BLOCK_SIZE, DFlashConfig, DFlashDrafter
+from specdraft.drafters.vocab import checked_t2d
 from specdraft.run import atomic_path, write_json
 
 WEIGHTS = "model.safetensors"
@@ -281,6 +282,11 @@ def is_speculators(config: dict) -> bool:
     return config.get("speculators_model_type") == SPECULATORS_TYPE
 
 
+def is_dflash(config: dict) -> bool:
+    """A DFlash drafter's config.json, in vLLM's own form or speculators'."""
+    return ARCHITECTURE in (config.get("architectures") or []) or is_speculators(config)
+
+
 def speculators_k(config: dict) -> int | None:
     """Tokens per round vLLM drafts for a speculators folder: its first proposal method's."""
     methods = (config.get("speculators_config") or {}).get("proposal_methods") or [{}]
@@ -415,17 +421,8 @@ def _vocab_map(state: dict, cfg: DFlashConfig, folder: Path) -> None:
         state["t2d"] = torch.ones(cfg.vocab_size, dtype=torch.bool)
         return
     d2t = state["d2t"].long()
-    if d2t.shape != (cfg.draft_vocab_size,):
-        raise ValueError(f"{folder}: d2t has shape {list(d2t.shape)}, expected [{cfg.draft_vocab_size}]")
-    targets = torch.arange(cfg.draft_vocab_size) + d2t
-    if targets.numel() and (targets.min() < 0 or targets.max() >= cfg.vocab_size):
-        raise ValueError(f"{folder}: d2t maps draft ids outside the target vocabulary (0..{cfg.vocab_size - 1}); "
-                         "it must hold offsets (target id = draft id + d2t[draft id])")
-    t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
-    t2d[targets] = True
-    if "t2d" in state and not torch.equal(state["t2d"].bool(), t2d):
-        raise ValueError(f"{folder}: t2d does not mark the target ids that d2t maps the draft vocabulary to")
-    state["d2t"], state["t2d"] = d2t, t2d
+    state["t2d"] = checked_t2d(d2t, cfg.draft_vocab_size, cfg.vocab_size, state.get("t2d"), folder)
+    state["d2t"] = d2t
 
 
 def read_dflash(folder: Path, embed: torch.Tensor, lm_head: torch.Tensor | None = None,

@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 
 from specdraft.drafters.eagle3 import DrafterConfig, Eagle3Drafter
+from specdraft.drafters.vocab import checked_t2d
 from specdraft.run import atomic_path, write_json
 
 WEIGHTS = "model.safetensors"
@@ -245,20 +246,9 @@ def _build(folder: Path, cfg: DrafterConfig, theirs: dict[str, torch.Tensor], ke
                      if cfg.draft_vocab_size == cfg.vocab_size else
                      f"d2t: ABSENT; the engines map draft id i to target id i (0..{cfg.draft_vocab_size - 1}), "
                      "almost never what the drafter was trained for (doctor fails it)")
-    if d2t.shape != (cfg.draft_vocab_size,):
-        raise ValueError(f"{folder}: d2t has shape {list(d2t.shape)}, expected [{cfg.draft_vocab_size}]")
-    targets = torch.arange(cfg.draft_vocab_size) + d2t
-    if targets.numel() and (targets.min() < 0 or targets.max() >= cfg.vocab_size):
-        raise ValueError(f"{folder}: d2t maps draft ids outside the target vocabulary (0..{cfg.vocab_size - 1}); "
-                         "it must hold offsets (target id = draft id + d2t[draft id]), not absolute ids")
-    t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
-    t2d[targets] = True
-    if "t2d" in state:
-        if not torch.equal(state["t2d"].bool(), t2d):
-            raise ValueError(f"{folder}: t2d does not mark the target ids that d2t maps the draft vocabulary to")
-        notes.append("t2d: present, consistent with d2t")
-    else:
-        notes.append("t2d: absent; rebuilt from d2t (the engines do not read it)")
+    t2d = checked_t2d(d2t, cfg.draft_vocab_size, cfg.vocab_size, state.get("t2d"), folder)
+    notes.append("t2d: present, consistent with d2t" if "t2d" in state else
+                 "t2d: absent; rebuilt from d2t (the engines do not read it)")
     state["d2t"], state["t2d"] = d2t, t2d
     with torch.device("meta"):  # shapes only: a config.json of absurd sizes allocates nothing
         expected = Eagle3Drafter(cfg).state_dict()

@@ -22,9 +22,14 @@ from specdraft.config import Recipe
 from specdraft.data.sources import prompts
 from specdraft.data.tokens import load_tokens
 from specdraft.decoding.runners import TargetRunner
-from specdraft.drafters.dflash_format import ARCHITECTURE as DFLASH_ARCHITECTURE
 from specdraft.drafters.dflash_format import WEIGHTS as DFLASH_WEIGHTS
-from specdraft.drafters.dflash_format import from_speculators, is_speculators, read_dflash, speculators_k
+from specdraft.drafters.dflash_format import (
+    from_speculators,
+    is_dflash,
+    is_speculators,
+    read_dflash,
+    speculators_k,
+)
 from specdraft.drafters.formats import EAGLE31_FLAGS, FLAT_ARCHITECTURE, read_drafter
 from specdraft.drafters.vocab import token_counts
 from specdraft.hidden.store import INDEX
@@ -334,7 +339,7 @@ def diagnose(folder: Path, target, run_path: Path | None = None, measured: bool 
         config = json.loads((folder / "config.json").read_text())
     except (OSError, json.JSONDecodeError) as e:
         return [Check("config.json readable", False, str(e), "point doctor at an exported drafter folder")]
-    if DFLASH_ARCHITECTURE in (config.get("architectures") or []) or is_speculators(config):
+    if is_dflash(config):
         return diagnose_dflash(folder, config, target, Path(run_path) if run_path is not None else None, measured,
                                conversations)
     checks = _config_checks(config)

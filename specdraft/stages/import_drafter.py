@@ -15,10 +15,9 @@ import torch
 
 from specdraft.drafters.checkpoint import save_checkpoint
 from specdraft.drafters.dflash import DFlashDrafter
-from specdraft.drafters.dflash_format import ARCHITECTURE as DFLASH_ARCHITECTURE
-from specdraft.drafters.dflash_format import is_speculators
+from specdraft.drafters.dflash_format import is_dflash as is_dflash_config
+from specdraft.drafters.dflash_format import is_speculators, read_dflash
 from specdraft.drafters.dflash_format import problems as dflash_problems
-from specdraft.drafters.dflash_format import read_dflash
 from specdraft.drafters.eagle3 import Eagle3Drafter
 from specdraft.drafters.formats import (
     EMBED_KEY,
@@ -66,8 +65,7 @@ def _config(folder: Path) -> dict:
 
 def is_dflash(folder: Path) -> bool:
     """vLLM's own DFlash form or speculators' (whose EAGLE-3 folders import_drafter reads)."""
-    config = _config(folder)
-    return DFLASH_ARCHITECTURE in (config.get("architectures") or []) or is_speculators(config)
+    return is_dflash_config(_config(folder))
 
 
 @dataclass
