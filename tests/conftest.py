@@ -46,6 +46,33 @@ def _quiet_tqdm(monkeypatch):
     yield
 
 
+# Where SPECDRAFT_FIXTURE_TIMES names a file, each fixture set-up of 0.5 s or more is written there as a
+# JSON line (its own time: the fixtures it requests are set up, and timed, before it). bench/ci_time.py
+# reads it beside pytest's --durations report, which charges a shared fixture to the first test using it.
+_FIXTURE_TIMES: list[dict] = []
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_fixture_setup(fixturedef, request):
+    import time
+
+    t0 = time.perf_counter()
+    yield
+    seconds = time.perf_counter() - t0
+    if seconds >= 0.5:
+        _FIXTURE_TIMES.append({"fixture": fixturedef.argname, "scope": fixturedef.scope,
+                               "seconds": round(seconds, 2), "first_test": request.node.nodeid})
+
+
+def pytest_sessionfinish(session):
+    out = os.environ.get("SPECDRAFT_FIXTURE_TIMES")
+    if out and _FIXTURE_TIMES:
+        import json
+
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text("".join(json.dumps(t) + "\n" for t in _FIXTURE_TIMES))
+
+
 def need_vllm() -> None:
     """Skip a test that needs the vLLM venv where there is none; where SPECDRAFT_REQUIRE_VLLM=1 (CI sets
     it) a missing venv fails the test instead, so a broken vLLM install cannot pass as a skip."""
@@ -139,52 +166,18 @@ holdout = 0.0
 """
 
 
-# Stages that read a trained drafter but do not shape it: a change to them keeps the cached run.
-_NOT_TRAINING = {"export", "import_drafter", "eval", "bench", "doctor", "plan", "status"}
-
-
-def _trainer_source_hash(recipe: str, target_name: str = "smollm2") -> str:
-    """The cache key of a memorised run: the recipe, the code that produces a trained drafter (every
-    module but the stages that only read one), the torch and transformers versions and the target's
-    weights (its GGUF and fingerprint), any of which changes the trained drafter."""
-    import hashlib
-
-    import torch
-    import transformers
-
-    from specdraft.targets import Target
-
-    root = Path(__file__).resolve().parents[1] / "specdraft"
-    h = hashlib.sha256(recipe.encode())
-    h.update(f"torch {torch.__version__} transformers {transformers.__version__}".encode())
-    target = Target(target_name)  # its cached folder is named after the GGUF it was converted from
-    h.update(f"{target.path.name} {sorted(target.fingerprint().items())}".encode())
-    for path in sorted(root.rglob("*.py")):
-        rel = path.relative_to(root)
-        if not (rel.parts[0] == "stages" and path.stem in _NOT_TRAINING):
-            h.update(path.read_bytes())
-    return h.hexdigest()[:16]
-
-
-def _memorised(recipe: str, formats: str, tmp_path_factory, pytestconfig, target_name: str = "smollm2") -> Path:
-    """Train `recipe` (or take it from pytest's cache), copy it, export it fresh in `formats`."""
-    import os
+def _memorised(recipe: str, formats: str, tmp_path_factory, target) -> Path:
+    """Train `recipe` once (or take it from the cache outside the checkout: tests/memorised.py), copy it,
+    export it fresh in `formats` with the current export code."""
     import shutil
 
-    from specdraft.cli import main
+    import memorised
 
-    cached = pytestconfig.cache.mkdir("specdraft") / f"memorised-{_trainer_source_hash(recipe, target_name)}"
-    if not (cached / "checkpoints" / "final").exists():
-        build = tmp_path_factory.mktemp("memorised-build")
-        (build / "overfit.toml").write_text(recipe)
-        for stage in ("gen", "render", "extract", "train"):
-            assert main([stage, "--recipe", str(build / "overfit.toml"), "--run", str(build / "run")]) == 0
-        staging = cached.with_name(cached.name + f".tmp-{os.getpid()}")
-        shutil.copytree(build / "run", staging)
-        try:
-            os.replace(staging, cached)  # whole or absent, also with two sessions building at once
-        except OSError:
-            shutil.rmtree(staging)  # another session put its (identical) run there first
+    from specdraft.cli import main
+    from specdraft.targets import resolve_dtype
+
+    key = memorised.cache_key(recipe, target, resolve_dtype("auto", "cpu"))
+    cached = memorised.build(recipe, key, tmp_path_factory.mktemp("memorised-build"))
     run = tmp_path_factory.mktemp("memorised") / "run"
     shutil.copytree(cached, run)
     assert main(["export", "--run", str(run), "--formats", formats]) == 0
@@ -192,27 +185,26 @@ def _memorised(recipe: str, formats: str, tmp_path_factory, pytestconfig, target
 
 
 @pytest.fixture(scope="session")
-def memorised_run(tmp_path_factory, pytestconfig, target) -> Path:
+def memorised_run(tmp_path_factory, target) -> Path:
     """A run whose drafter memorised the target's answers to 8 ShareGPT prompts, exported in both
     formats: a drafter that demonstrably drafts, shared by the doctor and vLLM serving tests.
 
-    Training it takes minutes on a 2-core CPU (far more when the machine is shared), so the trained
-    run is kept in pytest's cache under a hash of the trainer's code and recipe: any change to them
-    trains anew. Tests get a copy, exported fresh by the current export code."""
-    return _memorised(MEMORISED_RECIPE, "both", tmp_path_factory, pytestconfig)
+    Trained once per machine and kept outside the checkout under a key of what it depends on
+    (tests/memorised.py); tests get a copy, exported fresh by the current export code."""
+    return _memorised(MEMORISED_RECIPE, "both", tmp_path_factory, target)
 
 
 @pytest.fixture(scope="session")
-def memorised_norms_run(tmp_path_factory, pytestconfig, target) -> Path:
+def memorised_norms_run(tmp_path_factory, target) -> Path:
     """The same, trained with EAGLE-3.1's norms (the smollm2-h200 recipe's), exported for vLLM only."""
-    return _memorised(MEMORISED_NORMS_RECIPE, "vllm", tmp_path_factory, pytestconfig)
+    return _memorised(MEMORISED_NORMS_RECIPE, "vllm", tmp_path_factory, target)
 
 
 @pytest.fixture(scope="session")
-def memorised_dflash_run(tmp_path_factory, pytestconfig, target) -> Path:
+def memorised_dflash_run(tmp_path_factory, target) -> Path:
     """The 8 samples memorised by a DFlash drafter (MEMORISED_DFLASH_RECIPE), cached like
     memorised_run, exported fresh in vLLM's DFlash folder format."""
-    return _memorised(MEMORISED_DFLASH_RECIPE, "vllm", tmp_path_factory, pytestconfig)
+    return _memorised(MEMORISED_DFLASH_RECIPE, "vllm", tmp_path_factory, target)
 
 
 # The same memorised drafter for the second real target, Qwen2.5-Coder-0.5B-Instruct (programming prompts
@@ -247,7 +239,7 @@ def qwen():
 
 
 @pytest.fixture(scope="session")
-def qwen_memorised_run(tmp_path_factory, pytestconfig, qwen) -> Path:
+def qwen_memorised_run(tmp_path_factory, qwen) -> Path:
     """A Qwen2.5-Coder drafter that memorised its answers to 8 programming prompts, exported for vLLM;
-    kept in pytest's cache like `memorised_run`."""
-    return _memorised(MEMORISED_QWEN_RECIPE, "vllm", tmp_path_factory, pytestconfig, "qwen2.5-coder-0.5b")
+    cached like `memorised_run`."""
+    return _memorised(MEMORISED_QWEN_RECIPE, "vllm", tmp_path_factory, qwen)

@@ -1,0 +1,65 @@
+"""The memorised drafters' cache key (tests/memorised.py) follows what a trained run depends on: a change to
+the trainer's code, or to what it imports, trains anew; a change to a stage that only reads a trained run,
+or to a docstring or comment, keeps the cached run."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+from conftest import MEMORISED_RECIPE
+from memorised import PACKAGE, build_closure, cache_key
+
+
+@pytest.fixture
+def package(tmp_path):
+    copy = tmp_path / "specdraft"
+    shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    return copy
+
+
+def key(target, root, recipe=MEMORISED_RECIPE, dtype="float32"):
+    return cache_key(recipe, target, dtype, root)
+
+
+def append(path, text):
+    path.write_text(path.read_text() + text)
+
+
+def test_the_closure_holds_the_trainer_and_not_the_reading_stages():
+    closure = build_closure()
+    for name in ("specdraft.stages.train", "specdraft.stages.extract", "specdraft.drafters.eagle3",
+                 "specdraft.hidden.store", "specdraft.targets", "specdraft.cli"):
+        assert name in closure, name
+    for name in ("specdraft.stages.eval", "specdraft.stages.doctor", "specdraft.stages.export",
+                 "specdraft.stages.bench"):
+        assert name not in closure, name
+
+
+def test_a_trainer_change_changes_the_key(target, package):
+    before = key(target, package)
+    append(package / "stages" / "train.py", "\nTRAINER_CHANGED = 1\n")
+    assert key(target, package) != before
+
+
+def test_a_change_to_what_the_trainer_imports_changes_the_key(target, package):
+    before = key(target, package)
+    append(package / "drafters" / "eagle3.py", "\nDRAFTER_CHANGED = 1\n")
+    assert key(target, package) != before
+
+
+def test_a_reading_stage_or_a_docstring_keeps_the_key(target, package):
+    before = key(target, package)
+    append(package / "stages" / "doctor.py", "\nDOCTOR_CHANGED = 1\n")
+    append(package / "stages" / "eval.py", "\n# a comment\n")
+    train = package / "stages" / "train.py"
+    source = train.read_text()
+    assert source.startswith('"""')
+    train.write_text('"""Another docstring.' + source[3:])
+    assert key(target, package) == before
+
+
+def test_the_recipe_and_the_dtype_change_the_key(target, package):
+    before = key(target, package)
+    assert key(target, package, recipe=MEMORISED_RECIPE.replace("epochs = 60", "epochs = 30")) != before
+    assert key(target, package, dtype="bfloat16") != before
