@@ -73,6 +73,13 @@ def pytest_sessionfinish(session):
         Path(out).write_text("".join(json.dumps(t) + "\n" for t in _FIXTURE_TIMES))
 
 
+# vLLM servers that only measure (acceptance counters, states, auth) start eager: on this CPU torch.compile
+# is about 65 of a server's ~120 s to ready, and every drafter variant compiles anew (its speculative
+# config is in the compile cache's key). The shared target server and the drafter served exactly as
+# `export` prints it stay compiled, so the compiled path is served in every CI run.
+VLLM_EAGER = ["--enforce-eager"]
+
+
 def need_vllm() -> None:
     """Skip a test that needs the vLLM venv where there is none; where SPECDRAFT_REQUIRE_VLLM=1 (CI sets
     it) a missing venv fails the test instead, so a broken vLLM install cannot pass as a skip."""
@@ -167,19 +174,13 @@ holdout = 0.0
 
 
 def _memorised(recipe: str, formats: str, tmp_path_factory, target) -> Path:
-    """Train `recipe` once (or take it from the cache outside the checkout: tests/memorised.py), copy it,
-    export it fresh in `formats` with the current export code."""
-    import shutil
-
-    import memorised
+    """A copy of the trained run of `recipe` (trained once, cached outside the checkout: tests/memorised.py),
+    exported fresh in `formats` by the current export code."""
+    from memorised import trained_copy
 
     from specdraft.cli import main
-    from specdraft.targets import resolve_dtype
 
-    key = memorised.cache_key(recipe, target, resolve_dtype("auto", "cpu"))
-    cached = memorised.build(recipe, key, tmp_path_factory.mktemp("memorised-build"))
-    run = tmp_path_factory.mktemp("memorised") / "run"
-    shutil.copytree(cached, run)
+    run = trained_copy(recipe, target, tmp_path_factory)
     assert main(["export", "--run", str(run), "--formats", formats]) == 0
     return run
 

@@ -110,3 +110,14 @@ def build(recipe: str, key: str, workdir: Path) -> Path:
     except OSError:
         shutil.rmtree(staging)  # another session put its (identical) run there first
     return cached
+
+
+def trained_copy(recipe: str, target, tmp_path_factory) -> Path:
+    """A copy of the trained run of `recipe` (trained now or taken from the cache), for a test to write into."""
+    from specdraft.targets import resolve_dtype
+
+    key = cache_key(recipe, target, resolve_dtype("auto", "cpu"))
+    cached = build(recipe, key, tmp_path_factory.mktemp("memorised-build"))
+    run = tmp_path_factory.mktemp("memorised") / "run"
+    shutil.copytree(cached, run)
+    return run

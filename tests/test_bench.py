@@ -12,6 +12,7 @@ import json
 import re
 
 import pytest
+from conftest import VLLM_EAGER
 
 from specdraft.cli import main
 from specdraft.stages import bench
@@ -95,7 +96,8 @@ def test_compare_ngram_and_eagle3_against_raw_counters(vllm_target, drafter_run,
     args = {"num_requests": REQUESTS, "max_seconds": 300.0, "max_tokens": MAX_TOKENS}
     baseline = {"name": "none", "speculative": None, "levels": bench.sweep(vllm_target.url, prompts, LEVELS, **args)}
     configs = bench.configurations(["ngram:3", "eagle3:3"], str(drafter_run / "export" / "vllm"))
-    results = bench.compare(str(target.path), configs, prompts, LEVELS, tmp_path / "logs", **args)
+    results = bench.compare(str(target.path), configs, prompts, LEVELS, tmp_path / "logs", server_args=VLLM_EAGER,
+                            **args)
     for r in results:
         for lv, c in zip(r["levels"], LEVELS, strict=True):
             check_level(lv, c, 3)

@@ -46,13 +46,11 @@ P_VALUE_FLOOR = 1e-3
 
 
 @pytest.fixture(scope="module")
-def memorised(tmp_path_factory):
-    root = tmp_path_factory.mktemp("memorise")
-    (root / "memorise.toml").write_text(MEMORISE_RECIPE)
-    run = root / "run"
-    for stage in ("gen", "render", "extract", "train"):
-        assert main([stage, "--recipe", str(root / "memorise.toml"), "--run", str(run)]) == 0
-    return run
+def memorised(tmp_path_factory, target):
+    """The run of MEMORISE_RECIPE, trained once and cached like conftest's memorised drafters."""
+    from memorised import trained_copy
+
+    return trained_copy(MEMORISE_RECIPE, target, tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

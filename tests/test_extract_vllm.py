@@ -16,9 +16,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
 
 def test_vllm_backend_gives_the_transformers_tensors(bf16_run, target, tmp_path):
+    from conftest import VLLM_EAGER
     from test_extract import _copy_run, _recipe
 
-    recipe = _recipe(backend="vllm")
+    recipe = _recipe(backend="vllm", vllm_args=VLLM_EAGER)
     run = _copy_run(bf16_run, tmp_path / "run", recipe)
     entry = ex.run(recipe, run)
     assert entry["counts"]["shards_written"] == entry["counts"]["shards"]

@@ -58,13 +58,14 @@ class KeyCheckingProxy(FaultProxy):
 
 @pytest.fixture(scope="module")
 def keyed_vllm(target, tmp_path_factory):
-    from conftest import need_vllm
+    from conftest import VLLM_EAGER, need_vllm
 
     from specdraft.engines import VllmServer
 
     need_vllm()
     # The server's log stays outside every run folder (vLLM redacts the key there anyway).
-    with VllmServer(target.path, log_path=tmp_path_factory.mktemp("vllm-keyed") / "vllm.log", api_key=KEY) as server:
+    with VllmServer(target.path, log_path=tmp_path_factory.mktemp("vllm-keyed") / "vllm.log", api_key=KEY,
+                    extra=VLLM_EAGER) as server:
         yield server
 
 

@@ -253,13 +253,15 @@ def test_vllm_hands_out_the_states_extract_stored(qwen_memorised_run, qwen, tmp_
     family's convention read from the engine itself, not only from transformers."""
     import dataclasses
 
+    from conftest import VLLM_EAGER
+
     from specdraft.hidden.store import HiddenStore
     from specdraft.run import RunFolder
     from specdraft.stages import extract as ex
 
     source = RunFolder(qwen_memorised_run)
     recipe = source.recipe()
-    recipe.extract = dataclasses.replace(recipe.extract, backend="vllm")
+    recipe.extract = dataclasses.replace(recipe.extract, backend="vllm", vllm_args=VLLM_EAGER)
     shutil.copytree(qwen_memorised_run, tmp_path / "run", ignore=shutil.ignore_patterns("hidden"))
     run = RunFolder(tmp_path / "run")
     run.init(recipe)

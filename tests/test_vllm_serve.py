@@ -15,6 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+from conftest import VLLM_EAGER
 
 from specdraft.engines import VllmServer
 from specdraft.stages.bench import acceptance, spec_decode_counters
@@ -25,15 +26,15 @@ def serve_and_measure(target, drafter: Path, messages: list[list[dict]], log_pat
                       printed: str | None = None, speculative: dict | None = None) -> tuple[dict, list[str]]:
     """Serve `drafter` with vLLM, answer each conversation greedily, return (acceptance, answers).
     `printed`: the `vllm serve …` line export printed, served as printed (the test machine adds only
-    its port and dtype), instead of a speculative config built here; `speculative`: that config
-    (default: EAGLE-3 with 3 speculative tokens)."""
+    its port and dtype), compiled, instead of a speculative config built here; `speculative`: that config
+    (default: EAGLE-3 with 3 speculative tokens), served eager (conftest.VLLM_EAGER)."""
     if printed:
         argv = shlex.split(printed)
         assert argv[:3] == ["vllm", "serve", str(target.path)], argv
         server = VllmServer(argv[2], extra=argv[3:], log_path=log_path)
     else:
         spec = speculative or {"method": "eagle3", "model": str(drafter), "num_speculative_tokens": 3}
-        server = VllmServer(target.path, speculative=spec, log_path=log_path)
+        server = VllmServer(target.path, speculative=spec, log_path=log_path, extra=VLLM_EAGER)
     with server:
         before = spec_decode_counters(server.metrics_text())
         answers = []

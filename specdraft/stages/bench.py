@@ -188,13 +188,15 @@ def configurations(names: list[str], drafter: str | None) -> list[tuple[str, dic
 
 
 def compare(target_path: str, configs: list[tuple[str, dict | None]], prompts: list[list[dict]],
-            concurrencies: list[int], log_dir: Path, **sweep_args) -> list[dict]:
-    """Start vLLM once per configuration (one server at a time) and sweep each."""
+            concurrencies: list[int], log_dir: Path, server_args: list[str] | None = None, **sweep_args
+            ) -> list[dict]:
+    """Start vLLM once per configuration (one server at a time, each given `server_args` too) and sweep
+    each."""
 
     results = []
     for name, spec in configs:
-        with VllmServer(target_path, speculative=spec, log_path=Path(log_dir) / f"vllm-{name.replace(':', '-')}.log"
-                        ) as server:
+        with VllmServer(target_path, speculative=spec, extra=server_args,
+                        log_path=Path(log_dir) / f"vllm-{name.replace(':', '-')}.log") as server:
             rows = sweep(server.url, prompts, concurrencies, **sweep_args)
         results.append({"name": name, "speculative": spec, "server_ready_s": round(server.ready_seconds, 1),
                         "dtype": server.dtype, "levels": rows})

@@ -178,22 +178,27 @@ class PackedRows(torch.utils.data.Dataset):
 def step_batches(source, tops, train_idx, lengths, cfg: TrainConfig, step: int, steps_per_epoch: int,
                  rank: int, world: int, device: torch.device):
     """(epoch, this process's packed batches of the step) for every step from `step` to the end: each
-    step takes `micro_batches` consecutive rows of the epoch's order, this rank every world-th of them."""
+    step takes `micro_batches` consecutive rows of the epoch's order, this rank every world-th of them.
+    One loader serves every epoch left: its workers start once, not once per epoch (a run of many
+    one-step epochs otherwise waits for new workers at every step)."""
     workers = 0 if cfg.hidden == "online" else cfg.loader_workers  # an online target stays in this process
-    for epoch in range(step // steps_per_epoch, cfg.epochs):
-        first = step - epoch * steps_per_epoch if epoch == step // steps_per_epoch else 0
+    first_epoch = step // steps_per_epoch
+    plan = []  # (epoch, this rank's rows of the step) for every step left
+    for epoch in range(first_epoch, cfg.epochs):
+        first = step - epoch * steps_per_epoch if epoch == first_epoch else 0
         rows = epoch_rows(train_idx, lengths, cfg, epoch)
-        mine = [row for s in range(first, steps_per_epoch)
-                for row in rows[s * cfg.micro_batches:(s + 1) * cfg.micro_batches][rank::world]]
-        rows_of_mine = PackedRows(source, mine, tops, cfg.batch_tokens, fixed_shape(cfg, device))
-        # Its own generator: a loader drawing its workers' seed from torch's RNG would move the stream
-        # the steps draw from (hidden_noise) by one draw per epoch started, and a resumed run starts one.
-        loader = torch.utils.data.DataLoader(rows_of_mine, batch_size=None, num_workers=workers,
-                                             pin_memory=device.type == "cuda",
-                                             generator=torch.Generator().manual_seed(cfg.seed + epoch))
-        it = iter(loader)
-        for _ in range(first, steps_per_epoch):
-            yield epoch, [next(it) for _ in range(cfg.micro_batches // world)]
+        plan += [(epoch, rows[s * cfg.micro_batches:(s + 1) * cfg.micro_batches][rank::world])
+                 for s in range(first, steps_per_epoch)]
+    rows_of_mine = PackedRows(source, [row for _, mine in plan for row in mine], tops, cfg.batch_tokens,
+                              fixed_shape(cfg, device))
+    # Its own generator: a loader drawing its workers' seed from torch's RNG would move the stream the
+    # steps draw from (hidden_noise) by one draw per loader started, and a resumed run starts one.
+    loader = torch.utils.data.DataLoader(rows_of_mine, batch_size=None, num_workers=workers,
+                                         pin_memory=device.type == "cuda",
+                                         generator=torch.Generator().manual_seed(cfg.seed + first_epoch))
+    it = iter(loader)
+    for epoch, mine in plan:
+        yield epoch, [next(it) for _ in mine]
 
 
 def to_device(batch: dict, device: torch.device) -> dict:
