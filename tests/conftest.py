@@ -73,10 +73,11 @@ def pytest_sessionfinish(session):
         Path(out).write_text("".join(json.dumps(t) + "\n" for t in _FIXTURE_TIMES))
 
 
-# vLLM servers that only measure (acceptance counters, states, auth) start eager: on this CPU torch.compile
-# is about 65 of a server's ~120 s to ready, and every drafter variant compiles anew (its speculative
-# config is in the compile cache's key). The shared target server and the drafter served exactly as
-# `export` prints it stay compiled, so the compiled path is served in every CI run.
+# vLLM servers that only measure (acceptance counters, states, auth) start eager: on a 2-core CPU a
+# compiled start took 110 s to ready and an eager one 41 s (bench/RESULTS.md, "CI time"), and every
+# drafter variant compiles anew (its speculative config is in the compile cache's key). The shared target
+# server and the EAGLE-3 and DFlash drafters served exactly as `export` prints them stay compiled, so the
+# compiled path of the target and of each method's drafter is served in every CI run.
 VLLM_EAGER = ["--enforce-eager"]
 
 

@@ -25,14 +25,14 @@ MAX_TOKENS = 16
 
 
 @pytest.fixture(scope="module")
-def drafter_run(tmp_path_factory):
-    from conftest import TINY_RECIPE
+def drafter_run(extracted_run, tmp_path_factory):
+    """The tiny recipe's drafter, trained and exported from a copy of the shared extracted run."""
+    import shutil
 
-    root = tmp_path_factory.mktemp("bench")
-    (root / "tiny.toml").write_text(TINY_RECIPE)
-    run = root / "run"
-    for stage in ("gen", "render", "extract", "train", "export"):
-        assert main([stage, "--recipe", str(root / "tiny.toml"), "--run", str(run)]) == 0
+    run = tmp_path_factory.mktemp("bench") / "run"
+    shutil.copytree(extracted_run, run, ignore=shutil.ignore_patterns("checkpoints"))
+    for stage in ("train", "export"):
+        assert main([stage, "--run", str(run)]) == 0
     return run
 
 

@@ -23,18 +23,20 @@ from specdraft.stages.bench import acceptance, spec_decode_counters
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
 def serve_and_measure(target, drafter: Path, messages: list[list[dict]], log_path: Path,
-                      printed: str | None = None, speculative: dict | None = None) -> tuple[dict, list[str]]:
+                      printed: str | None = None, speculative: dict | None = None,
+                      compiled: bool = False) -> tuple[dict, list[str]]:
     """Serve `drafter` with vLLM, answer each conversation greedily, return (acceptance, answers).
     `printed`: the `vllm serve …` line export printed, served as printed (the test machine adds only
-    its port and dtype), compiled, instead of a speculative config built here; `speculative`: that config
-    (default: EAGLE-3 with 3 speculative tokens), served eager (conftest.VLLM_EAGER)."""
+    its port, dtype and, unless `compiled`, `--enforce-eager`), instead of a speculative config built
+    here; `speculative`: that config (default: EAGLE-3 with 3 speculative tokens)."""
+    eager = [] if compiled else VLLM_EAGER
     if printed:
         argv = shlex.split(printed)
         assert argv[:3] == ["vllm", "serve", str(target.path)], argv
-        server = VllmServer(argv[2], extra=argv[3:], log_path=log_path)
+        server = VllmServer(argv[2], extra=argv[3:] + eager, log_path=log_path)
     else:
         spec = speculative or {"method": "eagle3", "model": str(drafter), "num_speculative_tokens": 3}
-        server = VllmServer(target.path, speculative=spec, log_path=log_path, extra=VLLM_EAGER)
+        server = VllmServer(target.path, speculative=spec, log_path=log_path, extra=eager)
     with server:
         before = spec_decode_counters(server.metrics_text())
         answers = []
@@ -55,7 +57,7 @@ def served(memorised_run, target, tmp_path_factory):
     records = training_prompts(memorised_run)
     printed = json.loads((memorised_run / "manifest.json").read_text())["stages"]["export"]["serve_commands"]["vllm"]
     return serve_and_measure(target, memorised_run / "export" / "vllm", [r["messages"][:-1] for r in records],
-                             tmp_path_factory.mktemp("vllm") / "vllm.log", printed=printed)
+                             tmp_path_factory.mktemp("vllm") / "vllm.log", printed=printed, compiled=True)
 
 
 def test_vllm_serves_the_exported_drafter_and_accepts_its_drafts(memorised_run, served):
