@@ -96,6 +96,62 @@ def test_import_into_a_run_is_what_eval_and_export_load(drafter, target, tmp_pat
     assert main(["import", str(folder), "--run", str(run.path)]) == 2
 
 
+# --- where --out may write -------------------------------------------------------------------------
+
+def files_of(folder: Path) -> dict[str, bytes]:
+    """Every file under `folder` with its bytes: what must come through a refused import unchanged."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def refused(capsys, out: Path) -> str:
+    """The one `specdraft: error:` line, naming `out`, that a refused import wrote (no traceback)."""
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("specdraft: error: import: ") and str(out) in err, err
+    return err
+
+
+def test_import_leaves_a_folder_it_did_not_write_alone(drafter, tmp_path, capsys):
+    folder = export("sglang", drafter, tmp_path / "sglang")
+    out = tmp_path / "mine"
+    (out / "sub").mkdir(parents=True)
+    (out / "notes.txt").write_text("mine")
+    (out / "sub" / "data.bin").write_bytes(b"\x00\x01")
+    before = files_of(out)
+    assert main(["import", str(folder), "--out", str(out), "--target", "smollm2"]) == 2
+    assert "give --out a new or empty folder" in refused(capsys, out)
+    assert files_of(out) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine", "sglang"]  # no scratch folder left
+
+
+@pytest.mark.parametrize("where", ["the source", "inside it", "holding it", "its scratch name"])
+def test_import_never_writes_over_the_folder_it_reads(where, drafter, tmp_path, capsys):
+    """save_checkpoint replaces `out` whole and clears `.<out>.tmp`: none of them may touch the source."""
+    source = {"the source": tmp_path / "drafter", "inside it": tmp_path / "drafter",
+              "holding it": tmp_path / "outer" / "drafter", "its scratch name": tmp_path / ".ckpt.tmp"}[where]
+    out = {"the source": source, "inside it": source / "ckpt", "holding it": source.parent,
+           "its scratch name": tmp_path / "ckpt"}[where]
+    folder = export("sglang", drafter, source)
+    before = files_of(folder)
+    assert main(["import", str(folder), "--out", str(out), "--target", "smollm2"]) == 2
+    refused(capsys, out)
+    assert files_of(folder) == before
+
+
+def test_import_replaces_its_own_earlier_output_and_nothing_else(drafter, target, tmp_path, capsys):
+    folder = export("sglang", drafter, tmp_path / "sglang")
+    out = tmp_path / "ckpt"
+    out.mkdir()  # an empty folder is taken as a new one
+    for _ in range(2):  # the second import replaces the first's checkpoint
+        assert main(["import", str(folder), "--out", str(out), "--target", "smollm2"]) == 0
+        assert_identical(drafter, load_checkpoint(out, target.embed_weight())[0])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "sglang"]  # the old one swapped out, gone
+    (out / "notes.txt").write_text("mine")  # a file of the user's makes it theirs
+    before = files_of(out)
+    assert main(["import", str(folder), "--out", str(out), "--target", "smollm2"]) == 2
+    refused(capsys, out)
+    assert files_of(out) == before
+
+
 # SpecForge's LlamaForCausalLMEagle3 module names (specforge/modeling/draft/llama3_eagle.py), written out
 # by hand rather than through our key map, so that a mistake in the map cannot hide here.
 SPECFORGE_NAMES = {

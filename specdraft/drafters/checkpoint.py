@@ -133,6 +133,12 @@ def load_trainer_state(path: Path) -> dict:
     return unflatten_state(doc["state"], load_file(str(path / TRAINER_TENSORS), device="cpu"))
 
 
+def scratch_paths(path: Path) -> tuple[Path, Path]:
+    """The siblings save_checkpoint clears and uses: the new folder is written in the first, the one it
+    replaces moved to the second. Callers that must not lose a folder check these as well as `path`."""
+    return path.with_name(f".{path.name}.tmp"), path.with_name(f".{path.name}.old")
+
+
 def save_checkpoint(drafter, path: Path, meta: dict, extra: dict | None = None) -> None:
     """A checkpoint folder, written whole under a temporary name, marked complete, then renamed. The
     target's own tensors are left out (target_tensors), read from the target on load; config.json
@@ -140,7 +146,7 @@ def save_checkpoint(drafter, path: Path, meta: dict, extra: dict | None = None) 
     trainer.json for resuming."""
     from safetensors.torch import save_file
 
-    tmp = path.with_name(f".{path.name}.tmp")
+    tmp, old = scratch_paths(path)
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     shared = target_tensors(drafter.config)
@@ -150,7 +156,6 @@ def save_checkpoint(drafter, path: Path, meta: dict, extra: dict | None = None) 
     if extra is not None:
         save_trainer_state(tmp, extra)
     (tmp / COMPLETE).write_text("")
-    old = path.with_name(f".{path.name}.old")
     shutil.rmtree(old, ignore_errors=True)
     if path.exists():
         path.rename(old)

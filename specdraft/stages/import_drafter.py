@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from specdraft.drafters.checkpoint import save_checkpoint
+from specdraft.drafters.checkpoint import COMPLETE, save_checkpoint, scratch_paths
 from specdraft.drafters.dflash import DFlashDrafter
 from specdraft.drafters.dflash_format import is_dflash as is_dflash_config
 from specdraft.drafters.dflash_format import is_speculators, read_dflash
@@ -115,12 +115,58 @@ def describe(drafter) -> str:
     return f"EAGLE-3, {common}, norm_before_residual {cfg.norm_before_residual}"
 
 
+# All that an import's checkpoint holds (save_checkpoint without a trainer state): a folder holding
+# anything else has files specdraft did not put there, or a trainer state an import would discard.
+IMPORT_FILES = {COMPLETE, "model.safetensors", "config.json"}
+
+
+def _relation(a: Path, b: Path) -> str | None:
+    """How the resolved path `a` overlaps `b`: "is", "is inside", "holds", or None when apart."""
+    if a == b:
+        return "is"
+    if b in a.parents:
+        return "is inside"
+    return "holds" if a in b.parents else None
+
+
+def _earlier_import(out: Path) -> bool:
+    """Whether `out` is a checkpoint an earlier import wrote: IMPORT_FILES only, with the marker
+    save_checkpoint writes last and the config import_drafter writes (its "imported_from")."""
+    names = {p.name for p in out.iterdir()}
+    if COMPLETE not in names or not names <= IMPORT_FILES:
+        return False
+    try:
+        config = json.loads((out / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and "imported_from" in config
+
+
+def check_out(source: Path, out: Path) -> None:
+    """Refuse, before anything is read or written, an `out` that writing would lose files in.
+    save_checkpoint swaps a whole folder in at `out` (deleting what was there) and clears its scratch
+    siblings, so none of them may overlap the source, and `out` must be new, empty or an earlier import."""
+    src = source.resolve()
+    relation = _relation(out.resolve(), src)
+    if relation:
+        raise ValueError(f"import: {out} {relation} the drafter folder being imported ({source}), which "
+                         "writing the checkpoint there would destroy; write it to a folder apart from it")
+    for scratch in scratch_paths(out):
+        if _relation(src, scratch.resolve()):
+            raise ValueError(f"import: writing {out} first clears {scratch}, which holds the drafter folder "
+                             f"being imported ({source}); give --out another name")
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"import: {out} is a file, not a folder; give --out a new or empty folder")
+    if out.is_dir() and any(out.iterdir()) and not _earlier_import(out):
+        raise ValueError(f"import: {out} holds files that are not an earlier import's checkpoint, which "
+                         "writing there would delete; give --out a new or empty folder, or move them out first")
+
+
 def run_import(source: str, recipe, folder: RunFolder | None = None, out: str | None = None) -> dict:
     """`specdraft import`: into a run (its checkpoints/imported, recorded as the run's drafter, so
     `eval`, `export` and `doctor` take it from there) or into a bare checkpoint folder (`out`)."""
 
     t0 = time.time()
-    target = Target(recipe.target.model)
     if folder is not None:
         trained = folder.stage("train")
         if trained and trained.get("state") == "done" and "imported_from" not in trained:
@@ -131,6 +177,8 @@ def run_import(source: str, recipe, folder: RunFolder | None = None, out: str | 
         extracted = json.loads(index.read_text())["aux_layer_ids"] if index.exists() else None
     else:
         out_path, extracted = Path(out), None
+    check_out(Path(source), out_path)
+    target = Target(recipe.target.model)
     read = import_dflash if is_dflash(Path(source)) else import_drafter
     drafter, published = read(Path(source), target, out_path, extracted)
     cfg = drafter.config
