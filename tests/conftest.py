@@ -46,38 +46,42 @@ def _quiet_tqdm(monkeypatch):
     yield
 
 
-# Where SPECDRAFT_FIXTURE_TIMES names a file, each fixture set-up of 0.5 s or more is written there as a
-# JSON line (its own time: the fixtures it requests are set up, and timed, before it). bench/ci_time.py
-# reads it beside pytest's --durations report, which charges a shared fixture to the first test using it.
-_FIXTURE_TIMES: list[dict] = []
+class FixtureTimes:
+    """Where SPECDRAFT_FIXTURE_TIMES names a file, each fixture set-up of 0.5 s or more is written there as
+    a JSON line (its own time: the fixtures it requests are set up, and timed, before it). bench/ci_time.py
+    reads it beside pytest's --durations report, which charges a shared fixture to the first test using
+    it. Registered as a plugin of its own: a conftest hook would not see session-scoped set-ups."""
 
+    def __init__(self, out: str):
+        self.out, self.times = Path(out), []
 
-@pytest.hookimpl(hookwrapper=True)
-def pytest_fixture_setup(fixturedef, request):
-    import time
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_fixture_setup(self, fixturedef, request):
+        import time
 
-    t0 = time.perf_counter()
-    yield
-    seconds = time.perf_counter() - t0
-    if seconds >= 0.5:
-        _FIXTURE_TIMES.append({"fixture": fixturedef.argname, "scope": fixturedef.scope,
+        t0 = time.perf_counter()
+        yield
+        seconds = time.perf_counter() - t0
+        if seconds >= 0.5:
+            self.times.append({"fixture": fixturedef.argname, "scope": fixturedef.scope,
                                "seconds": round(seconds, 2), "first_test": request.node.nodeid})
 
-
-def pytest_sessionfinish(session):
-    out = os.environ.get("SPECDRAFT_FIXTURE_TIMES")
-    if out and _FIXTURE_TIMES:
+    def pytest_sessionfinish(self, session):
         import json
 
-        Path(out).parent.mkdir(parents=True, exist_ok=True)
-        Path(out).write_text("".join(json.dumps(t) + "\n" for t in _FIXTURE_TIMES))
+        self.out.parent.mkdir(parents=True, exist_ok=True)
+        self.out.write_text("".join(json.dumps(t) + "\n" for t in self.times))
 
 
-# vLLM servers that only measure (acceptance counters, states, auth) start eager: on a 2-core CPU a
-# compiled start took 110 s to ready and an eager one 41 s (bench/RESULTS.md, "CI time"), and every
-# drafter variant compiles anew (its speculative config is in the compile cache's key). The shared target
-# server and the EAGLE-3 and DFlash drafters served exactly as `export` prints them stay compiled, so the
-# compiled path of the target and of each method's drafter is served in every CI run.
+def pytest_configure(config):
+    if os.environ.get("SPECDRAFT_FIXTURE_TIMES"):
+        config.pluginmanager.register(FixtureTimes(os.environ["SPECDRAFT_FIXTURE_TIMES"]), "fixture-times")
+
+
+# vLLM servers start eager, but for the EAGLE-3 drafter served exactly as `export` prints it: on a 2-core
+# CPU a compiled start took 110 s to ready and an eager one 41 s (bench/RESULTS.md, "CI time"), and every
+# drafter variant compiles anew (its speculative config is in the compile cache's key). That one compiled
+# server still serves the target's and the drafter's compiled path in every CI run.
 VLLM_EAGER = ["--enforce-eager"]
 
 
@@ -102,11 +106,12 @@ def pytest_runtest_setup(item):
 @pytest.fixture(scope="session")
 def vllm_target(target, tmp_path_factory):
     """A real vLLM server (CPU build) serving the bundled SmolLM2, shared by every test of the session
-    that needs a plain target endpoint (~150 s to start; stopped by PID at the end)."""
+    that needs a plain target endpoint (eager: ~40 s to start; stopped by PID at the end)."""
     from specdraft.engines import VllmServer
 
     need_vllm()
-    with VllmServer(target.path, log_path=tmp_path_factory.mktemp("vllm-target") / "vllm.log") as server:
+    with VllmServer(target.path, log_path=tmp_path_factory.mktemp("vllm-target") / "vllm.log",
+                    extra=VLLM_EAGER) as server:
         yield server
 
 

@@ -40,7 +40,7 @@ def served(memorised_dflash_run, target, tmp_path_factory):
     folder, printed = served_folder(memorised_dflash_run)
     messages = [r["messages"][:-1] for r in training_prompts(memorised_dflash_run)]
     return serve_and_measure(target, folder, messages, tmp_path_factory.mktemp("vllm-dflash") / "vllm.log",
-                             printed=printed, compiled=True)
+                             printed=printed)
 
 
 def test_vllm_serves_the_memorised_dflash_drafter_and_accepts_its_blocks(memorised_dflash_run, served):
