@@ -5,7 +5,7 @@ template round trip, its hidden states where vLLM takes them, a memorised drafte
 (CPU), and doctor on it.
 
 The target is converted once per machine (specdraft's cache) and the memorised run once per trainer
-version (pytest's cache, tests/conftest.py), so a second session pays neither.
+version (outside the checkout, tests/memorised.py), so a second session pays neither.
 """
 
 from __future__ import annotations
