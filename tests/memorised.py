@@ -88,7 +88,9 @@ def cache_key(recipe: str, target, dtype: str, root: Path = PACKAGE) -> str:
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("SPECDRAFT_CACHE", Path.home() / ".cache" / "specdraft")) / "test-runs"
+    from specdraft.targets import cache_dir
+
+    return cache_dir() / "test-runs"
 
 
 def build(recipe: str, key: str, workdir: Path) -> Path:
