@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import re
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
+from urllib.parse import urlsplit
 
 import tomllib
 
@@ -38,6 +40,106 @@ class EnvName(str):
 
 
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+# Fields whose values are checked for trust, not type: the recipe is recorded in the run's manifest, so
+# a value that holds a secret, a path out of runs/ or a server bound beyond this machine is refused where
+# it enters (recipe file, manifest, --set), before anything is written or started.
+class EnvReference(str):
+    """A value given only as `${NAME}`, the environment variable that holds it (gen.headers' values): the
+    value itself is read when a request is sent and written nowhere, whatever it is."""
+
+
+class RunName(str):
+    """A run's name, the folder it gets under runs/: a plain name, so no name puts a run elsewhere."""
+
+
+class ServerArg(str):
+    """One argument passed through to `vllm serve` (extract.vllm_args); engines refuses it again."""
+
+
+class Url(str):
+    """An http(s) URL of a server specdraft asks; no user:password in it (httpx would send it as a header)."""
+
+
+_ENV_REFERENCE = re.compile(r"\$\{[A-Za-z_][A-Za-z0-9_]*\}")
+_RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+# What specdraft decides itself when it starts vLLM, with why. vLLM's parser takes unambiguous prefixes
+# (`--hos`) and `_` for `-`, so an argument is refused when it spells a prefix of one of these.
+SERVER_ARGS_REFUSED = {
+    "--host": "specdraft's servers listen on 127.0.0.1 only",
+    "--port": "specdraft picks a free port and asks the server there",
+    "--uds": "specdraft asks the server over 127.0.0.1",
+    "--data-parallel-address": "specdraft's servers listen on 127.0.0.1 only",
+    "--master-addr": "specdraft's servers listen on 127.0.0.1 only",
+    "--config": "a config file can set --host; give its options in vllm_args",
+    "--api-key": "vllm_args are recorded in the manifest; specdraft starts its servers without a key",
+}
+
+
+def refused_server_arg(arg: str) -> str | None:
+    """Why `arg`, one argument for `vllm serve`, is not passed through; None when it may be."""
+    if not isinstance(arg, str) or not arg.startswith("--") or len(arg) < 4:
+        return None
+    name = arg.split("=", 1)[0].replace("_", "-")
+    return next((why for option, why in SERVER_ARGS_REFUSED.items() if option.startswith(name)), None)
+
+
+def _checked_env_name(value, where: str) -> str:
+    # The value itself is not repeated: it may be the key, pasted where its variable's name belongs.
+    if not isinstance(value, str) or not (value == "" or _ENV_NAME.fullmatch(value)):
+        raise ConfigError(f"{where}: expected the name of an environment variable (letters, digits and _; "
+                          f"\"\" for none), not the key itself: export KEY_VARIABLE=... and name it here")
+    return value
+
+
+def check_key_variable(name: str, default: str, where: str, environ=None) -> None:
+    """Where a key is about to be read from the variable `name`: "" sends none, and so does `default` unset
+    (a local server needs no key); any other name must be set. A key pasted in a name's place passes the
+    name check when it is letters and digits, and is caught here; so the name is not repeated either."""
+    environ = os.environ if environ is None else environ
+    if name and name != default and not environ.get(name, "").strip():
+        raise ConfigError(f"{where}: no environment variable of that name is set here (the name is not repeated: "
+                          f"it may be a key pasted in its place), so no key would be sent; export the variable "
+                          f"that holds the server's key and name it, or \"\" to send none")
+
+
+def _checked_env_reference(value, where: str) -> str:
+    if isinstance(value, str) and _ENV_REFERENCE.fullmatch(value):
+        return value
+    # Not repeated either: it is the secret this refuses to write.
+    raise ConfigError(f"{where}: a header's value is given as \"${{NAME}}\", the environment variable that "
+                      f"holds it (export NAME=...), never written out: the recipe is recorded in the manifest")
+
+
+def _checked_run_name(value, where: str) -> str:
+    if isinstance(value, str) and _RUN_NAME.fullmatch(value) and value not in (".", ".."):
+        return value
+    raise ConfigError(f"{where}: {value!r} is not a run name (letters, digits, '.', '_' and '-', not starting "
+                      f"with '.' or '-', at most 128): it names the folder under runs/; --run DIR puts a run "
+                      f"anywhere else")
+
+
+def _checked_server_arg(value, where: str) -> str:
+    if not isinstance(value, str):
+        raise ConfigError(f"{where}: expected str, got {value!r}")
+    why = refused_server_arg(value)
+    if why:
+        raise ConfigError(f"{where}: {value!r} is not passed to vLLM: {why}")
+    return value
+
+
+def _checked_url(value, where: str) -> str:
+    if not isinstance(value, str):
+        raise ConfigError(f"{where}: expected str, got {value!r}")
+    if "@" in urlsplit(value).netloc:
+        raise ConfigError(f"{where}: a user or password in the URL would be written in the manifest; give the "
+                          f"key in an environment variable (gen.api_key_env) or a header (gen.headers, as ${{NAME}})")
+    return value
+
+
+_CHECKED = {EnvName: _checked_env_name, EnvReference: _checked_env_reference, RunName: _checked_run_name,
+            ServerArg: _checked_server_arg, Url: _checked_url}
 
 
 @dataclass
@@ -104,7 +206,7 @@ class GenConfig:
     # In-process generation: "auto" is the GPU when there is one, else the CPU; or any torch device.
     device: str = "auto"
     # OpenAI-compatible servers to ask (vLLM, SGLang, llama.cpp); none means in-process transformers.
-    endpoints: list[str] = field(default_factory=list)
+    endpoints: list[Url] = field(default_factory=list)
     # The served model name; empty means the first one the first endpoint lists at /v1/models.
     model: str = ""
     # Requests in flight per endpoint; the conversations are spread over the endpoints.
@@ -154,9 +256,9 @@ class GenConfig:
     # the key, so no recipe, manifest, log or error line holds it. Unset or empty variable: no key is sent
     # (a server without --api-key needs none); "" never sends one. A 401/403 stops the run at once.
     api_key_env: EnvName = "OPENAI_API_KEY"
-    # Extra HTTP headers sent to every server as well; `${NAME}` in a value is replaced by that
-    # environment variable's value when the run starts (secrets go there: the recipe is recorded).
-    headers: dict = field(default_factory=dict)
+    # Extra HTTP headers sent to every server as well, each value given as `${NAME}`: that environment
+    # variable's value, read when the run starts; the recipe and the manifest keep only the names.
+    headers: dict[str, EnvReference] = field(default_factory=dict)
 
 
 @dataclass
@@ -164,7 +266,7 @@ class RenderConfig:
     max_length: int = 2048
     # A vLLM server serving the target (its base URL); when set, every turn's prompt is also compared
     # with the server's own tokenization (/tokenize) and mismatches are reported.
-    verify_endpoint: str = ""
+    verify_endpoint: Url = ""
 
 
 @dataclass
@@ -189,7 +291,7 @@ class ExtractConfig:
     # extract_hidden_states speculative method, for targets only vLLM can run, e.g. with tensor parallelism).
     backend: Literal["transformers", "vllm"] = "transformers"
     # Extra `vllm serve` arguments for the vllm backend ("--tensor-parallel-size,8").
-    vllm_args: list[str] = field(default_factory=list)
+    vllm_args: list[ServerArg] = field(default_factory=list)
 
 
 @dataclass
@@ -309,7 +411,7 @@ class EvalConfig:
 
 @dataclass
 class Recipe:
-    name: str = "demo"
+    name: RunName = "demo"
     description: str = ""
     target: TargetConfig = field(default_factory=TargetConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -349,12 +451,11 @@ def _coerce(value, tp, where: str):
     origin = typing.get_origin(tp)
     if origin is Literal:
         return _choice(value, typing.get_args(tp), where)
-    if tp is EnvName:
-        # The value itself is not repeated: it may be the key, pasted where its variable's name belongs.
-        if not isinstance(value, str) or not (value == "" or _ENV_NAME.fullmatch(value)):
-            raise ConfigError(f"{where}: expected the name of an environment variable (letters, digits and _; "
-                              f"\"\" for none), not the key itself: export KEY_VARIABLE=... and name it here")
-        return value
+    if tp in _CHECKED:
+        return _CHECKED[tp](value, where)
+    if origin is dict:
+        (_, value_tp) = typing.get_args(tp)
+        return {str(k): _coerce(v, value_tp, f"{where}[{k!r}]") for k, v in _coerce(value, dict, where).items()}
     if origin is list:
         (item_tp,) = typing.get_args(tp)
         if isinstance(value, str):
@@ -453,6 +554,8 @@ def apply_override(recipe: Recipe, dotted: str, value) -> None:
     if key not in hints or dataclasses.is_dataclass(hints[key]):
         raise ConfigError(f"--set {dotted}: no field {key!r} in {type(obj).__name__}")
     setattr(obj, key, _at_least(type(obj), key, _coerce(value, hints[key], f"--set {dotted}"), f"--set {dotted}"))
+    if hints[key] is EnvName:  # given in this shell, so it names a variable of this shell
+        check_key_variable(getattr(obj, key), getattr(type(obj)(), key), f"--set {dotted}")
 
 
 def apply_sets(recipe: Recipe, items: list[str]) -> Recipe:

@@ -287,11 +287,12 @@ PIPELINE = (
 STAGES = {s.name: s for s in PIPELINE}
 
 
-def open_run(recipe_name: str | None, run_dir: str | None, sets: list[str], flags: dict | None = None
-             ) -> tuple[Recipe, RunFolder]:
+def open_run(recipe_name: str | None, run_dir: str | None, sets: list[str], flags: dict | None = None,
+             check: Callable[[Recipe], None] | None = None) -> tuple[Recipe, RunFolder]:
     """The recipe and run folder a command works on: the run's recorded recipe when no recipe is named
     and the run exists, else the named (or default) recipe; then `--set` items and stage flags
-    (`{"train.epochs": "3"}`) on top. The folder is created, with the recipe recorded."""
+    (`{"train.epochs": "3"}`) on top. The folder is created, with the recipe recorded, once `check` (the
+    command's own refusals, e.g. a key variable that is not set) has passed: a refused value is not written."""
     recipe = load_recipe(recipe_name or DEFAULT_RECIPE)
     folder = RunFolder(Path(run_dir) if run_dir else Path("runs") / recipe.name)
     if not recipe_name and folder.exists():
@@ -300,5 +301,7 @@ def open_run(recipe_name: str | None, run_dir: str | None, sets: list[str], flag
     for dotted, value in (flags or {}).items():
         if value is not None:
             apply_override(recipe, dotted, value)
+    if check is not None:
+        check(recipe)
     folder.init(recipe)
     return recipe, folder

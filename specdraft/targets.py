@@ -15,12 +15,34 @@ import contextlib
 import hashlib
 import json
 import os
+import shlex
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from specdraft.bundled import BUNDLED, BundleError, bundled_gguf
+
+
+def refuse_pickled_weights(folder: Path) -> None:
+    """Refuse a folder whose weights are pytorch_model*.bin (a target's or a drafter's) in one line giving the
+    command that converts them: a .bin is a pickle, and reading one runs whatever code it holds (torch's
+    weights_only guard has been bypassed before, CVE-2025-32434), so specdraft never opens one."""
+    if any(Path(folder).glob("pytorch_model*.bin")):
+        raise ValueError(f"{folder}: its weights are pytorch_model*.bin, a pickle, which specdraft never loads "
+                         f"(unpickling runs any code the file holds); where you trust the file, convert them to "
+                         f"model.safetensors and rerun: {bin_to_safetensors_command(folder)}")
+
+
+def bin_to_safetensors_command(folder: Path) -> str:
+    """A shell command (torch + safetensors, no specdraft) writing `folder`'s pytorch_model*.bin tensors
+    to model.safetensors: copies, so tensors that shared storage in the pickle can be saved."""
+    code = ("import glob, torch; from safetensors.torch import save_file; "
+            "save_file({k: v.contiguous().clone() for f in sorted(glob.glob(%s)) "
+            "for k, v in torch.load(f, map_location=\"cpu\", weights_only=True).items()}, %s)"
+            % (json.dumps(str(Path(folder) / "pytorch_model*.bin")),
+               json.dumps(str(Path(folder) / "model.safetensors"))))
+    return f"python -c {shlex.quote(code)}"
 
 
 class TargetError(ValueError):
@@ -445,9 +467,13 @@ class Target:
         import transformers
 
         auto = getattr(transformers, self.family.auto_class)
+        # safetensors only: a pytorch_model.bin is a pickle, and transformers would unpickle it.
+        if not any(self.path.glob("*.safetensors")):
+            refuse_pickled_weights(self.path)
         if device_map:
-            return auto.from_pretrained(self.path, dtype=getattr(torch, dtype), device_map=device_map).eval()
-        model = auto.from_pretrained(self.path, dtype=getattr(torch, dtype))
+            return auto.from_pretrained(self.path, dtype=getattr(torch, dtype), device_map=device_map,
+                                        use_safetensors=True).eval()
+        model = auto.from_pretrained(self.path, dtype=getattr(torch, dtype), use_safetensors=True)
         return model.to(resolve_device(device)).eval()
 
     def read_tensor(self, name: str):

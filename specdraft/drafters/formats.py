@@ -40,6 +40,7 @@ import torch
 from specdraft.drafters.eagle3 import DrafterConfig, Eagle3Drafter
 from specdraft.drafters.vocab import checked_t2d
 from specdraft.run import atomic_path, write_json
+from specdraft.targets import refuse_pickled_weights
 
 WEIGHTS = "model.safetensors"
 FLAT_ARCHITECTURE = "LlamaForCausalLMEagle3"
@@ -199,7 +200,8 @@ def _read_config(folder: Path) -> dict:
 
 
 def _read_tensors(folder: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a folder: model.safetensors, else its shards, else pytorch_model.bin."""
+    """Every tensor of a folder: model.safetensors, else its shards. A folder of pytorch_model*.bin only is
+    refused with the command that converts it (targets.refuse_pickled_weights): nothing is unpickled."""
     from safetensors.torch import load_file
 
     files = [folder / WEIGHTS] if (folder / WEIGHTS).exists() else sorted(folder.glob("*.safetensors"))
@@ -208,9 +210,8 @@ def _read_tensors(folder: Path) -> dict[str, torch.Tensor]:
         for f in files:
             tensors.update(load_file(str(f)))
         return tensors
-    if (folder / "pytorch_model.bin").exists():
-        return torch.load(folder / "pytorch_model.bin", map_location="cpu", weights_only=True)
-    raise ValueError(f"{folder}: no weights (*.safetensors or pytorch_model.bin)")
+    refuse_pickled_weights(folder)
+    raise ValueError(f"{folder}: no weights (*.safetensors)")
 
 
 def _build(folder: Path, cfg: DrafterConfig, theirs: dict[str, torch.Tensor], keys: dict[str, str],

@@ -321,7 +321,9 @@ def concurrency_levels(max_concurrency: int) -> list[int]:
 def run_bench(args) -> int:
     """`specdraft bench`: sweep one endpoint, or start vLLM per configuration and compare them."""
 
-    recipe, folder = open_run(args.recipe, args.run, args.set)
+    # The served endpoint gets gen's key and headers: their variables are checked before anything is written.
+    check = (lambda r: Auth.from_env(r.gen.api_key_env, r.gen.headers)) if args.endpoint else None
+    recipe, folder = open_run(args.recipe, args.run, args.set, check=check)
     target = Target(recipe.target.model, recipe.target.aux_layer_ids)
     prompts, _ = select_prompts(recipe, target, "eval", args.prompts or recipe.eval.num_prompts)
     if not prompts:

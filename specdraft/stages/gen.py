@@ -855,6 +855,13 @@ def nothing_to_generate(recipe: Recipe, folder: RunFolder) -> dict:
                          extra={"skipped": "pre-rendered source: nothing to generate"})
 
 
+def preflight(recipe: Recipe) -> None:
+    """Before the run folder is written (cli): a server-side gen's key variable and header variables are set,
+    so a key pasted where a variable's name belongs is refused before the recipe holding it is recorded."""
+    if recipe.gen.endpoints:
+        Auth.from_env(recipe.gen.api_key_env, recipe.gen.headers)
+
+
 def run(recipe: Recipe, folder: RunFolder) -> dict:
     cfg = recipe.gen
     if source_is_rendered(recipe.data):

@@ -544,6 +544,13 @@ def run_rendered(recipe: Recipe, folder: RunFolder, target: Target, template: Ch
                          extra={"trusted": trusted, "template": template.describe()})
 
 
+def preflight(recipe: Recipe) -> None:
+    """Before the run folder is written (cli): --verify-endpoint is asked with gen's key and headers, so
+    their variables must be set (a key pasted in a name's place is refused before it is recorded)."""
+    if recipe.render.verify_endpoint:
+        Auth.from_env(recipe.gen.api_key_env, recipe.gen.headers)
+
+
 def run(recipe: Recipe, folder: RunFolder) -> dict:
     from tqdm import tqdm
 
