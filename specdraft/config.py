@@ -99,7 +99,7 @@ def check_key_variable(name: str, default: str, where: str, environ=None) -> Non
     name check when it is letters and digits, and is caught here; so the name is not repeated either."""
     environ = os.environ if environ is None else environ
     if name and name != default and not environ.get(name, "").strip():
-        raise ConfigError(f"{where}: no environment variable of that name is set here (the name is not repeated: "
+        raise ConfigError(f"{where}: the environment variable it names is not set here (its name is not repeated: "
                           f"it may be a key pasted in its place), so no key would be sent; export the variable "
                           f"that holds the server's key and name it, or \"\" to send none")
 
@@ -124,8 +124,8 @@ def _checked_server_arg(value, where: str) -> str:
     if not isinstance(value, str):
         raise ConfigError(f"{where}: expected str, got {value!r}")
     why = refused_server_arg(value)
-    if why:
-        raise ConfigError(f"{where}: {value!r} is not passed to vLLM: {why}")
+    if why:  # the option only: `--api-key=KEY` must not put the key in the error line
+        raise ConfigError(f"{where}: {value.split('=', 1)[0]!r} is not passed to vLLM: {why}")
     return value
 
 
@@ -253,8 +253,9 @@ class GenConfig:
     return_token_ids: bool = True
     # The API key sent to every server specdraft asks (gen's endpoints, render.verify_endpoint, bench
     # --endpoint) as `Authorization: Bearer KEY`: the NAME of the environment variable that holds it, never
-    # the key, so no recipe, manifest, log or error line holds it. Unset or empty variable: no key is sent
-    # (a server without --api-key needs none); "" never sends one. A 401/403 stops the run at once.
+    # the key, so no recipe, manifest, log or error line holds it. The default unset or empty: no key is sent
+    # (a server without --api-key needs none); "" never sends one; another name unset is refused where the
+    # key would be sent (it may be a key pasted in its place). A 401/403 stops the run at once.
     api_key_env: EnvName = "OPENAI_API_KEY"
     # Extra HTTP headers sent to every server as well, each value given as `${NAME}`: that environment
     # variable's value, read when the run starts; the recipe and the manifest keep only the names.

@@ -50,7 +50,7 @@ def serve_args(model: str | Path, *, max_model_len: int = 2048, dtype: str = "bf
     for arg in extra or []:
         why = refused_server_arg(arg)
         if why:
-            raise ValueError(f"vLLM argument {arg!r} is not passed through: {why}")
+            raise ValueError(f"vLLM argument {arg.split('=', 1)[0]!r} is not passed through: {why}")
     args = [str(model), "--max-model-len", str(max_model_len), "--dtype", dtype]
     if speculative:
         args += ["--speculative-config", json.dumps(speculative)]
