@@ -458,6 +458,7 @@ class Trainer:
         cfg = self.cfg
         self.source = open_hidden(self.recipe, self.folder)
         self.target = Target(self.recipe.target.model, self.source.aux_layer_ids)
+        self.target.check_fits(self.recipe)  # before the draft vocabulary is chosen from it
         samples = [self.source.tokens(i) for i in range(len(self.source))]
         self.lengths = [len(ids) for ids, _ in samples]
         self.train_idx, self.held_idx = split_holdout(len(self.source), cfg.holdout, cfg.seed)
