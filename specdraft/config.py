@@ -118,7 +118,8 @@ class DataConfig:
     input_ids_field: str = "input_ids"
     loss_mask_field: str = "loss_mask"
     # Share of conversations held out for eval, chosen by a hash of the conversation id.
-    eval_fraction: Annotated[float, Range(low=0, high=1, high_open=True)] = 0.05
+    eval_fraction: Annotated[float, Range(low=0, high=1, high_open=True,
+                                          note="0: no eval split; eval then needs eval.prompts_file")] = 0.05
     split_seed: Seed = 0
     # Only conversations whose first turn is the user's are used (the target answers them).
     # 0 means every usable one of the train split (the issue-10 recipe trains on all of them).
@@ -534,7 +535,11 @@ def check_target_limits(recipe: Recipe, *, vocab_size: int, max_positions: int |
     if recipe.render.max_length > max_positions:
         raise _beyond("render.max_length", recipe.render.max_length, f"<= {max_positions:,}",
                       f"max_position_embeddings of {target}")
-    for name, new in (("gen.max_new_tokens", recipe.gen.max_new_tokens), ("eval.max_new_tokens", recipe.eval.max_new_tokens)):
+    # A prompt of the longest kept and its answer: the target has no positions past its context.
+    answers = [("eval.max_new_tokens", recipe.eval.max_new_tokens)]
+    if recipe.gen.answers == "target":
+        answers.insert(0, ("gen.max_new_tokens", recipe.gen.max_new_tokens))
+    for name, new in answers:
         if d.max_prompt_tokens + new > max_positions:
             raise _beyond(name, new, f"<= {max_positions - d.max_prompt_tokens:,}", f"max_position_embeddings of "
                           f"{target}, {max_positions:,}, less data.max_prompt_tokens, {d.max_prompt_tokens:,}")
