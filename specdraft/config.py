@@ -27,21 +27,6 @@ class ConfigError(ValueError):
     """A recipe or flag that cannot be turned into a config."""
 
 
-# A field typed Literal[...] takes one of its choices and nothing else, checked when the recipe loads and
-# when a flag sets it: a typo would otherwise take a stage's fallback branch silently (schedule = "cosin"
-# trained with cosine) or fail a stage hours into the run. The field still holds a plain str.
-# ModelDtype: what a target is loaded in, a torch dtype name or "auto" (targets.resolve_dtype).
-ModelDtype = Literal["auto", "bfloat16", "float16", "float32"]
-
-
-class EnvName(str):
-    """A field that names an environment variable (gen.api_key_env): checked to be a name, so a key pasted
-    in its place is refused before the recipe, which the manifest records, is written anywhere."""
-
-
-_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-
-
 @dataclass(frozen=True)
 class Range:
     """The values a numeric field takes, declared with the field (`Annotated[int, Range(low=1)]`) and
@@ -87,6 +72,21 @@ NonNegFloat = Annotated[float, Range(low=0)]
 Share = Annotated[float, Range(low=0, high=1)]  # of a count: none to all of it
 # A seed: numpy's and some servers' seeds take 32 bits; torch's offsets added to it stay within 64.
 Seed = Annotated[int, Range(low=0, high=2**32 - 1)]
+
+
+# A field typed Literal[...] takes one of its choices and nothing else, checked when the recipe loads and
+# when a flag sets it: a typo would otherwise take a stage's fallback branch silently (schedule = "cosin"
+# trained with cosine) or fail a stage hours into the run. The field still holds a plain str.
+# ModelDtype: what a target is loaded in, a torch dtype name or "auto" (targets.resolve_dtype).
+ModelDtype = Literal["auto", "bfloat16", "float16", "float32"]
+
+
+class EnvName(str):
+    """A field that names an environment variable (gen.api_key_env): checked to be a name, so a key pasted
+    in its place is refused before the recipe, which the manifest records, is written anywhere."""
+
+
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
 @dataclass
