@@ -32,6 +32,7 @@ from specdraft.config import (
     Recipe,
     apply_override,
     apply_sets,
+    check_recipe,
     load_recipe,
     recipe_from_dict,
     to_dict,
@@ -297,10 +298,11 @@ def open_run(recipe_name: str | None, run_dir: str | None, sets: list[str], flag
     folder = RunFolder(Path(run_dir) if run_dir else Path("runs") / recipe.name)
     if not recipe_name and folder.exists():
         recipe = folder.recipe()
-    apply_sets(recipe, sets)
+    apply_sets(recipe, sets, check=False)
     for dotted, value in (flags or {}).items():
         if value is not None:
             apply_override(recipe, dotted, value)
+    check_recipe(recipe)  # the checks across fields, once every --set and flag is in
     if check is not None:
         check(recipe)
     folder.init(recipe)

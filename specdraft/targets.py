@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specdraft.bundled import BUNDLED, BundleError, bundled_gguf
+from specdraft.config import check_target_limits
 
 
 def refuse_pickled_weights(folder: Path) -> None:
@@ -163,13 +164,24 @@ def template_thinking_markers(template: str | None) -> list[tuple[str, str]]:
     return [(start, end) for start, end in THINKING_MARKERS if template and start in template]
 
 
-def resolve_device(name: str) -> str:
-    """A torch device name; "auto" is the GPU when there is one, else the CPU."""
-    if name != "auto":
-        return name
+def resolve_device(name: str, field: str = "device") -> str:
+    """A torch device name; "auto" is the GPU when there is one, else the CPU. A device this machine
+    does not have is one line naming the recipe's `field` ("eval.device"), not torch's assertion at the
+    first tensor moved there."""
     import torch
 
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        device = torch.device(name)
+    except RuntimeError as e:
+        raise TargetError(f"{field}: {name!r} is not a torch device ({str(e).splitlines()[0]})") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise TargetError(f"{field}: {name!r} but torch sees no CUDA device; use \"auto\" or \"cpu\"")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise TargetError(f"{field}: {name!r} but torch sees {torch.cuda.device_count()} CUDA device(s)")
+    return name
 
 
 def cpu_has_bf16() -> bool:
@@ -334,6 +346,12 @@ class Target:
 
     def default_aux_layer_ids(self) -> list[int]:
         return self.family.aux_layers(self.num_layers)
+
+    def check_fits(self, recipe) -> None:
+        """The recipe's ranges that this target sets (config.check_target_limits): its vocabulary and,
+        where its config gives one, its context length."""
+        check_target_limits(recipe, vocab_size=self.vocab_size, target=self.name,
+                            max_positions=getattr(self.text_config, "max_position_embeddings", None))
 
     @property
     def tied(self) -> bool:

@@ -24,7 +24,7 @@ from specdraft.targets import (
 def resolved(cfg: ExtractConfig) -> ExtractConfig:
     """`cfg` with dtype "auto" made the dtype of the machine the target runs on (a device_map spreads
     it over the GPUs where there are any)."""
-    where = resolve_device("auto" if cfg.device_map else cfg.device)
+    where = resolve_device("auto" if cfg.device_map else cfg.device, "extract.device")
     return dataclasses.replace(cfg, dtype=resolve_dtype(cfg.dtype, where))
 
 

@@ -208,8 +208,9 @@ def run(recipe: Recipe, folder: RunFolder) -> dict:
 
     cfg = recipe.eval
     t_start = time.time()
-    device = torch.device(resolve_device(cfg.device))
+    device = torch.device(resolve_device(cfg.device, "eval.device"))
     drafter, target, _ = load_trained(recipe, folder)
+    target.check_fits(recipe)
     drafter = drafter.to(device=device, dtype=getattr(torch, cfg.dtype))
     runner = make_runner(target, target.load_model(cfg.dtype, device=str(device)), cfg.engine)
     prompts = load_prompts(recipe, target)

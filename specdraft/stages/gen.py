@@ -347,6 +347,7 @@ def run_inprocess(recipe: Recipe, folder: RunFolder) -> dict:
     cfg = recipe.gen
     t_start = time.time()
     target = Target(recipe.target.model, recipe.target.aux_layer_ids)
+    target.check_fits(recipe)
     done = finished_ids(folder.conversations)
     # A cut run's unfinished conversations go on from the turn they reached.
     flight_path = folder.gen_in_flight
@@ -355,7 +356,7 @@ def run_inprocess(recipe: Recipe, folder: RunFolder) -> dict:
     fresh, wanted, counts = _inprocess_prompts(recipe, target, done, resumed)
     pending = resumed + fresh
     stats: Counter = Counter()
-    device = resolve_device(cfg.device)
+    device = resolve_device(cfg.device, "gen.device")
     dtype = resolve_dtype(cfg.dtype, device)
     generator = {"kind": "inprocess", "target": target.describe()["fingerprint"],
                  "sampling": _inprocess_sampling(cfg, dtype)}
@@ -803,6 +804,7 @@ def run_server(recipe: Recipe, folder: RunFolder) -> dict:
     cfg = recipe.gen
     t_start = time.time()
     target = Target(recipe.target.model, recipe.target.aux_layer_ids)
+    target.check_fits(recipe)
     already = finished_ids(folder.conversations)
     # gen.self_instruct_samples' conversations come after the source's and count apart from them.
     done = {i for i in already if not i.startswith(MAGPIE_PREFIX)}

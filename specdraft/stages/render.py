@@ -560,6 +560,7 @@ def run(recipe: Recipe, folder: RunFolder) -> dict:
     if not rendered:
         folder.require("gen")
     target = Target(recipe.target.model, recipe.target.aux_layer_ids)
+    target.check_fits(recipe)
     template = ChatTemplate.of_target(target, _template_kwargs(recipe))
     if rendered:
         return run_rendered(recipe, folder, target, template, t_start)

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from specdraft.billing import MEMORY_HEADROOM, make_plan
-from specdraft.config import Recipe, TrainConfig, to_dict
+from specdraft.config import ConfigError, Recipe, TrainConfig, to_dict
 from specdraft.drafters import vocab
 from specdraft.drafters.checkpoint import (
     COMPLETE,
@@ -388,6 +388,8 @@ def check_memory(recipe: Recipe, folder: RunFolder) -> None:
     estimate. Either way the message names the batch that fits."""
     try:
         plan = make_plan(recipe, folder)
+    except ConfigError:
+        raise  # a range the target sets (targets.check_fits): refused here as plan refuses it
     except Exception as e:  # noqa: BLE001 - a target the plan cannot read still trains, unchecked
         print(f"train: warning: memory not checked ({type(e).__name__}: {e})", file=sys.stderr)
         return
@@ -458,6 +460,7 @@ class Trainer:
         cfg = self.cfg
         self.source = open_hidden(self.recipe, self.folder)
         self.target = Target(self.recipe.target.model, self.source.aux_layer_ids)
+        self.target.check_fits(self.recipe)  # before the draft vocabulary is chosen from it
         samples = [self.source.tokens(i) for i in range(len(self.source))]
         self.lengths = [len(ids) for ids, _ in samples]
         self.train_idx, self.held_idx = split_holdout(len(self.source), cfg.holdout, cfg.seed)
