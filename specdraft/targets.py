@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specdraft.bundled import BUNDLED, BundleError, bundled_gguf
-from specdraft.files import open_safetensors, read_json
+from specdraft.files import FileError, open_safetensors, read_json
 
 
 class TargetError(ValueError):
@@ -268,7 +268,10 @@ def _load_config(config_file: Path) -> tuple[dict, object, object]:
     """(the JSON, its transformers config, the language model's config) of a config.json."""
     from transformers import AutoConfig, PretrainedConfig
 
-    raw = read_json(config_file, fix=TARGET_FIX, what="a model's config")
+    try:
+        raw = read_json(config_file, fix=TARGET_FIX, what="a model's config")
+    except FileError as e:
+        raise TargetError(str(e)) from None
     try:
         # A folder's config.json is read through its folder (what transformers records as its name).
         config = AutoConfig.from_pretrained(str(config_file.parent if config_file.name == "config.json"

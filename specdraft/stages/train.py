@@ -36,7 +36,6 @@ from specdraft.drafters.checkpoint import (
     RESTART,
     check_trainer_state,
     load_training,
-    read_meta,
     save_training,
 )
 from specdraft.drafters.ttt import (
@@ -49,7 +48,7 @@ from specdraft.drafters.ttt import (
 )
 from specdraft.hidden.online import open_hidden
 from specdraft.methods import METHODS, Method
-from specdraft.files import FileError, read_jsonl
+from specdraft.files import FileError, read_json, read_jsonl
 from specdraft.run import RunFolder
 from specdraft.targets import Target, resolve_dtype
 
@@ -427,7 +426,7 @@ RESUME_FIXED = ("method", "block_size", "dflash_layers", "mask_token_id", "seed"
 
 def check_resumable(path: Path, cfg: TrainConfig) -> None:
     """Refuse to resume the checkpoint at `path` with a config that changes a RESUME_FIXED field."""
-    saved = read_meta(path).get("train")
+    saved = read_json(path / "config.json", fix=RESTART).get("train")
     if not isinstance(saved, dict):
         raise FileError(f"{path / 'config.json'}: no 'train' config to resume with; {RESTART}")
     defaults = TrainConfig()  # a field newer than the checkpoint had its default then
