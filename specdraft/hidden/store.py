@@ -127,13 +127,13 @@ INDEX_FIELDS = {"state": str, "samples": list, "shards": list, "aux_layer_ids": 
                 "store_dtype": str}
 
 
-def read_index(hidden_dir: Path) -> dict:
-    """hidden/index.json, checked for the fields the reader and doctor take from it."""
+def read_index(hidden_dir: Path, need: tuple[str, ...] = tuple(INDEX_FIELDS)) -> dict:
+    """hidden/index.json, checked for the fields `need` (of INDEX_FIELDS; all of them: the reader's)."""
     path = Path(hidden_dir) / INDEX
     if not path.exists():
         raise FileNotFoundError(f"{path}: no hidden states; run `specdraft extract` first")
     index = read_json(path, fix=REEXTRACT)
-    wrong = [k for k, kind in INDEX_FIELDS.items() if not isinstance(index.get(k), kind)]
+    wrong = [k for k in need if not isinstance(index.get(k), INDEX_FIELDS[k])]
     if wrong:
         raise FileError(f"{path}: {', '.join(wrong)} missing or of the wrong type (not extract's index); {REEXTRACT}")
     return index

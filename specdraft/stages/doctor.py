@@ -194,7 +194,7 @@ def _run_checks(drafter, run_path: Path, target) -> tuple[list[Check], object]:
     checks, counts, folder = [], None, RunFolder(run_path)
     index_path = folder.hidden / INDEX
     if index_path.exists():
-        extracted = read_index(folder.hidden)["aux_layer_ids"]
+        extracted = read_index(folder.hidden, ("aux_layer_ids",))["aux_layer_ids"]
         checks.append(Check("aux layer ids = extracted ones", drafter.config.aux_layer_ids == extracted,
                             f"drafter {drafter.config.aux_layer_ids}, hidden states {extracted}",
                             "the drafter would be fed other layers than it was trained on; re-export from the run"))

@@ -176,7 +176,7 @@ def run_import(source: str, recipe, folder: RunFolder | None = None, out: str | 
                              "import into a new run (--run) or a folder (--out)")
         out_path = folder.checkpoint("imported")
         index = folder.hidden / INDEX
-        extracted = read_index(folder.hidden)["aux_layer_ids"] if index.exists() else None
+        extracted = read_index(folder.hidden, ("aux_layer_ids",))["aux_layer_ids"] if index.exists() else None
     else:
         out_path, extracted = Path(out), None
     check_out(Path(source), out_path)
