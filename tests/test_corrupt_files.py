@@ -103,12 +103,26 @@ def test_a_corrupt_tokens_file_stops_extract_in_one_line(run, capsys, corrupt, p
 
 # --- hidden shards and index, extract's output, read by train ------------------------------------------
 
-@pytest.mark.parametrize("corrupt", [truncate, garbage], ids=["truncated", "garbage"])
-def test_a_torn_shard_stops_train_in_one_line(run, capsys, corrupt):
+def _narrow(path: Path) -> None:
+    """The shard rewritten whole, its states half as wide: another target's."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as f:
+        metadata = f.metadata()
+    t = load_file(str(path))
+    t["aux"], t["last"] = t["aux"][:, : t["aux"].shape[1] // 2].contiguous(), t["last"][:, :32].contiguous()
+    save_file(t, str(path), metadata=metadata)
+
+
+@pytest.mark.parametrize("corrupt, problem", [
+    (truncate, "not a whole safetensors file"),
+    (garbage, "not a whole safetensors file"),
+    (_narrow, "states of shape"),
+], ids=["truncated", "garbage", "another-target"])
+def test_a_bad_shard_stops_train_in_one_line(run, capsys, corrupt, problem):
     corrupt(run / "hidden" / "shard-00000.safetensors")
     code, lines = run_cli(["train", "--run", "run"], capsys)
-    assert_one_line(code, lines, "run/hidden/shard-00000.safetensors: not a whole safetensors file",
-                    "rerun `specdraft extract`")
+    assert_one_line(code, lines, "run/hidden/shard-00000.safetensors: ", problem, "rerun `specdraft extract`")
 
 
 def test_extract_rewrites_the_torn_shard_it_names(run, capsys):

@@ -167,6 +167,12 @@ def check_shards(hidden_dir: Path, index: dict) -> None:
             raise FileError(f"{path}: " + (f"no tensor(s) {missing}" if missing else
                                            f"{rows} tokens where index.json places {end}")
                             + f" (not this run's shard); {REEXTRACT}")
+        H, n_aux = index["hidden_size"], len(index["aux_layer_ids"])
+        widths = {"aux": [rows, n_aux * H], "last": [rows, H]}
+        wrong = {k: header[k].get("shape") for k, want in widths.items() if header[k].get("shape") != want}
+        if wrong:
+            raise FileError(f"{path}: states of shape {wrong} where index.json's {n_aux} aux layers of width {H} "
+                            f"need {widths} (another target's shard?); {REEXTRACT}")
 
 
 class HiddenStore:

@@ -48,7 +48,7 @@ from specdraft.drafters.ttt import (
 )
 from specdraft.hidden.online import open_hidden
 from specdraft.methods import METHODS, Method
-from specdraft.files import FileError, read_json, read_jsonl
+from specdraft.files import FULL, DiskFull, FileError, read_json, read_jsonl
 from specdraft.run import RunFolder
 from specdraft.targets import Target, resolve_dtype
 
@@ -321,8 +321,14 @@ def read_log(log_path: Path, torn_tail: bool = False) -> list[tuple[str, dict]]:
 
 
 def append_record(log_path: Path, record: dict) -> None:
-    with open(log_path, "a") as f:
-        f.write(json.dumps(record) + "\n")
+    line = (json.dumps(record) + "\n").encode()
+    try:
+        with open(log_path, "ab") as f:
+            f.write(line)
+    except OSError as e:  # a line cut short by a full disk is dropped on resume (read_log's torn tail)
+        if e.errno in FULL:
+            raise DiskFull(log_path, len(line)) from None
+        raise
 
 
 def tensorboard(logdir: Path, rank: int):
