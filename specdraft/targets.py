@@ -23,6 +23,7 @@ from pathlib import Path
 
 from specdraft.bundled import BUNDLED, BundleError, bundled_gguf
 from specdraft.config import check_target_limits
+from specdraft.files import FileError, open_safetensors, read_json
 
 
 def refuse_pickled_weights(folder: Path) -> None:
@@ -48,6 +49,12 @@ def bin_to_safetensors_command(folder: Path) -> str:
 
 class TargetError(ValueError):
     """A target that cannot be found or loaded."""
+
+
+# What to do about a target's file that cannot be read: the model folder is the user's (or, for a bundled
+# target, a conversion cached under ~/.cache/specdraft/targets, made again when its folder is removed).
+TARGET_FIX = ("copy the model folder again from where it came (a bundled target: remove its folder under "
+              "the cache's targets/ and it is converted again)")
 
 
 def eagle3_aux_layers(num_layers: int) -> list[int]:
@@ -296,9 +303,9 @@ def _load_config(config_file: Path) -> tuple[dict, object, object]:
     from transformers import AutoConfig, PretrainedConfig
 
     try:
-        raw = json.loads(config_file.read_text())
-    except json.JSONDecodeError as e:
-        raise TargetError(f"{config_file}:{e.lineno}: not JSON ({e.msg})") from None
+        raw = read_json(config_file, fix=TARGET_FIX, what="a model's config")
+    except FileError as e:
+        raise TargetError(str(e)) from None
     try:
         # A folder's config.json is read through its folder (what transformers records as its name).
         config = AutoConfig.from_pretrained(str(config_file.parent if config_file.name == "config.json"
@@ -386,7 +393,7 @@ class Target:
             return jinja.read_text()
         tok_config = self.path / "tokenizer_config.json"
         if tok_config.exists():
-            template = json.loads(tok_config.read_text()).get("chat_template")
+            template = read_json(tok_config, fix=TARGET_FIX).get("chat_template")
             return template if isinstance(template, str) else None
         return None
 
@@ -496,16 +503,16 @@ class Target:
 
     def read_tensor(self, name: str):
         """One tensor from the checkpoint without loading the model (embeddings, lm_head)."""
-        from safetensors import safe_open
-
         index = self.path / "model.safetensors.index.json"
         if index.exists():
-            weight_map = json.loads(index.read_text())["weight_map"]
+            weight_map = read_json(index, fix=TARGET_FIX).get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise TargetError(f"{index}: no 'weight_map' object; {TARGET_FIX}")
             files = [weight_map[name]] if name in weight_map else []
         else:
             files = [p.name for p in self.path.glob("*.safetensors")]
         for fname in sorted(files):
-            with safe_open(self.path / fname, "pt") as f:
+            with open_safetensors(self.path / fname, fix=TARGET_FIX) as f:
                 if name in f.keys():
                     return f.get_tensor(name)
         raise TargetError(f"{self.path}: tensor {name!r} not found")

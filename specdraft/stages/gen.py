@@ -39,6 +39,7 @@ from specdraft.config import ConfigError, GenConfig, Recipe, field_choices
 from specdraft.data.client import Auth, RequestFailed, ServerPool, ServerRefused
 from specdraft.data.prompts import select_prompts
 from specdraft.data.sources import DataError, prompts, source_is_rendered
+from specdraft.files import FileError, read_jsonl
 from specdraft.run import RunFolder, atomic_path
 from specdraft.targets import Target, resolve_device, resolve_dtype
 
@@ -78,15 +79,14 @@ def _records(path: Path):
     _repair_tail(path)
     if not path.exists():
         return
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                record = None
+    fix = "remove the line (gen answers its prompt again) or start over in a new run folder"
+    try:
+        for lineno, record in read_jsonl(path, fix=fix, kind=None):
             if not isinstance(record, dict) or "id" not in record:
-                raise DataError(f"{path}:{lineno}: not a conversation record")
+                raise DataError(f"{path}:{lineno}: not a conversation record; {fix}")
             yield record
+    except FileError as e:
+        raise DataError(str(e)) from None
 
 
 def finished_ids(path: Path) -> set[str]:
