@@ -22,7 +22,7 @@ import torch
 from specdraft import environment
 from specdraft.config import TrainConfig
 from specdraft.drafters import vocab
-from specdraft.drafters.ttt import summarize
+from specdraft.drafters.common import summarize
 from specdraft.hidden.store import HiddenStore
 from specdraft.methods import METHODS
 from specdraft.stages.train import collate, pack, target_top_tokens

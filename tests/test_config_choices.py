@@ -62,7 +62,7 @@ def test_defaults_are_among_the_choices_and_plain_str():
 
 def test_the_stages_accept_the_same_choices():
     from specdraft.decoding.runners import ENGINES
-    from specdraft.drafters.ttt import LOSSES
+    from specdraft.drafters.common import LOSSES
     from specdraft.hidden.store import STORE_DTYPES
     from specdraft.methods import METHODS
     from specdraft.stages.export import FORMATS, WRITERS

@@ -203,7 +203,7 @@ def test_only_the_end_state_of_the_flags_is_checked_across_fields(tmp_path, monk
 
 
 def test_the_target_sets_the_vocabulary_and_the_context():
-    from specdraft.drafters.eagle3 import within_vocab
+    from specdraft.drafters.common import within_vocab
     from specdraft.targets import Target
 
     smollm2 = Target("smollm2")  # config only: no weights are read

@@ -216,7 +216,7 @@ def test_reader_names_what_is_missing_or_disagrees(tmp_path):
 def packed_batch(d, seed=2):
     """Two rows: row 0 packs two documents (prompt then answer each), row 1 one document and padding;
     the target's final-norm state at t points at x_{t+1} (its greedy next token)."""
-    from specdraft.drafters.ttt import PAD_DOCUMENT
+    from specdraft.drafters.common import PAD_DOCUMENT
 
     g = torch.Generator().manual_seed(seed)
     B, L = 2, 24
@@ -271,7 +271,7 @@ def test_slot_weights_decay_from_the_first_drafted_slot():
 
 def fit(d, objective, batch: dict, steps: int) -> dict:
     """`steps` AdamW steps of `objective` on one batch; the statistics after them, in eval mode."""
-    from specdraft.drafters.ttt import summarize
+    from specdraft.drafters.common import summarize
 
     optimizer = torch.optim.AdamW([p for p in d.parameters() if p.requires_grad], lr=1e-2)
     for _ in range(steps):
@@ -288,7 +288,7 @@ def test_the_objective_trains_a_drafter_to_draft_the_targets_tokens():
     """A few hundred steps on one batch: the drafter learns the target's tokens, slot by slot (what the
     statistics say is what drafting one block at a time gives)."""
     from specdraft.drafters.dflash_objective import DFlashObjective
-    from specdraft.drafters.ttt import summarize
+    from specdraft.drafters.common import summarize
 
     d = tiny()
     d.train()

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from specdraft.drafters.eagle3 import DrafterConfig, Eagle3Drafter, document_mask
-from specdraft.stages.train import PAD_DOCUMENT, TTT
+from specdraft.drafters.common import PAD_DOCUMENT
+from specdraft.drafters.ttt import TTT
 from specdraft.drafters.ttt import unroll
 
 
@@ -183,7 +184,7 @@ def test_gradient_checkpointing_changes_nothing_but_memory():
 
 
 def test_pack_fills_rows_up_to_the_budget():
-    from specdraft.stages.train import pack
+    from specdraft.drafters.common import pack
 
     lengths = [50, 30, 80, 10, 200, 40, 60]
     rows = pack(list(range(len(lengths))), lengths, 100)

@@ -17,7 +17,8 @@ from pausing import kill_at
 from specdraft.cli import main
 from specdraft.drafters.eagle3 import DrafterConfig, Eagle3Drafter
 from specdraft.run import RunFolder
-from specdraft.stages.train import COMPLETE, TTT
+from specdraft.drafters.ttt import TTT
+from specdraft.stages.train import COMPLETE
 
 REPO = Path(__file__).resolve().parents[1]
 # Small rows so the tiny recipe's 8 samples make several optimizer steps per epoch.

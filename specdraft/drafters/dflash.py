@@ -33,7 +33,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from specdraft.drafters.eagle3 import MLP, RMSNorm, apply_rotary, rotary, within_vocab
+from specdraft.drafters.common import MLP, RMSNorm, apply_rotary, rotary, within_vocab
 
 # The block size the paper and the published drafters use (15 drafted tokens per round).
 DEFAULT_BLOCK_SIZE = 16

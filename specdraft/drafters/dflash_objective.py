@@ -11,7 +11,7 @@ draft vocabulary (as in EAGLE-3's objective), weighted w_j = exp(-(j - 1) / gamm
 weighting: a round stops at its first wrong draft, so early slots matter more). Anchors are assistant
 tokens whose next token is one too, drawn at random, at most `max_anchors` per row.
 
-The statistics are those of the EAGLE-3 objective (ttt.STAT_COLUMNS, read by ttt.summarize), with
+The statistics are those of the EAGLE-3 objective (common.STAT_COLUMNS, read by common.summarize), with
 block slot j in place of drafting step j - 1: per slot, top-1 agreement with the target's greedy token
 and the chance that a round's drafts are all right through slot j, whence tau.
 """
@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from specdraft.drafters.dflash import DFlashDrafter
-from specdraft.drafters.ttt import PAD_DOCUMENT, position_loss
+from specdraft.drafters.common import PAD_DOCUMENT, position_loss
 
 # The paper's and SpecForge's weighting for blocks of 16: slot 16 weighs exp(-14 / 7) = 0.14 of slot 1.
 DEFAULT_GAMMA = 7.0
@@ -136,7 +136,7 @@ class DFlashObjective(nn.Module):
 
 def slot_stats(per: torch.Tensor, correct: torch.Tensor, where: torch.Tensor, evaluable: torch.Tensor,
                block_size: int) -> torch.Tensor:
-    """Per drafted slot j = 1 .. bs - 1, ttt.STAT_COLUMNS: summed loss and its count, top-1 correct among
+    """Per drafted slot j = 1 .. bs - 1, common.STAT_COLUMNS: summed loss and its count, top-1 correct among
     them, evaluable slots, rounds correct through slot j, rounds correct before it -> [bs - 1, 6]."""
     B, Q = per.shape
     shape = (B, Q // block_size, block_size)
@@ -146,31 +146,3 @@ def slot_stats(per: torch.Tensor, correct: torch.Tensor, where: torch.Tensor, ev
     rows = [(per * where).sum((0, 1)), where.sum((0, 1)), (correct & where).sum((0, 1)), evaluable.sum((0, 1)),
             (chain & evaluable).sum((0, 1)), (before & evaluable).sum((0, 1))]
     return torch.stack([r.float() for r in rows], dim=-1)  # [bs - 1, 6]
-
-
-
-def one_per_row(items: list[dict], head: torch.Tensor) -> dict:
-    """A batch of whole samples, one per row, right-padded (the objective's batch dict): items as the
-    hidden-state store gives them (input_ids, loss_mask [T], aux [T, n_aux*H], last [T, H]); `head` is
-    the target's lm_head weight [V, H], whose argmax over `last` gives `top`."""
-    B, T = len(items), max(it["input_ids"].numel() for it in items)
-    first = items[0]
-    batch = {
-        "input_ids": torch.zeros(B, T, dtype=torch.long),
-        "loss_mask": torch.zeros(B, T, dtype=torch.bool),
-        "documents": torch.full((B, T), PAD_DOCUMENT, dtype=torch.long),
-        "positions": torch.zeros(B, T, dtype=torch.long),
-        "aux": torch.zeros(B, T, first["aux"].shape[-1], dtype=first["aux"].dtype),
-        "last": torch.zeros(B, T, first["last"].shape[-1], dtype=first["last"].dtype),
-    }
-    for r, it in enumerate(items):
-        n = it["input_ids"].numel()
-        batch["input_ids"][r, :n] = it["input_ids"].long()
-        batch["loss_mask"][r, :n] = it["loss_mask"].bool()
-        batch["documents"][r, :n] = 0
-        batch["positions"][r, :n] = torch.arange(n)
-        batch["aux"][r, :n] = it["aux"]
-        batch["last"][r, :n] = it["last"]
-    with torch.no_grad():
-        batch["top"] = (batch["last"] @ head.T.to(batch["last"].dtype)).argmax(-1)  # [B, T]
-    return batch

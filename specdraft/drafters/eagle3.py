@@ -25,17 +25,9 @@ import math
 from dataclasses import asdict, dataclass, field, fields
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-
-def within_vocab(draft_vocab_size: int, vocab_size: int) -> int:
-    """The draft vocabulary's size: 0 is the whole vocabulary; more than it is refused, not cut to it
-    (the recipe's train.draft_vocab_size, checked first by targets.check_fits)."""
-    if draft_vocab_size > vocab_size:
-        raise ValueError(f"train.draft_vocab_size: {draft_vocab_size} is outside its range: <= {vocab_size:,} "
-                         f"(the target's vocabulary; 0 takes all of it)")
-    return draft_vocab_size or vocab_size
+from specdraft.drafters.common import MLP, RMSNorm, apply_rotary, rotary, within_vocab
 
 
 @dataclass
@@ -100,33 +92,6 @@ class DrafterConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
-
-
-def rotary(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin for integer positions [B, T] -> [B, 1, T, head_dim] each (Llama / NeoX layout)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device).float() / head_dim))
-    angles = positions.float()[..., None] * inv_freq  # [B, T, head_dim/2]
-    angles = torch.cat([angles, angles], dim=-1)  # [B, T, head_dim]
-    return angles.cos()[:, None], angles.sin()[:, None]
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
 
 
 KV = tuple[torch.Tensor, torch.Tensor]
@@ -262,17 +227,6 @@ class Attention(nn.Module):
         out = attend(q, base, diag, mask)  # [B, nh, T, d]
         out = out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)  # [B, T, nh*d]
         return self.o_proj(out), (k, v)
-
-
-class MLP(nn.Module):
-    def __init__(self, cfg: DrafterConfig):
-        super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-
-    def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DecoderLayer(nn.Module):

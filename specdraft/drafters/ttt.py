@@ -13,54 +13,10 @@ from the document's start), as it does when drafting, and is weighted decay^i.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from specdraft.drafters.common import NO_DOCUMENT, STAT_COLUMNS, position_loss, shift
 from specdraft.drafters.eagle3 import Eagle3Drafter, document_mask
-
-# Rows of target logits computed at once: the full-vocab logits are only needed for their argmax.
-LOGIT_CHUNK = 1024
-
-
-# Padding positions get this document id (real documents count from 0): they attend only to each other.
-PAD_DOCUMENT = -1
-
-
-# Shifted-in positions past the end of a row: a document id no position has, so nothing matches it.
-NO_DOCUMENT = -2
-
-
-LOSSES = ("soft_ce", "kl", "lk")
-
-
-def shift(x: torch.Tensor, n: int, fill=0) -> torch.Tensor:
-    """x[:, n:] along dim 1, filled on the right so the length stays T."""
-    pad = torch.full((x.shape[0], n, *x.shape[2:]), fill, dtype=x.dtype, device=x.device)
-    return torch.cat([x[:, n:], pad], dim=1)
-
-
-def position_loss(kind: str, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """Per-position loss [B, T] of drafter logits against the target distribution, both [B, T, Vd].
-
-    soft_ce: cross-entropy with the target's distribution (EAGLE-3). kl: KL(target || drafter), the same
-    gradient, a loss that reaches 0. lk: -log of the acceptance probability of speculative sampling,
-    sum_x min(p, q) (acceptance-oriented; greedy acceptance is its limit).
-    """
-    logp = F.log_softmax(logits.float(), dim=-1)
-    if kind == "soft_ce":
-        return -(target * logp).sum(-1)
-    if kind == "kl":
-        return (torch.xlogy(target, target) - target * logp).sum(-1)
-    if kind == "lk":
-        accept = torch.minimum(target, logp.exp()).sum(-1)
-        return -torch.log(accept.clamp(min=torch.finfo(torch.float32).tiny))
-    raise ValueError(f"train.loss = {kind!r}: expected one of {', '.join(LOSSES)}")
-
-
-# Columns of the per-step statistics: summed loss and its positions, top-1 correct among them, and for
-# acceptance: evaluable positions, chains correct through this step, chains correct before it.
-STAT_COLUMNS = ("loss_sum", "count", "correct", "evaluable", "chain_correct", "chain_before")
-
 
 def unroll(drafter: Eagle3Drafter, aux, ids, documents, positions, steps: int, checkpointing: bool = False,
            mask=None):
@@ -135,20 +91,3 @@ class TTT(nn.Module):
         return total, torch.stack(stats)
 
 
-def summarize(stats: torch.Tensor) -> dict:
-    """Per TTT position: loss, top-1 accuracy, conditional acceptance (draft i accepted given drafts
-    < i were), and the simulated acceptance length tau of chain drafting with that many tokens:
-    1 + sum_k prod_{j<=k} alpha_j (vLLM's mean acceptance length, bonus token included)."""
-    s = {name: stats[:, c].tolist() for c, name in enumerate(STAT_COLUMNS)}
-    loss = [ls / max(1.0, n) for ls, n in zip(s["loss_sum"], s["count"])]
-    acc = [c / max(1.0, n) for c, n in zip(s["correct"], s["count"])]
-    alpha = [c / max(1.0, b) for c, b in zip(s["chain_correct"], s["chain_before"])]
-    tau, accepted = 1.0, 1.0
-    for a in alpha:
-        accepted *= a
-        tau += accepted
-
-    def r(xs):
-        return [round(x, 4) for x in xs]
-
-    return {"loss": r(loss), "acc": r(acc), "cond_accept": r(alpha), "tau": round(tau, 4)}

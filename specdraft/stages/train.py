@@ -38,12 +38,13 @@ from specdraft.drafters.checkpoint import (
     load_training,
     save_training,
 )
-from specdraft.drafters.ttt import (
+from specdraft.drafters.common import (
     LOGIT_CHUNK,
     LOSSES,
     PAD_DOCUMENT,
     STAT_COLUMNS,
-    TTT,
+    collate,
+    pack,
     summarize,
 )
 from specdraft.hidden.online import open_hidden
@@ -58,56 +59,6 @@ OPTIMIZERS = ("adamw", "muon")
 
 # ---------------------------------------------------------------------------------------------------
 # Data: packing and batches
-
-
-def pack(order: list[int], lengths: list[int], budget: int) -> list[list[int]]:
-    """Samples in `order` grouped into rows of at most `budget` tokens (a longer sample gets a row of
-    its own and is cut to the budget by `collate`)."""
-    rows, current, used = [], [], 0
-    for i in order:
-        n = min(lengths[i], budget)
-        if current and used + n > budget:
-            rows.append(current)
-            current, used = [], 0
-        current.append(i)
-        used += n
-    if current:
-        rows.append(current)
-    return rows
-
-
-def collate(source, rows: list[list[int]], tops: list[torch.Tensor], budget: int, fixed: bool = True) -> dict:
-    """Packed rows, right-padded: input_ids / loss_mask / documents / positions / top [B, T], aux
-    [B, T, n_aux*H], last [B, T, H]. Samples longer than `budget` are cut to it. `fixed` pads to the
-    budget, one shape for every batch, so compiled kernels (FlexAttention, torch.compile) are built
-    once; otherwise to the longest row (eager kernels take any shape, and padding is pure waste)."""
-    rows_items = [[(i, source[i]) for i in row] for row in rows]
-    longest = max(sum(min(it["input_ids"].numel(), budget) for _, it in row) for row in rows_items)
-    B, T = len(rows), budget if fixed else longest
-    first = rows_items[0][0][1]
-    batch = {
-        "input_ids": torch.zeros(B, T, dtype=torch.long),
-        "loss_mask": torch.zeros(B, T, dtype=torch.bool),
-        "documents": torch.full((B, T), PAD_DOCUMENT, dtype=torch.long),
-        "positions": torch.zeros(B, T, dtype=torch.long),
-        "top": torch.zeros(B, T, dtype=torch.long),
-        "aux": torch.zeros(B, T, first["aux"].shape[-1], dtype=first["aux"].dtype),
-        "last": torch.zeros(B, T, first["last"].shape[-1], dtype=first["last"].dtype),
-    }
-    for r, row in enumerate(rows_items):
-        at = 0
-        for doc, (i, it) in enumerate(row):
-            n = min(it["input_ids"].numel(), budget)
-            span = slice(at, at + n)
-            batch["input_ids"][r, span] = it["input_ids"][:n].long()
-            batch["loss_mask"][r, span] = it["loss_mask"][:n].bool()
-            batch["documents"][r, span] = doc
-            batch["positions"][r, span] = torch.arange(n)
-            batch["top"][r, span] = tops[i][:n]
-            batch["aux"][r, span] = it["aux"][:n]
-            batch["last"][r, span] = it["last"][:n]
-            at += n
-    return batch
 
 
 @torch.no_grad()
@@ -263,7 +214,7 @@ def distributed() -> tuple[int, int, torch.device]:
     return dist.get_rank(), dist.get_world_size(), device
 
 
-def wrap(model: TTT, parallel: str, world: int, device: torch.device) -> nn.Module:
+def wrap(model: nn.Module, parallel: str, world: int, device: torch.device) -> nn.Module:
     if world == 1:
         return model
     if parallel == "ddp":

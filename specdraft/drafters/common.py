@@ -1,0 +1,188 @@
+"""What every drafter method shares, owned by none: the layers (RMSNorm, the gated MLP, rotary
+positions), the packed batch the trainer feeds every objective (pack, collate, the padding document id),
+the losses against the target's distribution, and the per-position statistics every objective returns
+(STAT_COLUMNS rows, read by summarize into loss, accuracy, conditional acceptance and tau).
+
+A method's package (specdraft/methods/<name>/) builds its drafter and objective on these; nothing here
+knows which method runs.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def within_vocab(draft_vocab_size: int, vocab_size: int) -> int:
+    """The draft vocabulary's size: 0 is the whole vocabulary; more than it is refused, not cut to it
+    (the recipe's train.draft_vocab_size, checked first by targets.check_fits)."""
+    if draft_vocab_size > vocab_size:
+        raise ValueError(f"train.draft_vocab_size: {draft_vocab_size} is outside its range: <= {vocab_size:,} "
+                         f"(the target's vocabulary; 0 takes all of it)")
+    return draft_vocab_size or vocab_size
+
+
+# ---------------------------------------------------------------------------------------------------
+# Layers
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rotary(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin for integer positions [B, T] -> [B, 1, T, head_dim] each (Llama / NeoX layout)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device).float() / head_dim))
+    angles = positions.float()[..., None] * inv_freq  # [B, T, head_dim/2]
+    angles = torch.cat([angles, angles], dim=-1)  # [B, T, head_dim]
+    return angles.cos()[:, None], angles.sin()[:, None]
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg):  # any config with hidden_size and intermediate_size
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+
+# ---------------------------------------------------------------------------------------------------
+# The packed batch
+
+
+# Rows of target logits computed at once: the full-vocab logits are only needed for their argmax.
+LOGIT_CHUNK = 1024
+
+
+# Padding positions get this document id (real documents count from 0): they attend only to each other.
+PAD_DOCUMENT = -1
+
+
+# Shifted-in positions past the end of a row: a document id no position has, so nothing matches it.
+NO_DOCUMENT = -2
+
+
+def pack(order: list[int], lengths: list[int], budget: int) -> list[list[int]]:
+    """Samples in `order` grouped into rows of at most `budget` tokens (a longer sample gets a row of
+    its own and is cut to the budget by `collate`)."""
+    rows, current, used = [], [], 0
+    for i in order:
+        n = min(lengths[i], budget)
+        if current and used + n > budget:
+            rows.append(current)
+            current, used = [], 0
+        current.append(i)
+        used += n
+    if current:
+        rows.append(current)
+    return rows
+
+
+def collate(source, rows: list[list[int]], tops: list[torch.Tensor], budget: int, fixed: bool = True) -> dict:
+    """Packed rows, right-padded: input_ids / loss_mask / documents / positions / top [B, T], aux
+    [B, T, n_aux*H], last [B, T, H]. Samples longer than `budget` are cut to it. `fixed` pads to the
+    budget, one shape for every batch, so compiled kernels (FlexAttention, torch.compile) are built
+    once; otherwise to the longest row (eager kernels take any shape, and padding is pure waste)."""
+    rows_items = [[(i, source[i]) for i in row] for row in rows]
+    longest = max(sum(min(it["input_ids"].numel(), budget) for _, it in row) for row in rows_items)
+    B, T = len(rows), budget if fixed else longest
+    first = rows_items[0][0][1]
+    batch = {
+        "input_ids": torch.zeros(B, T, dtype=torch.long),
+        "loss_mask": torch.zeros(B, T, dtype=torch.bool),
+        "documents": torch.full((B, T), PAD_DOCUMENT, dtype=torch.long),
+        "positions": torch.zeros(B, T, dtype=torch.long),
+        "top": torch.zeros(B, T, dtype=torch.long),
+        "aux": torch.zeros(B, T, first["aux"].shape[-1], dtype=first["aux"].dtype),
+        "last": torch.zeros(B, T, first["last"].shape[-1], dtype=first["last"].dtype),
+    }
+    for r, row in enumerate(rows_items):
+        at = 0
+        for doc, (i, it) in enumerate(row):
+            n = min(it["input_ids"].numel(), budget)
+            span = slice(at, at + n)
+            batch["input_ids"][r, span] = it["input_ids"][:n].long()
+            batch["loss_mask"][r, span] = it["loss_mask"][:n].bool()
+            batch["documents"][r, span] = doc
+            batch["positions"][r, span] = torch.arange(n)
+            batch["top"][r, span] = tops[i][:n]
+            batch["aux"][r, span] = it["aux"][:n]
+            batch["last"][r, span] = it["last"][:n]
+            at += n
+    return batch
+
+
+
+# ---------------------------------------------------------------------------------------------------
+# Losses and statistics
+
+
+LOSSES = ("soft_ce", "kl", "lk")
+
+
+def shift(x: torch.Tensor, n: int, fill=0) -> torch.Tensor:
+    """x[:, n:] along dim 1, filled on the right so the length stays T."""
+    pad = torch.full((x.shape[0], n, *x.shape[2:]), fill, dtype=x.dtype, device=x.device)
+    return torch.cat([x[:, n:], pad], dim=1)
+
+
+def position_loss(kind: str, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Per-position loss [B, T] of drafter logits against the target distribution, both [B, T, Vd].
+
+    soft_ce: cross-entropy with the target's distribution (EAGLE-3). kl: KL(target || drafter), the same
+    gradient, a loss that reaches 0. lk: -log of the acceptance probability of speculative sampling,
+    sum_x min(p, q) (acceptance-oriented; greedy acceptance is its limit).
+    """
+    logp = F.log_softmax(logits.float(), dim=-1)
+    if kind == "soft_ce":
+        return -(target * logp).sum(-1)
+    if kind == "kl":
+        return (torch.xlogy(target, target) - target * logp).sum(-1)
+    if kind == "lk":
+        accept = torch.minimum(target, logp.exp()).sum(-1)
+        return -torch.log(accept.clamp(min=torch.finfo(torch.float32).tiny))
+    raise ValueError(f"train.loss = {kind!r}: expected one of {', '.join(LOSSES)}")
+
+
+# Columns of the per-step statistics: summed loss and its positions, top-1 correct among them, and for
+# acceptance: evaluable positions, chains correct through this step, chains correct before it.
+STAT_COLUMNS = ("loss_sum", "count", "correct", "evaluable", "chain_correct", "chain_before")
+
+
+def summarize(stats: torch.Tensor) -> dict:
+    """Per TTT position: loss, top-1 accuracy, conditional acceptance (draft i accepted given drafts
+    < i were), and the simulated acceptance length tau of chain drafting with that many tokens:
+    1 + sum_k prod_{j<=k} alpha_j (vLLM's mean acceptance length, bonus token included)."""
+    s = {name: stats[:, c].tolist() for c, name in enumerate(STAT_COLUMNS)}
+    loss = [ls / max(1.0, n) for ls, n in zip(s["loss_sum"], s["count"])]
+    acc = [c / max(1.0, n) for c, n in zip(s["correct"], s["count"])]
+    alpha = [c / max(1.0, b) for c, b in zip(s["chain_correct"], s["chain_before"])]
+    tau, accepted = 1.0, 1.0
+    for a in alpha:
+        accepted *= a
+        tau += accepted
+
+    def r(xs):
+        return [round(x, 4) for x in xs]
+
+    return {"loss": r(loss), "acc": r(acc), "cond_accept": r(alpha), "tau": round(tau, 4)}
