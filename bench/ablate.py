@@ -195,7 +195,8 @@ class Scorer:
         """τ of the reference decoder, chain and tree, over the held-out prompts (greedy)."""
         import torch
 
-        from specdraft.decoding.rounds import Stats, speculative
+        from specdraft.decoding.rounds import Stats
+        from specdraft.methods.eagle3.decode import speculative
         from specdraft.decoding.tree import TreeShape
 
         c = self.eval_cfg
@@ -216,7 +217,7 @@ class Scorer:
         import math
 
         from specdraft.stages.train import TTT, autocast_for, evaluate
-        from specdraft.drafters.checkpoint import load_checkpoint
+        from specdraft.methods import load_checkpoint
 
         run = RunFolder(folder)
         cfg = run.recipe().train

@@ -1,5 +1,5 @@
 """How close is plan's training-memory estimate to the trainer's real peak? One training step of the real
-TTT objective (specdraft.drafters.ttt.TTT, the module the trainer runs: forward, backward, AdamW) on one
+TTT objective (specdraft.methods.eagle3.objective.TTT, the module the trainer runs: forward, backward, AdamW) on one
 packed batch of random target states, for the drafter plan builds for a target config; prints one JSON
 line: plan's bytes by part next to the measured peak (CUDA: torch.cuda.max_memory_allocated; CPU: the
 growth of the process's peak RSS, coarser).
@@ -25,8 +25,8 @@ from specdraft.billing import (
 )
 from specdraft.config import load_recipe
 from specdraft.drafters import vocab
-from specdraft.drafters.eagle3 import DrafterConfig, Eagle3Drafter
-from specdraft.drafters.ttt import TTT
+from specdraft.methods.eagle3.drafter import DrafterConfig, Eagle3Drafter
+from specdraft.methods.eagle3.objective import TTT
 
 
 def peak_bytes(device: str) -> int:

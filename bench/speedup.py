@@ -26,7 +26,7 @@ import torch
 from specdraft import environment
 from specdraft.decoding import runners
 from specdraft.decoding.tree import decode_capacity
-from specdraft.drafters.checkpoint import load_trained
+from specdraft.methods import load_trained
 from specdraft.run import RunFolder
 from specdraft.stages import eval as eval_stage
 from specdraft.targets import resolve_device

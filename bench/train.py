@@ -24,9 +24,9 @@ import time
 import torch
 
 from specdraft import environment
-from specdraft.drafters.dflash import DFlashConfig, DFlashDrafter
-from specdraft.drafters.dflash_objective import DFlashObjective
-from specdraft.drafters.eagle3 import DrafterConfig, Eagle3Drafter
+from specdraft.methods.dflash.drafter import DFlashConfig, DFlashDrafter
+from specdraft.methods.dflash.objective import DFlashObjective
+from specdraft.methods.eagle3.drafter import DrafterConfig, Eagle3Drafter
 from specdraft.stages.train import PAD_DOCUMENT, TTT
 
 # H200 bf16 dense matrix peak (measured 788 TFLOP/s on 8192^3 products on these machines).

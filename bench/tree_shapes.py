@@ -23,8 +23,9 @@ from tqdm import tqdm
 from specdraft import environment
 from specdraft.config import load_recipe
 from specdraft.decoding import rounds, runners, tree
+from specdraft.methods.eagle3.decode import speculative
 from specdraft.stages import eval as eval_stage
-from specdraft.drafters.formats import read_drafter
+from specdraft.methods.eagle3.formats import read_drafter
 from specdraft.targets import Target, resolve_device
 
 
@@ -61,7 +62,7 @@ def main() -> None:
     for sh in args.shapes:
         stats, exact, t0 = rounds.Stats(sh.depth), 0, time.time()
         for p, (ref, gaps) in zip(tqdm(prompts, desc=f"tree {sh.topk},{sh.depth},{sh.tokens}", unit="prompt"), refs):
-            spec = rounds.speculative(runner, drafter, p["prompt_ids"], args.new_tokens, eos, sh, stats)
+            spec = speculative(runner, drafter, p["prompt_ids"], args.new_tokens, eos, sh, stats)
             exact += rounds.check_exact(spec, ref, gaps, recipe.eval.tie_tolerance, p["id"])["exact"]
         s = stats.summary()
         print(json.dumps({

@@ -28,9 +28,8 @@ from specdraft.calibrate import Calibration, cached, calibrate, default_cache, h
 from specdraft.config import Recipe
 from specdraft.data.sources import prompts
 from specdraft.drafters.checkpoint import drafter_of
-from specdraft.drafters.eagle3 import DrafterConfig
 from specdraft.hidden.store import TOKEN_BYTES, bytes_per_token, disk_bytes_per_token
-from specdraft.methods import METHODS
+from specdraft.methods import DEFAULT, named
 from specdraft.run import RunFolder
 from specdraft.targets import Target, template_thinking_markers
 
@@ -298,7 +297,7 @@ def train_flops_per_token(parts: dict, queries: float) -> int:
 
 def activation_bytes(cfg, batch_tokens: int, row_tokens: int, queries: float) -> dict:
     """Activations the current trainer keeps for backward over one packed batch (eager attention), for
-    `queries` drafter queries per token (methods.Method.queries), each through every drafter layer
+    `queries` drafter queries per token (contract.Method.queries), each through every drafter layer
     (a DFlash drafter of several layers is billed its logits once per layer: an upper bound).
 
     Per token and TTT step: the attention input (fp32 and its bf16 copy), q/k/v (bf16, and fp32 after
@@ -349,7 +348,7 @@ def training_memory(cfg, params: dict, train, row_tokens: int, gpus: int, fsdp: 
         "weights": (trainable + frozen) * FP32 // shard + target_head_params * BF16,
         "grads": trainable * FP32 // shard,
         "optimizer": trainable * FP32 * ADAMW_STATES // shard,
-        "activations": activation_bytes(cfg, train.batch_tokens, row_tokens, METHODS[train.method].queries(train))["batch"],
+        "activations": activation_bytes(cfg, train.batch_tokens, row_tokens, named(train.method).queries(train))["batch"],
         "target": target_weight_bytes // max(1, gpus),
     }
     mem["total"] = sum(mem.values())
@@ -523,7 +522,7 @@ def _reference_rows(recipe: Recipe, spec: TargetSpec, tokens: dict, parts: dict,
     ref_train = refs["train"]
     ref_parts = drafter_parameters(_reference_drafter(ref_train[2]))["parts"]
     train_scale = (train_flops_per_token(ref_parts, ref_train[3])
-                   / train_flops_per_token(parts, METHODS[recipe.train.method].queries(recipe.train)))
+                   / train_flops_per_token(parts, named(recipe.train.method).queries(recipe.train)))
     row("train", train_work(recipe, tokens), "tokens x epochs (held-out samples excluded)", "train", "tokens_per_s",
         train_scale, "drafter training FLOPs ratio")
     if online and rows[-1]["source"].startswith("default"):  # a measured online rate includes the target
@@ -539,8 +538,9 @@ def _reference_rows(recipe: Recipe, spec: TargetSpec, tokens: dict, parts: dict,
     return rows
 
 
-def _reference_drafter(draft_vocab_size: int) -> DrafterConfig:
-    return DrafterConfig(**REFERENCE_DRAFTER, draft_vocab_size=draft_vocab_size)
+def _reference_drafter(draft_vocab_size: int):
+    """The drafter the reference rates were measured with: the default method's, on SmolLM2."""
+    return named(DEFAULT).config_class(**REFERENCE_DRAFTER, draft_vocab_size=draft_vocab_size)
 
 
 # --- the whole plan ------------------------------------------------------------------------------
@@ -574,7 +574,7 @@ def make_plan(recipe: Recipe, folder: RunFolder | None = None, *, target: str | 
     per_token = bytes_per_token(n_states, spec.hidden_size, store_dtype)
     tokens = expected_tokens(recipe, folder, tokens_per_sample)
     hidden_bytes = tokens["tokens"] * disk_bytes_per_token(n_states, spec.hidden_size, store_dtype)
-    dcfg = METHODS[recipe.train.method].plan_config(spec.target, recipe.train)
+    dcfg = named(recipe.train.method).plan_config(spec.target, recipe.train)
     params = drafter_parameters(dcfg, frozen_head=recipe.train.lm_head_init == "target-frozen")
     mach = machine(folder.path if folder is not None else None, gpus, gpu_memory_gib)
     n_gpus = mach["gpus"]
@@ -614,7 +614,7 @@ def make_plan(recipe: Recipe, folder: RunFolder | None = None, *, target: str | 
         "drafter": {"method": recipe.train.method, "config": dcfg.to_dict(), **params},
         "train_memory": {"per_gpu": mem, "row_tokens": row_tokens,
                          "activation": activation_bytes(dcfg, recipe.train.batch_tokens, row_tokens,
-                                                        METHODS[recipe.train.method].queries(recipe.train)),
+                                                        named(recipe.train.method).queries(recipe.train)),
                          "device": "gpu" if n_gpus else "cpu", "fsdp": sharded},
         "time": times,
         "total_seconds": round(sum(r["seconds"] for r in times), 1),
@@ -756,7 +756,7 @@ DEMO_SHRINK = (Shrinkable("data.num_train", 224), Shrinkable("gen.max_new_tokens
 
 def plan_seconds(recipe: Recipe, spec: TargetSpec, cal: Calibration, prompt_tokens: float | None = None) -> float:
     """The calibrated seconds of gen, extract, train and eval for a recipe not yet run."""
-    parts = drafter_parameters(METHODS[recipe.train.method].plan_config(spec.target, recipe.train),
+    parts = drafter_parameters(named(recipe.train.method).plan_config(spec.target, recipe.train),
                                frozen_head=recipe.train.lm_head_init == "target-frozen")["parts"]
     rows = calibrated_rows(recipe, spec, expected_tokens(recipe, None, None), parts, cal,
                            prompt_tokens=prompt_tokens)

@@ -217,15 +217,14 @@ def _verify_step(model, n: int, step_s: float, vocab: int, torch) -> float:
 
 
 def _train_rate(recipe: Recipe, target: Target, head, dtype: str, torch) -> float:
-    """Tokens/s of drafter training steps (TTT forward, backward, clip, AdamW) at the recipe's shapes."""
-    from specdraft.drafters.eagle3 import DrafterConfig, Eagle3Drafter
-    from specdraft.drafters.ttt import TTT
+    """Tokens/s of drafter training steps (the objective's forward, backward, clip, AdamW) at the recipe's
+    shapes, for the reference method's drafter (the registry's DEFAULT, which the rates are scaled from)."""
+    from specdraft.methods import DEFAULT, named
 
-    cfg = recipe.train
-    dcfg = DrafterConfig.from_target(target, cfg.draft_vocab_size)
-    drafter = Eagle3Drafter(dcfg)
-    model = TTT(drafter, head[: dcfg.draft_vocab_size].float(), cfg.ttt_steps, cfg.step_weight_decay, cfg.loss,
-                cfg.gradient_checkpointing, cfg.hidden_noise)
+    cfg, method = recipe.train, named(DEFAULT)
+    dcfg = method.plan_config(target, cfg)
+    drafter = dcfg.make_drafter()
+    model = method.objective(drafter, head[: dcfg.draft_vocab_size].float(), cfg)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-6)
     T, H, n_aux = TRAIN_TOKENS, target.hidden_size, len(target.aux_layer_ids)

@@ -33,7 +33,7 @@ def test_each_variant_changes_what_the_recipe_sets(target):
     """A variant equal to the recipe's own default would train the base again under another name; the
     full-vocabulary one (0) is the target's whole vocabulary."""
     from specdraft.config import load_recipe
-    from specdraft.drafters.eagle3 import DrafterConfig
+    from specdraft.methods.eagle3.drafter import DrafterConfig
 
     recipe = load_recipe("smollm2-h200")
     for v in ablate().variants(3000):

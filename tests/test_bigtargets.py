@@ -138,7 +138,7 @@ def test_full_size_configs_describe_the_published_models(full_size):
 def test_mla_drafter_takes_the_value_head_width(full_size):
     """A Llama-style drafter layer for an MLA target: 64 heads x 128 for Kimi (the published drafter's),
     not hidden/heads = 112, which no checkpoint of it has."""
-    from specdraft.drafters.eagle3 import DrafterConfig
+    from specdraft.methods.eagle3.drafter import DrafterConfig
 
     cfg = DrafterConfig.from_target(full_size["kimi-k2.5"], 32000)
     assert (cfg.num_attention_heads, cfg.head_dim, cfg.intermediate_size) == (64, 128, 18432)
@@ -169,7 +169,7 @@ def test_kimi_recipe_loads_and_names_the_published_drafter_layout(full_size):
     """recipes/kimi-k2.5-8gpu.toml loads (unknown keys would be errors) and, on the real config, gives the
     published Kimi-K2 drafter: aux [2, 30, 58], 64 heads x 128, 1,190.9 M trainable parameters (bench/RESULTS.md)."""
     from specdraft.config import load_recipe
-    from specdraft.drafters.eagle3 import DrafterConfig, Eagle3Drafter
+    from specdraft.methods.eagle3.drafter import DrafterConfig, Eagle3Drafter
 
     recipe = load_recipe(str(Path(__file__).parents[1] / "recipes" / "kimi-k2.5-8gpu.toml"))
     assert recipe.data.num_train == 10000 and recipe.train.hidden in ("disk", "online")

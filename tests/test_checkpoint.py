@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from specdraft.cli import main
-from specdraft.drafters.eagle3 import DrafterConfig, Eagle3Drafter
-from specdraft.drafters.ttt import TTT
+from specdraft.methods.eagle3.drafter import DrafterConfig, Eagle3Drafter
+from specdraft.methods.eagle3.objective import TTT
 from specdraft.run import RunFolder
 
 

@@ -169,7 +169,7 @@ def test_a_manifest_that_is_not_one_is_one_line(run, capsys, text, problem):
 def checkpoint(target, tmp_path) -> Path:
     """A (random-weight) drafter of the target's shapes, saved by the real checkpoint writer."""
     from specdraft.drafters.checkpoint import save_checkpoint
-    from specdraft.drafters.eagle3 import DrafterConfig, Eagle3Drafter
+    from specdraft.methods.eagle3.drafter import DrafterConfig, Eagle3Drafter
 
     torch.manual_seed(0)
     drafter = Eagle3Drafter(DrafterConfig.from_target(target, 64))
@@ -205,8 +205,8 @@ def test_a_garbage_trainer_state_names_the_fix_that_works(checkpoint):
 
 @pytest.fixture
 def drafter_folder(target, tmp_path, monkeypatch) -> Path:
-    from specdraft.drafters.eagle3 import DrafterConfig, Eagle3Drafter
-    from specdraft.drafters.formats import write_vllm
+    from specdraft.methods.eagle3.drafter import DrafterConfig, Eagle3Drafter
+    from specdraft.methods.eagle3.formats import write_vllm
 
     monkeypatch.chdir(tmp_path)
     torch.manual_seed(0)
@@ -330,7 +330,7 @@ def small_disk(tmp_path):
 
 def test_a_full_disk_while_a_checkpoint_is_written_leaves_nothing(small_disk, target):
     from specdraft.drafters.checkpoint import save_checkpoint
-    from specdraft.drafters.eagle3 import DrafterConfig, Eagle3Drafter
+    from specdraft.methods.eagle3.drafter import DrafterConfig, Eagle3Drafter
 
     drafter = Eagle3Drafter(DrafterConfig.from_target(target, 64))  # megabytes besides the embedding
     best = small_disk / "checkpoints" / "best"

@@ -8,9 +8,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from specdraft.drafters import dflash_format, vocab
-from specdraft.drafters.dflash import DFlashConfig, DFlashDrafter
-from specdraft.drafters.dflash_format import read_dflash, write_dflash
+from specdraft.drafters import vocab
+from specdraft.methods.dflash import formats as dflash_format
+from specdraft.methods.dflash.drafter import DFlashConfig, DFlashDrafter
+from specdraft.methods.dflash.formats import read_dflash, write_dflash
 
 VOCAB, T, BS, TARGET_LAYERS = 50, 12, 4, 12
 
@@ -235,7 +236,7 @@ def packed_batch(d, seed=2):
 
 
 def test_blocks_see_and_are_supervised_only_inside_their_document():
-    from specdraft.drafters.dflash_objective import DFlashObjective
+    from specdraft.methods.dflash.objective import DFlashObjective
 
     d = tiny()
     batch = packed_batch(d)
@@ -262,7 +263,7 @@ def test_blocks_see_and_are_supervised_only_inside_their_document():
 
 
 def test_slot_weights_decay_from_the_first_drafted_slot():
-    from specdraft.drafters.dflash_objective import slot_weights
+    from specdraft.methods.dflash.objective import slot_weights
 
     w = slot_weights(16, 7.0)
     assert w[0] == 0 and w[1] == 1 and torch.isclose(w[15], torch.exp(torch.tensor(-2.0)))
@@ -287,7 +288,7 @@ def fit(d, objective, batch: dict, steps: int) -> dict:
 def test_the_objective_trains_a_drafter_to_draft_the_targets_tokens():
     """A few hundred steps on one batch: the drafter learns the target's tokens, slot by slot (what the
     statistics say is what drafting one block at a time gives)."""
-    from specdraft.drafters.dflash_objective import DFlashObjective
+    from specdraft.methods.dflash.objective import DFlashObjective
     from specdraft.drafters.common import summarize
 
     d = tiny()
@@ -308,7 +309,7 @@ def test_the_objective_teaches_the_drafter_to_read_the_context():
     """Two rows identical at and after every anchor (tokens, positions) whose continuations differ:
     only the target states of the context tell them apart, so a drafter that drafts both right reads
     the context through fc and the injected keys and values."""
-    from specdraft.drafters.dflash_objective import DFlashObjective
+    from specdraft.methods.dflash.objective import DFlashObjective
 
     d = tiny(seed=3)
     d.train()
@@ -332,7 +333,7 @@ def test_the_objective_teaches_the_drafter_to_read_the_context():
 def test_default_mask_token_is_a_token_the_chat_template_never_writes(target):
     from types import SimpleNamespace
 
-    from specdraft.drafters.dflash import default_mask_token
+    from specdraft.methods.dflash.drafter import default_mask_token
 
     tok = target.tokenizer
     mask = default_mask_token(tok, target.vocab_size)
@@ -356,7 +357,7 @@ def test_default_mask_token_is_a_token_the_chat_template_never_writes(target):
 
 def test_train_warns_of_a_learning_rate_that_stalls_through_the_targets_lm_head(capsys):
     from specdraft.config import TrainConfig
-    from specdraft.methods import check_dflash
+    from specdraft.methods.dflash import check_dflash
 
     for cfg, warned in [(TrainConfig(method="dflash", draft_vocab_size=0, lr=3e-3, warmup_steps=5), True),
                         (TrainConfig(method="dflash", draft_vocab_size=512, lm_head_init="target", lr=3e-3), True),

@@ -136,9 +136,9 @@ def test_the_static_engine_drafts_blocks_as_the_eager_one(dflash_run):
     whole capacity under a mask: what the GPU captures) drafts the eager one's tokens at every anchor,
     decodes the same output with the same accepted lengths, and its steps read nothing on the host."""
     from specdraft.decoding import runners
-    from specdraft.decoding.dflash import speculative_dflash
+    from specdraft.methods.dflash.decode import STATES, speculative_dflash
     from specdraft.decoding.rounds import Stats
-    from specdraft.drafters.checkpoint import load_trained
+    from specdraft.methods import load_trained
     from specdraft.stages.eval import load_prompts
 
     folder = RunFolder(dflash_run)
@@ -148,7 +148,7 @@ def test_the_static_engine_drafts_blocks_as_the_eager_one(dflash_run):
     static.graphs = checked = CheckedGraphs(static.device)
     prompt = load_prompts(folder.recipe(), target)[0]["prompt_ids"]
     static.reserve(len(prompt) + 32)
-    contexts = eager.block_context(drafter), static.block_context(drafter)
+    contexts = eager.drafter_state(drafter, STATES, BLOCK), static.drafter_state(drafter, STATES, BLOCK)
     eager.reset()
     _, aux = eager.forward(prompt)
     first = len(prompt) - 8
@@ -188,10 +188,10 @@ def test_block_rounds_of_the_memorised_drafter_are_exact_and_accept_deep(memoris
     drafter memorised (gen ran in bf16): on all 8 prompts it measured tau 1.77, histogram [99, 8, 1, 33]
     (vLLM in bf16 served 2.07), so the floor is low; a drafter whose blocks the loop misaligned would
     accept next to nothing."""
-    from specdraft.decoding.dflash import speculative_dflash
+    from specdraft.methods.dflash.decode import speculative_dflash
     from specdraft.decoding.rounds import Stats, check_exact, greedy
     from specdraft.decoding.runners import make_runner
-    from specdraft.drafters.checkpoint import load_trained
+    from specdraft.methods import load_trained
 
     folder = RunFolder(memorised_dflash_run)
     drafter, target, _ = load_trained(folder.recipe(), folder)

@@ -8,14 +8,11 @@ import pytest
 import torch
 
 from specdraft.drafters import vocab
-from specdraft.drafters.eagle3 import DrafterConfig, Eagle3Drafter
-from specdraft.drafters.formats import write_sglang, write_vllm
-from specdraft.stages.doctor import (
-    diagnose,
-    held_out_conversations,
-    training_conversations,
-)
-from specdraft.stages.export import provenance
+from specdraft.methods.eagle3.drafter import DrafterConfig, Eagle3Drafter
+from specdraft.methods.eagle3.formats import write_sglang, write_vllm
+from specdraft.drafters.checks import held_out_conversations, training_conversations
+from specdraft.stages.doctor import diagnose
+from specdraft.drafters.common import provenance
 
 pytestmark = pytest.mark.slow  # reads the real target's embedding
 

@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from specdraft.drafters.eagle3 import DrafterConfig, Eagle3Drafter, document_mask
+from specdraft.methods.eagle3.drafter import DrafterConfig, Eagle3Drafter, document_mask
 from specdraft.drafters.common import PAD_DOCUMENT
-from specdraft.drafters.ttt import TTT
-from specdraft.drafters.ttt import unroll
+from specdraft.methods.eagle3.objective import TTT
+from specdraft.methods.eagle3.objective import unroll
 
 
 def small_config(**kw) -> DrafterConfig:

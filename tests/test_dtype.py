@@ -58,7 +58,7 @@ def test_gen_extract_and_train_record_the_dtype_they_ran_in(bf16, tmp_path, tiny
 FAULTS_SCRIPT = """
 import resource, torch
 from specdraft import environment
-from specdraft.drafters.eagle3 import attend, document_mask
+from specdraft.methods.eagle3.drafter import attend, document_mask
 applied = environment.reuse_freed_memory()
 torch.set_num_threads(1)
 T = 1536  # SmolLM2's drafter heads over one document of T tokens: scores of 9 x T x T float32 = 85 MB a step

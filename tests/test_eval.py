@@ -19,6 +19,7 @@ from scipy import stats as sps
 
 from specdraft.cli import main
 from specdraft.decoding import rounds, runners, tree
+from specdraft.methods.eagle3 import decode as eagle3_decode
 from specdraft.stages import eval as eval_stage
 
 MEMORISE_RECIPE = """
@@ -55,7 +56,7 @@ def memorised(tmp_path_factory, target):
 
 @pytest.fixture(scope="module")
 def engine(memorised):
-    from specdraft.drafters.checkpoint import load_trained
+    from specdraft.methods import load_trained
     from specdraft.run import RunFolder
     from specdraft.stages.gen import select_prompts
 
@@ -135,7 +136,7 @@ def test_rejection_sampling_matches_target_on_real_distributions(engine):
     runner.reset()
     logits, aux = runner.forward(prompt)
     x1 = int(logits[-1].argmax())
-    state = runners.DrafterState(drafter)
+    state = eagle3_decode.DrafterState(drafter)
     state.advance(aux, prompt[1:] + [x1], 0)
     p_logits, _ = runner.forward([x1])
     p = torch.softmax(p_logits[-1], -1)
@@ -190,11 +191,11 @@ def test_static_engine_decodes_as_the_eager_engine(engine):
     for name, shape in (("chain", tree.TreeShape.chain(cfg.draft_tokens)),
                         ("tree", tree.TreeShape(cfg.tree_topk, cfg.tree_depth, cfg.tree_tokens))):
         stats = rounds.Stats(shape.depth)
-        rounds.speculative(runner, drafter, ids, cfg.max_new_tokens, eos, shape, stats)
+        eagle3_decode.speculative(runner, drafter, ids, cfg.max_new_tokens, eos, shape, stats)
         assert r[name]["exact_prompts"] == 1
         assert r[name]["accepted_length_histogram"] == stats.accepted_hist
     assert sum(r["tree"]["accepted_length_histogram"][2:]) > 0
-    sampled = [rounds.speculative_sampled(rn, drafter, ids, 8, eos, 3, 1.0, rounds.Stats(3), torch.Generator().manual_seed(0))
+    sampled = [eagle3_decode.speculative_sampled(rn, drafter, ids, 8, eos, 3, 1.0, rounds.Stats(3), torch.Generator().manual_seed(0))
                for rn in (runner, static)]
     assert sampled[0] == sampled[1]
 
@@ -204,7 +205,7 @@ def test_sampled_decoder_runs_and_counts(engine):
     runner, drafter, target, _, prompts = engine
     stats = rounds.Stats(3)
     g = torch.Generator().manual_seed(0)
-    out = rounds.speculative_sampled(runner, drafter, prompts[0]["prompt_ids"], 10, target.eos_token_id, 3, 1.0,
+    out = eagle3_decode.speculative_sampled(runner, drafter, prompts[0]["prompt_ids"], 10, target.eos_token_id, 3, 1.0,
                                 stats, g)
     assert 1 <= len(out) <= 10 and all(0 <= t < target.vocab_size for t in out)
     assert stats.rounds > 0 and sum(stats.accepted_hist) == stats.rounds
@@ -255,8 +256,8 @@ def test_steps_for_cuda_graphs_never_read_the_device_on_the_host(engine):
     ids, eos = prompts[0]["prompt_ids"], target.eos_token_id
     rounds.greedy(static, ids, 4, eos)
     for shape in (tree.TreeShape.chain(3), tree.TreeShape(4, 3, 8)):
-        rounds.speculative(static, drafter, ids, 6, eos, shape, rounds.Stats(shape.depth))
-    rounds.speculative_sampled(static, drafter, ids, 6, eos, 3, 1.0, rounds.Stats(3), torch.Generator().manual_seed(0))
+        eagle3_decode.speculative(static, drafter, ids, 6, eos, shape, rounds.Stats(shape.depth))
+    eagle3_decode.speculative_sampled(static, drafter, ids, 6, eos, 3, 1.0, rounds.Stats(3), torch.Generator().manual_seed(0))
     assert {k[0] for k in checked.keys} == {"target", "draft", "advance", "step"}
 
 

@@ -22,8 +22,8 @@ from hypothesis import strategies as st
 
 from specdraft.cli import main
 from specdraft.drafters import vocab
-from specdraft.drafters.eagle3 import DrafterConfig, Eagle3Drafter
-from specdraft.drafters.formats import write_sglang, write_vllm
+from specdraft.methods.eagle3.drafter import DrafterConfig, Eagle3Drafter
+from specdraft.methods.eagle3.formats import write_sglang, write_vllm
 
 pytestmark = pytest.mark.slow  # reads the real target's config and embedding
 

@@ -13,9 +13,9 @@ from safetensors.torch import save_file
 
 from specdraft.cli import main
 from specdraft.drafters import vocab
-from specdraft.drafters.eagle3 import DrafterConfig, Eagle3Drafter
-from specdraft.drafters.formats import write_sglang, write_vllm
-from specdraft.drafters.checkpoint import load_checkpoint
+from specdraft.methods.eagle3.drafter import DrafterConfig, Eagle3Drafter
+from specdraft.methods.eagle3.formats import write_sglang, write_vllm
+from specdraft.methods import load_checkpoint
 
 pytestmark = pytest.mark.slow  # reads the real target's config and embedding
 
@@ -80,7 +80,7 @@ def test_export_import_gives_identical_logits(fmt, drafter, target, tmp_path, ca
 
 def test_import_into_a_run_is_what_eval_and_export_load(drafter, target, tmp_path):
     from specdraft.run import RunFolder
-    from specdraft.drafters.checkpoint import load_trained
+    from specdraft.methods import load_trained
 
     folder = export("sglang", drafter, tmp_path / "sglang")
     run = RunFolder(tmp_path / "run")
@@ -331,7 +331,7 @@ def test_doctor_on_a_missing_folder_says_so(capsys):
 def dflash_drafter(target):
     """A random one-layer DFlash drafter of the bundled target's shapes (blocks of 4), over its whole
     vocabulary (the target's lm_head, as vLLM shares it), with non-trivial norms."""
-    from specdraft.drafters.dflash import DFlashConfig, DFlashDrafter
+    from specdraft.methods.dflash.drafter import DFlashConfig, DFlashDrafter
 
     torch.manual_seed(0)
     d = DFlashDrafter(DFlashConfig.from_target(target, mask_token_id=16, block_size=4))
@@ -357,7 +357,7 @@ def block_logits(d, seed=1):
 
 
 def dflash_folder(d, target, out: Path, edit=None) -> Path:
-    from specdraft.drafters.dflash_format import write_dflash
+    from specdraft.methods.dflash.formats import write_dflash
 
     write_dflash(d, out, target_num_layers=target.num_layers, provenance={"run": "test"})
     if edit:
@@ -423,7 +423,7 @@ def speculators_dflash(speculators_python, target, tmp_path_factory) -> Path:
     """A two-layer DFlash drafter for SmolLM2 with a draft vocabulary of 256 (lm_head, d2t, t2d), written
     by speculators' own `from_training_args` and `save_pretrained` (float32, `target_hidden_size: null`,
     no `is_neox_style`)."""
-    from specdraft.drafters.dflash import default_mask_token
+    from specdraft.methods.dflash.drafter import default_mask_token
 
     mask = default_mask_token(target.tokenizer, target.vocab_size)
     out = tmp_path_factory.mktemp("speculators-dflash") / "drafter"
@@ -541,7 +541,7 @@ def test_vllms_own_reading_of_the_speculators_dflash_config_is_ours(speculators_
     """vLLM's own translation (its speculators `update_dflash`, run in its venv) against ours."""
     import subprocess
 
-    from specdraft.drafters.dflash_format import from_speculators
+    from specdraft.methods.dflash.formats import from_speculators
     from specdraft.engines import VLLM_PYTHON
 
     code = ("import json, sys; from vllm.transformers_utils.configs.speculators.base import SpeculatorsConfig as S; "
@@ -565,7 +565,7 @@ def test_vllm_serves_the_speculators_dflash_folder_as_written(speculators_dflash
     loads, answers and drafts blocks of its K. Untrained, it accepts next to nothing, so no more is asserted."""
     from test_vllm_serve import serve_and_measure
 
-    from specdraft.drafters.dflash_format import speculators_k
+    from specdraft.methods.dflash.formats import speculators_k
 
     k = speculators_k(json.loads((speculators_dflash / "config.json").read_text()))
     spec = {"method": "dflash", "model": str(speculators_dflash), "num_speculative_tokens": k}

@@ -5,6 +5,7 @@ The same check on a copy with one stage importing another must fail, so the chec
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -43,3 +44,41 @@ def test_a_forbidden_import_breaks_the_contracts(importer, line, broken, tmp_pat
     result = lint_imports(tmp_path)
     assert result.returncode != 0
     assert broken in result.stdout
+
+
+def _contract(name: str) -> dict:
+    import tomllib
+
+    contracts = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
+    return next(c for c in contracts if c["name"] == name)
+
+
+def test_every_method_package_is_kept_behind_the_registry():
+    """The contracts name every registered method's package: one left out could be imported by a stage."""
+    from specdraft.methods import METHODS
+
+    packages = {type(m).__module__ for m in METHODS.values()}
+    assert set(_contract("stages and shared library modules ask the registry, never a method's package")
+               ["forbidden_modules"]) == packages
+    assert set(_contract("no method's package imports another's")["modules"]) == packages
+
+
+# A method's name, or the name of one of its modules, as code would write it.
+METHOD_WORD = re.compile(r"(?<![A-Za-z0-9])(eagle3|dflash|peagle)(?![A-Za-z0-9])", re.IGNORECASE)
+
+
+def test_no_stage_names_a_method():
+    """Stages never branch on a method: outside the method packages (and the registry) no stage names
+    one, in code or in prose, so a method added is a package, not edits across the stages."""
+    found = []
+    for path in sorted((ROOT / "specdraft" / "stages").glob("*.py")):
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            if METHOD_WORD.search(line):
+                found.append(f"{path.name}:{n}: {line.strip()}")
+    assert not found, "\n".join(found)
+
+
+def test_a_stage_naming_a_method_is_found(tmp_path):
+    assert METHOD_WORD.search('    if drafter.METHOD == "dflash":')
+    assert METHOD_WORD.search("from specdraft.methods.eagle3 import formats")
+    assert not METHOD_WORD.search("a DFlashy name, eagle30")

@@ -101,8 +101,8 @@ def test_eval_is_exact_and_reports_acceptance(tiny_run):
 
 
 def test_export_round_trip_gives_identical_logits(tiny_run, target):
-    from specdraft.drafters.checkpoint import load_checkpoint
-    from specdraft.drafters.formats import read_vllm
+    from specdraft.methods import load_checkpoint
+    from specdraft.methods.eagle3.formats import read_vllm
 
     embed = target.embed_weight()
     trained, _ = load_checkpoint(tiny_run / "checkpoints" / "final", embed)

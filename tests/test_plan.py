@@ -119,7 +119,7 @@ def test_published_checkpoint_sizes_from_quantization_configs():
 def test_smollm2_plan_is_the_trainers_drafter(target):
     """The bundled target: 4 bf16 states x 576, aux (2, 15, 27), and the drafter's parameters equal those of
     the drafter the trainer instantiates for real."""
-    from specdraft.drafters.eagle3 import DrafterConfig, Eagle3Drafter
+    from specdraft.methods.eagle3.drafter import DrafterConfig, Eagle3Drafter
 
     recipe = load_recipe("smollm2-cpu")
     plan = make_plan(recipe)
@@ -137,13 +137,13 @@ def test_smollm2_plan_is_the_trainers_drafter(target):
 
 @pytest.mark.parametrize("draft_vocab_size", [0, 512])
 def test_a_dflash_plan_bills_the_drafter_the_trainer_builds(target, draft_vocab_size):
-    """train.method = dflash: the parameters of the drafter methods.build_dflash makes for real (the
+    """train.method = dflash: the parameters of the drafter methods/dflash's build_dflash makes for real (the
     target's lm_head frozen when the vocabulary is the target's), and activations growing with the
     block slots trained per token."""
     import torch
 
     from specdraft.config import apply_sets
-    from specdraft.methods import build_dflash
+    from specdraft.methods.dflash import build_dflash
 
     recipe = apply_sets(load_recipe("smollm2-cpu"), ["train.method=dflash", f"train.draft_vocab_size={draft_vocab_size}"])
     plan = make_plan(recipe)
@@ -202,7 +202,7 @@ def test_rows_span_one_document_on_either_device_and_the_batch_that_fits_is_the_
         fitting_batch_tokens,
         training_memory,
     )
-    from specdraft.drafters.eagle3 import DrafterConfig
+    from specdraft.methods.eagle3.drafter import DrafterConfig
     from specdraft.targets import Target
 
     recipe = load_recipe("smollm2-h200")
@@ -260,7 +260,7 @@ def test_plan_bills_the_target_the_stages_read(tmp_path, monkeypatch):
     from dataclasses import replace
 
     from specdraft import targets
-    from specdraft.drafters.eagle3 import DrafterConfig
+    from specdraft.methods.eagle3.drafter import DrafterConfig
     from specdraft.hidden.store import TOKEN_BYTES, bytes_per_token
 
     folder = tmp_path / "kimi"

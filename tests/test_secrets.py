@@ -245,7 +245,7 @@ def test_a_bin_drafter_folder_is_refused_unread_with_the_command_that_converts_i
     exec(code, {})  # noqa: S102 - the command's own code, in-process: no second interpreter to start
     back = load_file(str(place / "drafter" / "model.safetensors"))
     assert back.keys() == state.keys() and all(torch.equal(back[k], state[k]) for k in state)
-    from specdraft.drafters.formats import read_published
+    from specdraft.methods.eagle3.formats import read_published
 
     read_published(place / "drafter")  # now read, through safetensors
 

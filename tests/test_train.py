@@ -15,9 +15,9 @@ import torch
 from pausing import kill_at
 
 from specdraft.cli import main
-from specdraft.drafters.eagle3 import DrafterConfig, Eagle3Drafter
+from specdraft.methods.eagle3.drafter import DrafterConfig, Eagle3Drafter
 from specdraft.run import RunFolder
-from specdraft.drafters.ttt import TTT
+from specdraft.methods.eagle3.objective import TTT
 from specdraft.stages.train import COMPLETE
 
 REPO = Path(__file__).resolve().parents[1]
@@ -146,8 +146,8 @@ def test_torchrun_two_processes_equal_one(extracted_run, single_two_rows, tmp_pa
 def test_init_from_names_what_does_not_fit(tmp_path):
     """Starting from a published drafter checks every shape against the target's drafter; a drafter
     for another target is refused with each tensor that does not fit."""
-    from specdraft.drafters.formats import write_sglang
-    from specdraft.drafters.checkpoint import init_from
+    from specdraft.methods.eagle3.formats import write_sglang
+    from specdraft.methods.eagle3 import init_from
 
     def drafter(hidden, vocab):
         from specdraft.drafters import vocab as vocabulary
@@ -350,11 +350,8 @@ def test_training_checkpoint_restores_what_resuming_needs(tmp_path):
     weights, the optimizer and schedule and the RNG back and returns the saved data position."""
     import random
 
-    from specdraft.drafters.checkpoint import (
-        load_checkpoint,
-        load_training,
-        save_training,
-    )
+    from specdraft.drafters.checkpoint import load_training, save_training
+    from specdraft.methods import load_checkpoint
 
     cfg = DrafterConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
                         intermediate_size=64, vocab_size=50, draft_vocab_size=50, target_hidden_size=32,

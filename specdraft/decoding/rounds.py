@@ -22,7 +22,7 @@ from typing import Protocol, TypeVar
 
 import torch
 
-from specdraft.decoding.runners import DrafterState, TargetRunner, sync
+from specdraft.decoding.runners import TargetRunner, sync
 from specdraft.decoding.tree import Tree, TreeShape, cache_tokens, draft_tree
 
 # Bisection steps to invert tau(α) = (1 − α^(K+1)) / (1 − α): 60 halvings reach float precision.
@@ -100,14 +100,14 @@ class RoundPolicy(Protocol[Draft, Verdict]):
     shape: TreeShape
     forwards: int
 
-    def start(self, runner: TargetRunner, drafter) -> DrafterState:
+    def start(self, runner: TargetRunner, drafter) :
         """The drafter's state for one decode: advance(aux, next tokens, first position) feeds it the
         target's states of newly accepted positions, and draft() reads it."""
 
     def first_token(self, logits: torch.Tensor) -> int:
         """The token after the prompt, from the prefill's last logits [V]."""
 
-    def draft(self, state: DrafterState) -> Draft:
+    def draft(self, state) -> Draft:
         """This round's draft from the drafter's root (the last accepted token)."""
 
     def verify(self, runner: TargetRunner, root: int, draft: Draft, n: int) -> tuple[Verdict, torch.Tensor]:
@@ -124,20 +124,20 @@ class GreedyTree:
     """Greedy rounds on an EAGLE-2 tree (a chain is the tree of top-k 1): the longest drafted path whose
     tokens the target itself picks, plus the target's own next token."""
 
-    def __init__(self, shape: TreeShape):
-        self.shape = shape
+    def __init__(self, shape: TreeShape, states):
+        self.shape, self.states = shape, states  # states: the method's contract.DecodeStates
 
     @property
     def forwards(self) -> int:
         return self.shape.depth
 
-    def start(self, runner: TargetRunner, drafter) -> DrafterState:
-        return runner.drafter_state(drafter, self.shape.depth + 1)
+    def start(self, runner: TargetRunner, drafter) :
+        return runner.drafter_state(drafter, self.states, self.shape.depth + 1)
 
     def first_token(self, logits: torch.Tensor) -> int:
         return int(logits.argmax())
 
-    def draft(self, state: DrafterState) -> Tree:
+    def draft(self, state) -> Tree:
         return draft_tree(state, self.shape)
 
     def verify(self, runner: TargetRunner, root: int, draft: Tree, n: int) -> tuple[list[int], torch.Tensor]:
@@ -169,8 +169,8 @@ class SampledChain:
     """Sampled rounds: a chain of K tokens sampled from the drafter at `temperature`, accepted by exact
     rejection sampling, so the output is distributed as the target's own sampling."""
 
-    def __init__(self, K: int, temperature: float, generator: torch.Generator):
-        self.shape = TreeShape.chain(K)
+    def __init__(self, K: int, temperature: float, generator: torch.Generator, states):
+        self.shape, self.states = TreeShape.chain(K), states  # states: the method's contract.DecodeStates
         self.temperature, self.generator = temperature, generator
         self.vocab = 0  # the target's, from the prefill: draft_probs spreads the draft vocab over it
 
@@ -178,8 +178,8 @@ class SampledChain:
     def forwards(self) -> int:
         return self.shape.depth
 
-    def start(self, runner: TargetRunner, drafter) -> DrafterState:
-        return runner.drafter_state(drafter, self.shape.depth + 1)
+    def start(self, runner: TargetRunner, drafter) :
+        return runner.drafter_state(drafter, self.states, self.shape.depth + 1)
 
     def sample(self, probs: torch.Tensor) -> int:
         return int(torch.multinomial(probs, 1, generator=self.generator))
@@ -188,7 +188,7 @@ class SampledChain:
         self.vocab = logits.shape[-1]
         return self.sample(torch.softmax(logits / self.temperature, -1))
 
-    def draft(self, state: DrafterState) -> SampledDraft:
+    def draft(self, state) -> SampledDraft:
         K, drafter = self.shape.depth, state.drafter
         drafts, qs, diag = [], [], []
         hidden, d_logits = state.root_hidden, state.root_logits
@@ -249,19 +249,6 @@ def decode(runner: TargetRunner, drafter, prompt: list[int], max_new: int, eos: 
     if eos in out:
         out = out[: out.index(eos) + 1]
     return out[:max_new]
-
-
-def speculative(runner: TargetRunner, drafter, prompt: list[int], max_new: int, eos: int, shape: TreeShape,
-                stats: Stats) -> list[int]:
-    """Greedy speculative decoding with tree (or chain) drafts; returns the generated ids."""
-    return decode(runner, drafter, prompt, max_new, eos, GreedyTree(shape), stats)
-
-
-def speculative_sampled(runner: TargetRunner, drafter, prompt: list[int], max_new: int, eos: int, K: int,
-                        temperature: float, stats: Stats, generator: torch.Generator) -> list[int]:
-    """Sampled speculative decoding with chains of K drafted tokens; the output is distributed as the
-    target's own sampling at `temperature`."""
-    return decode(runner, drafter, prompt, max_new, eos, SampledChain(K, temperature, generator), stats)
 
 
 @torch.inference_mode()

@@ -11,7 +11,6 @@ from __future__ import annotations
 import torch
 
 from specdraft.decoding.static import StaticTargetRunner
-from specdraft.decoding.tree import TreeShape, grow_tree
 from specdraft.targets import Target, cache_argument, get_attr, tap_hidden_states
 
 ENGINES = ("auto", "eager", "static", "cuda-graphs")
@@ -40,11 +39,12 @@ class TargetRunner:
     def reserve(self, tokens: int):
         """The dynamic cache grows as it goes: nothing to reserve."""
 
-    def drafter_state(self, drafter, max_accepted: int) -> DrafterState:
-        return DrafterState(drafter)
-
-    def block_context(self, drafter) -> BlockContext:
-        return BlockContext(drafter)
+    def drafter_state(self, drafter, states, max_accepted: int):
+        """The drafter's decode state for one decode, as its method makes it on this engine
+        (`states`: the method's contract.DecodeStates): a fresh one on the eager engine."""
+        state = states.eager(drafter)
+        state.reset(max_accepted)
+        return state
 
     def reset(self):
         from transformers import DynamicCache
@@ -108,63 +108,3 @@ def make_runner(target: Target, model, engine: str):
     if engine == "eager":
         return TargetRunner(target, model)
     return StaticTargetRunner(target, model, graphs=engine == "cuda-graphs")
-
-
-class DrafterState:
-    """The drafter's own cache of step-0 keys (one per target position) and its root for the next round."""
-
-    def __init__(self, drafter):
-        self.drafter = drafter
-        self.cache = None
-        self.root_hidden = self.root_logits = None
-        self.root_position = -1
-
-    @torch.inference_mode()
-    def advance(self, aux: torch.Tensor, next_tokens: list[int], first_position: int):
-        """Step 0 over newly accepted positions: position t reads (target aux h_t, token x_{t+1})."""
-        d = self.drafter
-        positions = torch.arange(first_position, first_position + len(next_tokens), device=aux.device)[None]
-        tokens = torch.tensor([next_tokens], device=aux.device)
-        logits, h, kv = d(d.project(aux.to(d.fc.weight.dtype))[None], tokens, positions, base=self.cache)
-        self.cache = kv if self.cache is None else (torch.cat([self.cache[0], kv[0]], 2),
-                                                    torch.cat([self.cache[1], kv[1]], 2))
-        self.root_hidden, self.root_logits = h[:, -1:], logits[0, -1]  # [1, 1, H], [Vd]
-        self.root_position = first_position + len(next_tokens) - 1
-
-    @torch.inference_mode()
-    def step(self, hidden, tokens: torch.Tensor, depth: int, diag: list):
-        """One drafting step for sibling nodes at `depth`: each of `tokens` [1, F] reads its parent's output
-        state `hidden` [1, F, H] and sees the whole step-0 cache plus its ancestors' keys (`diag`) and its own."""
-        positions = torch.full(tokens.shape, self.root_position + depth, device=hidden.device)  # [1, F]
-        return self.drafter(hidden, tokens, positions, base=self.cache, diag=diag, q_offset=self.cache[0].shape[2] - 1)
-
-    def draft(self, shape: TreeShape) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Every node of this round's dynamic tree (grow_tree)."""
-        return grow_tree(self.drafter, self.step, self.root_hidden, self.root_logits, shape)
-
-
-class BlockContext:
-    """A DFlash drafter's state on the eager engine: its context (every drafter layer's keys and values of
-    the positions the target has verified, one per position: what vLLM writes into the drafter's KV
-    cache), grown by concatenation each round, and the next round's anchor."""
-
-    def __init__(self, drafter):
-        self.drafter = drafter
-        self.kv = None  # per layer (keys, values) [1, kv heads, T, d]
-        self.anchor, self.anchor_position = -1, -1
-
-    @torch.inference_mode()
-    def advance(self, aux: torch.Tensor, next_tokens: list[int], first_position: int):
-        """Newly accepted positions first_position, ... with the target's aux states aux [m, n_aux*Ht];
-        next_tokens[i] is the token after position first_position + i, so the last one is the next
-        round's anchor, at the position after them."""
-        d = self.drafter
-        positions = torch.arange(first_position, first_position + aux.shape[0], device=aux.device)[None]  # [1, m]
-        new = d.context(aux.to(d.fc.weight.dtype)[None], positions)
-        self.kv = new if self.kv is None else [(torch.cat([k, nk], 2), torch.cat([v, nv], 2))
-                                               for (k, v), (nk, nv) in zip(self.kv, new)]
-        self.anchor, self.anchor_position = next_tokens[-1], first_position + len(next_tokens)
-
-    def draft(self) -> list[int]:
-        """The block's K drafts: target ids of positions anchor + 1 .. anchor + K."""
-        return self.drafter.draft(self.kv, self.anchor, self.anchor_position)

@@ -28,7 +28,6 @@ from collections.abc import Callable
 
 import torch
 
-from specdraft.decoding.tree import grow_tree
 from specdraft.targets import Target, cache_argument, get_attr, tap_hidden_states
 
 # Eager calls on a side stream before a capture: the first call picks kernels and allocates library
@@ -131,8 +130,7 @@ class StaticTargetRunner:
         self.dtype = next(model.parameters()).dtype
         self.graphs = StepGraphs(self.device, graphs)
         self.cache = StaticKV(self.layers, 0)
-        self._drafter_state: StaticDrafterState | None = None
-        self._block_context: StaticBlockContext | None = None
+        self._drafter_state = None  # the last decode's drafter state, reused while the drafter is the same
 
     @property
     def engine(self) -> str:
@@ -146,7 +144,7 @@ class StaticTargetRunner:
         if tokens > self.cache.capacity:
             self.cache = StaticKV(self.layers, -(-tokens // CAPACITY_ALIGNMENT) * CAPACITY_ALIGNMENT)
             self.graphs.clear()
-            self._drafter_state = self._block_context = None
+            self._drafter_state = None
 
     def reset(self):
         self.cache.length = 0  # stale keys stay in the buffers, hidden by the mask and overwritten
@@ -155,18 +153,15 @@ class StaticTargetRunner:
     def length(self) -> int:
         return self.cache.length
 
-    def drafter_state(self, drafter, max_accepted: int) -> StaticDrafterState:
-        if self._drafter_state is None or self._drafter_state.drafter is not drafter:
+    def drafter_state(self, drafter, states, max_accepted: int):
+        """The drafter's decode state as its method makes it on preallocated buffers (`states`: the
+        method's contract.DecodeStates), kept while the drafter and its method stay the same."""
+        kept = self._drafter_state
+        if kept is None or kept[0] is not states or kept[1].drafter is not drafter:
             self.graphs.clear()  # the drafter's graphs hold the old state's buffers
-            self._drafter_state = StaticDrafterState(drafter, self.cache.capacity, self.graphs)
-        self._drafter_state.reset(max_accepted)
-        return self._drafter_state
-
-    def block_context(self, drafter) -> StaticBlockContext:
-        if self._block_context is None or self._block_context.drafter is not drafter:
-            self.graphs.clear()  # the drafter's graphs hold the old context's buffers
-            self._block_context = StaticBlockContext(drafter, self.cache.capacity, self.graphs)
-        return self._block_context
+            self._drafter_state = kept = (states, states.static(drafter, self.cache.capacity, self.graphs))
+        kept[1].reset(max_accepted)
+        return kept[1]
 
     @torch.inference_mode()
     def forward(self, ids: list[int], positions: list[int] | None = None,
@@ -215,143 +210,3 @@ class StaticTargetRunner:
             for buf in (self.cache.keys, self.cache.values):  # [L, B, heads, C, d]; slots are dim 3
                 buf.index_copy_(3, dst, buf.index_select(3, src))  # gathered first: src and dst may overlap
         self.cache.length = length + len(extra)
-
-
-class StaticDrafterState:
-    """DrafterState's interface (advance, step, draft, root_*) on a preallocated step-0 key/value cache,
-    its calls of fixed shape: advance padded to `max_accepted` rows after the prefill, one graph for a
-    whole tree drafting per tree shape, one per depth for the sampled chain's single steps."""
-
-    def __init__(self, drafter, capacity: int, graphs: StepGraphs):
-        cfg = drafter.config
-        dtype, device = drafter.fc.weight.dtype, drafter.fc.weight.device
-        self.drafter, self.capacity, self.graphs = drafter, capacity, graphs
-        shape = (1, cfg.num_key_value_heads, capacity, cfg.head_dim)
-        self.keys = torch.zeros(shape, dtype=dtype, device=device)  # [1, kv heads, C, d]
-        self.values = torch.zeros(shape, dtype=dtype, device=device)
-        self.root_hidden = self.root_logits = None
-        self.root_position = -1
-        self.max_accepted = 1
-
-    def reset(self, max_accepted: int):
-        """A new sequence whose rounds accept at most `max_accepted` tokens (the advance's padded rows)."""
-        self.root_hidden = self.root_logits = None
-        self.root_position = -1
-        self.max_accepted = max_accepted
-
-    @torch.inference_mode()
-    def advance(self, aux: torch.Tensor, next_tokens: list[int], first_position: int):
-        """As DrafterState.advance. After the prefill the call is padded to `max_accepted` rows: the
-        padded rows come last, no real row sees them, and the slots they write are rewritten by the next
-        advance before anything reads them."""
-        m, dev = len(next_tokens), self.keys.device
-        if first_position == 0:  # the prefill: its length differs per prompt, so it is never captured
-            logits, h = self._advance(aux, torch.tensor([next_tokens], device=dev), torch.tensor(0, device=dev))
-        else:
-            rows = max(m, self.max_accepted)
-            if first_position + rows > self.capacity:
-                raise RuntimeError(f"drafter cache of {self.capacity} slots is full: reserve() more before decoding")
-            padded = aux.new_zeros((rows, aux.shape[1]))  # [rows, n_aux*Ht]
-            padded[:m] = aux
-            logits, h = self.graphs(("advance", rows), self._advance, padded,
-                                    torch.tensor([next_tokens + [0] * (rows - m)]), torch.tensor(first_position))
-        self.root_hidden, self.root_logits = h[m - 1][None, None], logits[m - 1]  # [1, 1, H], [Vd]
-        self.root_position = first_position + m - 1
-
-    def _advance(self, aux, tokens, first):
-        """aux [W, n_aux*Ht], tokens [1, W], first [] -> logits [W, Vd], h [W, H]; writes W slots."""
-        d, W = self.drafter, tokens.shape[1]
-        slots = first + torch.arange(W, device=tokens.device)  # [W]
-        # Row j sees the cache before `first` and the new rows 0..j.
-        mask = torch.cat([(torch.arange(self.capacity, device=tokens.device) < first)[None].expand(W, -1),
-                          torch.ones(W, W, dtype=torch.bool, device=tokens.device).tril()], dim=1)  # [W, C+W]
-        logits, h, (k, v) = d(d.project(aux.to(self.keys.dtype))[None], tokens, slots[None],
-                              base=(self.keys, self.values), mask=mask)
-        self.keys.index_copy_(2, slots, k)
-        self.values.index_copy_(2, slots, v)
-        return logits[0], h[0]
-
-    @torch.inference_mode()
-    def step(self, hidden, tokens: torch.Tensor, depth: int, diag: list):
-        """As DrafterState.step (sampled chains draft step by step); the outputs are a graph's: read or
-        copy them before the next step of the same depth."""
-        flat = [t for kv in diag for t in kv]
-        return self.graphs(("step", depth, tokens.shape[1]), lambda *xs: self._step(depth, *xs),
-                           hidden, tokens, torch.tensor(self.root_position), *flat)
-
-    @torch.inference_mode()
-    def draft(self, shape) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """As DrafterState.draft: the whole tree's drafting steps and selections in one graph."""
-        def grow(hidden, logits, root):
-            def step(h, tokens, depth, diag):
-                return self._step(depth, h, tokens, root, *(t for kv in diag for t in kv))
-            return grow_tree(self.drafter, step, hidden, logits, shape)
-
-        return self.graphs(("draft", shape.topk, shape.depth), grow, self.root_hidden, self.root_logits,
-                           torch.tensor(self.root_position))
-
-    def _step(self, depth, hidden, tokens, root, *flat):
-        """hidden [1, F, H], tokens [1, F], root [] (the root's position), flat = the ancestors' keys
-        and values, each [1, kv heads, F, d] -> logits [1, F, Vd], h [1, F, H], this step's (k, v)."""
-        positions = (root + depth).expand(1, tokens.shape[1])  # [1, F]: siblings share a depth
-        mask = (torch.arange(self.capacity, device=tokens.device) <= root)[None]  # [1, C]: the whole cache
-        diag = [(flat[i], flat[i + 1]) for i in range(0, len(flat), 2)]
-        return self.drafter(hidden, tokens, positions, base=(self.keys, self.values), diag=diag, mask=mask)
-
-
-class StaticBlockContext:
-    """BlockContext's interface (advance, draft) for a DFlash drafter on preallocated buffers: every
-    layer's context keys and values at the cache's capacity, a position's slot its position. After the
-    prefill both calls have fixed shapes: advance padded to block_size rows (a round accepts at most
-    block_size - 1 drafts and the target's own token), and the block drafted against the whole capacity
-    under a mask of the positions before the anchor, so each is one CUDA graph when graphs are on."""
-
-    def __init__(self, drafter, capacity: int, graphs: StepGraphs):
-        cfg = drafter.config
-        dtype, device = drafter.fc.weight.dtype, drafter.fc.weight.device
-        self.drafter, self.capacity, self.graphs = drafter, capacity, graphs
-        shape = (1, cfg.num_key_value_heads, capacity, cfg.head_dim)
-        self.kv = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-                   for _ in range(cfg.num_layers)]  # per layer (keys, values) [1, kv heads, C, d]
-        self.anchor, self.anchor_position = -1, -1
-
-    @torch.inference_mode()
-    def advance(self, aux: torch.Tensor, next_tokens: list[int], first_position: int):
-        """As BlockContext.advance. The padded rows write slots past the next anchor, which the next
-        draft does not see and the next advance overwrites."""
-        m, rows, dev = aux.shape[0], self.drafter.config.block_size, aux.device
-        self.anchor, self.anchor_position = next_tokens[-1], first_position + len(next_tokens)
-        if first_position == 0:  # the prefill: its length differs per prompt, so it is never captured
-            self._advance(aux, torch.tensor(0, device=dev))
-            return
-        if first_position + rows > self.capacity:
-            raise RuntimeError(f"drafter cache of {self.capacity} slots is full: reserve() more before decoding")
-        padded = aux.new_zeros((rows, aux.shape[1]))  # [rows, n_aux*Ht]
-        padded[:m] = aux
-        self.graphs(("block-advance", rows), self._advance, padded, torch.tensor(first_position))
-
-    def _advance(self, aux, first):
-        """aux [W, n_aux*Ht], first [] -> writes every layer's keys and values at slots first .. first + W - 1."""
-        d = self.drafter
-        slots = first + torch.arange(aux.shape[0], device=aux.device)  # [W]
-        for (keys, values), (k, v) in zip(self.kv, d.context(aux.to(d.fc.weight.dtype)[None], slots[None])):
-            keys.index_copy_(2, slots, k)
-            values.index_copy_(2, slots, v)
-        return slots
-
-    @torch.inference_mode()
-    def draft(self) -> list[int]:
-        """As BlockContext.draft."""
-        ids = self.graphs(("block-draft",), self._draft, torch.tensor([[self.anchor]]),
-                          torch.tensor(self.anchor_position))
-        return ids.tolist()
-
-    def _draft(self, token, position):
-        """token [1, 1], position [] -> the drafted target ids [block_size - 1]."""
-        d = self.drafter
-        bs = d.config.block_size
-        ids = d.block_inputs(token)  # [1, bs]: the anchor, then the mask token
-        positions = (position + torch.arange(bs, device=token.device))[None]  # [1, bs]
-        visible = (torch.arange(self.capacity, device=token.device) < position)[None, None].expand(1, bs, -1)  # [1, bs, C]
-        logits = d(ids, positions, self.kv, visible)  # [1, bs, Vd]
-        return d.to_target_ids(logits[0, 1:].argmax(-1))

@@ -6,12 +6,8 @@ with top-k 1, depth K and K tokens, so chains and trees run the same code.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
-
-if TYPE_CHECKING:
-    from specdraft.decoding.runners import DrafterState
 
 
 def cache_tokens(prompt_len: int, max_new: int, shape: TreeShape) -> int:
@@ -96,7 +92,8 @@ def grow_tree(drafter, step, root_hidden: torch.Tensor, root_logits: torch.Tenso
 
 
 @torch.inference_mode()
-def draft_tree(state: DrafterState, shape: TreeShape) -> Tree:
+def draft_tree(state, shape: TreeShape) -> Tree:
+    """The round's tree from a drafter state that grows one (state.draft(shape))."""
     scores, tokens, parents = (t.tolist() for t in state.draft(shape))
     k = shape.topk
     depths = [1] * k + [depth for depth in range(2, shape.depth + 1) for _ in range(k * k)]

@@ -22,10 +22,6 @@ from pathlib import Path
 
 import torch
 
-from specdraft.config import Recipe
-from specdraft.drafters.dflash import DFlashConfig, DFlashDrafter
-from specdraft.drafters.eagle3 import DrafterConfig, Eagle3Drafter
-from specdraft.drafters.formats import read_drafter
 from specdraft.files import (
     FULL,
     DiskFull,
@@ -35,8 +31,7 @@ from specdraft.files import (
     safetensors_bytes,
     save_safetensors,
 )
-from specdraft.run import RunFolder, write_json
-from specdraft.targets import Target
+from specdraft.run import write_json
 
 COMPLETE = "COMPLETE"  # written last into a checkpoint folder: a folder without it is ignored
 TRAINER_TENSORS = "trainer.safetensors"
@@ -46,14 +41,9 @@ PICKLED = "trainer.pt"  # what specdraft wrote before: a pickle, never read
 
 _TAGS = ("__tensor__", "__tuple__", "__items__")
 
-# The drafter of each method (train.method), with its config: a checkpoint's config.json names its
-# method, and one without that name predates DFlash (EAGLE-3).
-DRAFTERS = {"eagle3": (DrafterConfig, Eagle3Drafter), "dflash": (DFlashConfig, DFlashDrafter)}
-
-
 def drafter_of(config):
     """The drafter of a config (of the method whose config it is), built on the current device."""
-    return next(cls for c, cls in DRAFTERS.values() if isinstance(config, c))(config)
+    return config.make_drafter()
 
 
 def target_tensors(config) -> set[str]:
@@ -156,19 +146,23 @@ def checkpoint_fix(path: Path) -> str:
     return "rerun `specdraft train` (it resumes from checkpoints/latest), or " + RESTART
 
 
-def read_meta(path: Path) -> dict:
-    """A checkpoint's config.json, checked for the drafter config and method every loader takes from it."""
+def read_meta(path: Path, methods, default: str) -> dict:
+    """A checkpoint's config.json, checked for the drafter config and method every loader takes from it
+    (`methods`: the names a method may have, `default` the method of a checkpoint that names none,
+    written before there were several; the registry's readers pass them)."""
     meta = read_json(Path(path) / "config.json", fix=checkpoint_fix(Path(path)))
-    if not isinstance(meta.get("drafter"), dict) or meta.get("method", "eagle3") not in DRAFTERS \
-            or not isinstance(meta.get("aux_layer_ids", []), list):
+    if isinstance(meta, dict):
+        meta.setdefault("method", default)
+    if not isinstance(meta.get("drafter"), dict) or not isinstance(meta.get("method"), str) \
+            or meta["method"] not in methods or not isinstance(meta.get("aux_layer_ids", []), list):
         raise FileError(f"{Path(path) / 'config.json'}: not a specdraft checkpoint's config (its 'drafter', "
                         f"'method' or 'aux_layer_ids'); {checkpoint_fix(Path(path))}")
     return meta
 
 
-def drafter_config(meta: dict, path: Path):
-    """The drafter config a checkpoint's config.json (`meta`, read from `path`) holds."""
-    config_cls, _ = DRAFTERS[meta.get("method", "eagle3")]
+def drafter_config(meta: dict, path: Path, config_cls):
+    """The drafter config (of `config_cls`, its method's) a checkpoint's config.json (`meta`, read
+    from `path`) holds."""
     try:
         return config_cls(**meta["drafter"])
     except TypeError as e:  # a field this specdraft does not know, or one missing
@@ -281,14 +275,11 @@ def load_training(path: Path, wrapped, optimizers: list, schedulers: list) -> di
     return extra["state"]
 
 
-def load_checkpoint(path: Path, embed: torch.Tensor | None = None, head: torch.Tensor | None = None
-                    ) -> tuple[Eagle3Drafter | DFlashDrafter, dict]:
-    """The drafter of a checkpoint, of the method its config.json names, with the target's `embed` (and
-    `head`, the target's lm_head weight, for a DFlash drafter sharing it) where the checkpoint left them
-    out."""
+def load_weights(drafter, path: Path, embed: torch.Tensor | None = None, head: torch.Tensor | None = None):
+    """`drafter` (built from the checkpoint's config) with the checkpoint's weights, and the target's
+    `embed` (and `head`, the target's lm_head weight, for a drafter sharing it) where the checkpoint
+    left them out; in eval mode."""
     path = Path(path)
-    meta = read_meta(path)
-    drafter = DRAFTERS[meta.get("method", "eagle3")][1](drafter_config(meta, path))
     state = load_safetensors(path / "model.safetensors", fix=checkpoint_fix(path))
     given = {"embed_tokens.weight": embed, "lm_head.weight": head}
     for name in target_tensors(drafter.config) - set(state):
@@ -301,35 +292,4 @@ def load_checkpoint(path: Path, embed: torch.Tensor | None = None, head: torch.T
         first = str(e).splitlines()[1].strip() if len(str(e).splitlines()) > 1 else str(e)
         raise FileError(f"{path / 'model.safetensors'}: does not fit config.json's drafter ({first}); "
                         f"{checkpoint_fix(path)}") from None
-    return drafter.eval(), meta
-
-
-def load_trained(recipe: Recipe, folder: RunFolder):
-    """The run's trained drafter, the target it was trained for (with the checkpoint's aux layers),
-    and the target's embedding (which the drafter shares)."""
-
-    entry = folder.require("train")
-    ckpt = folder.path / entry["checkpoint"] if "checkpoint" in entry else folder.checkpoint("final")
-    meta = read_meta(ckpt)
-    if "aux_layer_ids" not in meta:
-        raise FileError(f"{ckpt / 'config.json'}: no 'aux_layer_ids' (the layers it drafts from); {checkpoint_fix(ckpt)}")
-    target = Target(recipe.target.model, meta["aux_layer_ids"])
-    embed = target.embed_weight()
-    head = target.head_weight() if "lm_head.weight" in target_tensors(drafter_config(meta, ckpt)) else None
-    drafter, _ = load_checkpoint(ckpt, embed, head)
-    return drafter, target, embed
-
-
-def init_from(drafter: Eagle3Drafter, folder: Path, embed: torch.Tensor) -> None:
-    """Start from a published drafter (speculators `layers.0.*` or flat `midlayer.*` layout), after
-    checking every shape against the drafter this target needs; a mismatch names each tensor."""
-
-    src = read_drafter(Path(folder), embed)
-    want = {k: v.shape for k, v in drafter.state_dict().items()}
-    have = {k: v.shape for k, v in src.state_dict().items()}
-    problems = [f"{k}: drafter for this target needs {tuple(want[k])}, {folder} has "
-                f"{tuple(have[k]) if k in have else 'nothing'}" for k in want if have.get(k) != want[k]]
-    problems += [f"{k}: in {folder} but not used by this drafter" for k in have if k not in want]
-    if problems:
-        raise ValueError(f"train.init_from = {folder} does not fit the target:\n  " + "\n  ".join(problems))
-    drafter.load_state_dict(src.state_dict())
+    return drafter.eval()

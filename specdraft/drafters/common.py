@@ -3,11 +3,14 @@ positions), the packed batch the trainer feeds every objective (pack, collate, t
 the losses against the target's distribution, and the per-position statistics every objective returns
 (STAT_COLUMNS rows, read by summarize into loss, accuracy, conditional acceptance and tau).
 
+Engine folders of every method share the fix for an unreadable one (REEXPORT) and their provenance.
 A method's package (specdraft/methods/<name>/) builds its drafter and objective on these; nothing here
 knows which method runs.
 """
 
 from __future__ import annotations
+
+import time
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +24,18 @@ def within_vocab(draft_vocab_size: int, vocab_size: int) -> int:
         raise ValueError(f"train.draft_vocab_size: {draft_vocab_size} is outside its range: <= {vocab_size:,} "
                          f"(the target's vocabulary; 0 takes all of it)")
     return draft_vocab_size or vocab_size
+
+
+# ---------------------------------------------------------------------------------------------------
+# Engine folders
+
+# What to do about an engine folder that cannot be read or does not hold what it says.
+REEXPORT = "re-export it (`specdraft export`), or fetch the drafter folder again from where it was published"
+
+
+def provenance(run_name: str) -> dict:
+    """What an exported folder says of where it came from."""
+    return {"run": run_name, "exported": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
 
 
 # ---------------------------------------------------------------------------------------------------

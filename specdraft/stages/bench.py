@@ -8,7 +8,7 @@ chunks) percentiles. Acceptance comes from the engine's Prometheus `/metrics`: v
 and `..._num_accepted_tokens_per_pos_total{position="i"}`; the figures of a level are the deltas of
 these counters between a scrape before and one after it.
 
-`compare` starts vLLM once per configuration (no speculation, n-gram, EAGLE-3 with K = 1…7) through
+`compare` starts vLLM once per configuration (no speculation, n-gram, the drafter with K = 1…7, served as its method says) through
 `VllmServer` and sweeps each, so one report shows them side by side: speedup over no speculation at
 each concurrency, acceptance per position, tau against K.
 """
@@ -35,6 +35,7 @@ from specdraft.engines import (
     spec_decode_counters,
     spec_lines,
 )
+from specdraft.methods import METHODS
 from specdraft.run import atomic_path, open_run, write_json, write_text
 from specdraft.targets import Target
 
@@ -168,7 +169,8 @@ def sweep(url: str, prompts: list[list[dict]], concurrencies: list[int], *, num_
 
 
 def configurations(names: list[str], drafter: str | None) -> list[tuple[str, dict | None]]:
-    """"none", "ngram[:K]", "eagle3:K" -> (name, vLLM speculative config)."""
+    """"none", "ngram[:K]", "<method>:K" (a method of specdraft/methods/ serving the drafter folder) ->
+    (name, vLLM speculative config)."""
     out = []
     for name in names:
         method, _, k = name.partition(":")
@@ -178,12 +180,13 @@ def configurations(names: list[str], drafter: str | None) -> list[tuple[str, dic
             # prompt_lookup_max: the longest n-gram matched against the context; 4 is vLLM's usual choice.
             out.append((name, {"method": "ngram", "num_speculative_tokens": int(k or 3), "prompt_lookup_max": 4,
                                "prompt_lookup_min": 2}))
-        elif method == "eagle3":
+        elif method in METHODS:
             if not drafter:
                 raise ValueError(f"{name}: needs a drafter folder (--drafter, or --run with an export)")
-            out.append((name, {"method": "eagle3", "model": str(drafter), "num_speculative_tokens": int(k or 3)}))
+            out.append((name, METHODS[method].serve_config(str(drafter), int(k) if k else None)))
         else:
-            raise ValueError(f"configuration {name!r}: expected none, ngram[:K] or eagle3:K")
+            raise ValueError(f"configuration {name!r}: expected none, ngram[:K] or a method's <name>:K "
+                             f"({', '.join(f'{m}:K' for m in METHODS)})")
     return out
 
 
@@ -213,7 +216,7 @@ def summarise(results: list[dict]) -> dict:
             lv["speedup"] = round(lv["output_tokens_per_s"] / b, 3) if b else None
     tau_vs_k = {}
     for r in results:
-        if r["speculative"] and r["speculative"]["method"] == "eagle3":
+        if r["speculative"] and "model" in r["speculative"]:  # a drafter's configuration
             acc = [lv["acceptance"] for lv in r["levels"] if lv["acceptance"]["drafts"]]
             drafts = sum(a["drafts"] for a in acc)
             if drafts:
@@ -269,7 +272,7 @@ def plot(report: dict, out: Path) -> list[str]:
         ax.plot(ks, [report["tau_vs_k"][k] for k in ks], marker="o")
         ax.set_xlabel("speculative tokens K")
         ax.set_ylabel("mean acceptance length (tau)")
-        ax.set_title("tau vs K (EAGLE-3)")
+        ax.set_title("tau vs K (the drafter)")
         fig.tight_layout()
         save(fig, "bench_tau_vs_k.png")
     return made
@@ -295,7 +298,7 @@ def render_markdown(report: dict, plots: list[str]) -> str:
                          f"{lv.get('speedup') or '–'} | {_ms(lv['ttft_ms'])} | {_ms(lv['tpot_ms'])} | "
                          f"{_ms(lv['itl_ms'])} | {tau} | {pos} | {lv['failed']} |")
     if report["tau_vs_k"]:
-        lines += ["", "tau vs K (EAGLE-3): " + ", ".join(f"K={k}: {t}" for k, t in report["tau_vs_k"].items())]
+        lines += ["", "tau vs K (the drafter): " + ", ".join(f"K={k}: {t}" for k, t in report["tau_vs_k"].items())]
     lines += [""] + [f"![{p}]({p})" for p in plots] + [""]
     return "\n".join(lines)
 

@@ -1,10 +1,9 @@
 """eval: the trained drafter measured with the reference speculative decoder (specdraft.decoding), exact.
 
 Every held-out prompt (or one of `eval.prompts_file`) is decoded on one engine plainly (greedy) and in
-each way its method drafts (specdraft/methods.py): an EAGLE-3 drafter with chain drafts and with
-EAGLE-2 dynamic trees (with `temperature` > 0, sampled chains too); a DFlash drafter one block of
-block_size - 1 drafts per round, verified by one target forward (decoding/dflash.py). Writes
-eval/report.json, report.md (both naming the method) and the accepted-length histogram.
+each way its method drafts (its package under specdraft/methods/ says which: chains and EAGLE-2 dynamic
+trees, with `temperature` > 0 sampled chains too; or one block of drafts per round, verified by one
+target forward). Writes eval/report.json, report.md (both naming the method) and the accepted-length histogram.
 
 Each round the drafter proposes a tree of tokens from the target's aux states: the root is the last
 accepted token; every depth expands the `tree_topk` best nodes so far (by cumulative draft log-prob)
@@ -46,13 +45,11 @@ from specdraft.decoding.rounds import (
     check_exact,
     greedy,
     leviathan_bound,
-    speculative_sampled,
 )
 from specdraft.decoding.runners import TargetRunner, make_runner, sync
 from specdraft.decoding.tree import decode_capacity
-from specdraft.drafters.checkpoint import load_trained
 from specdraft.files import read_jsonl
-from specdraft.methods import decodings_for
+from specdraft.methods import for_drafter, load_trained
 from specdraft.run import RunFolder, atomic_path, write_json, write_text
 from specdraft.targets import Target, resolve_device
 
@@ -114,7 +111,7 @@ def evaluate(runner: TargetRunner, drafter, prompts: list[dict], cfg, eos: int) 
     with the same engine: exactness and figures."""
     from tqdm import tqdm
 
-    shapes = decodings_for(drafter, runner, cfg)
+    shapes = for_drafter(drafter).decodings(runner, drafter, cfg)
     stats = {name: Stats(shape.depth) for name, shape in shapes.items()}
     seconds, tokens = dict.fromkeys(("ar", *shapes), 0.0), dict.fromkeys(("ar", *shapes), 0)
     ties = dict.fromkeys(shapes, 0)
@@ -154,7 +151,8 @@ def evaluate(runner: TargetRunner, drafter, prompts: list[dict], cfg, eos: int) 
     ar_tps = tokens["ar"] / seconds["ar"]
     ar_step = seconds["ar"] / max(1, tokens["ar"])  # one target forward of one token (prefill amortised)
     # The engine as it ran: a CUDA graph capture that failed mid-run shows here.
-    report = {"prompts": len(prompts), "engine": runner.engine, "autoregressive_tokens_per_s": round(ar_tps, 2),
+    report = {"prompts": len(prompts), "draft_tokens": next(iter(shapes.values())).depth, "engine": runner.engine,
+              "autoregressive_tokens_per_s": round(ar_tps, 2),
               "seconds_per_prompt": {k: round(v / len(prompts), 4) for k, v in seconds.items()}}
     for name, shape in shapes.items():
         tps = tokens[name] / seconds[name]
@@ -174,7 +172,7 @@ def speed_figures(s: Stats, K: int, speedup: float, ar_step: float, seconds: flo
     """The measured speedup beside what Leviathan's bound expects of the measured α (from tau) and cost
     ratio. Reported: one drafter forward over one autoregressive target step (`ar_step` seconds). The
     bound's c is a round's drafting cost per drafted position: the same for EAGLE-3 (one forward per
-    position), a K-th of the block's forward for DFlash (rounds.Stats says what is counted). The bound
+    position), a K-th of the block's forward for a block drafter (rounds.Stats says what is counted). The bound
     takes a verification to cost one target step; where a round costs what drafting and that do not
     explain, the round's drafting, verification and whole cost, each in target steps, say where it went
     (`seconds`: all the speculative decodes, prefills included)."""
@@ -192,9 +190,10 @@ def speed_figures(s: Stats, K: int, speedup: float, ar_step: float, seconds: flo
 def sampled_tau(runner, drafter, prompts, cfg, eos, seed: int) -> dict:
     stats = Stats(cfg.draft_tokens)
     gen = torch.Generator(device=runner.device).manual_seed(seed)
+    method = for_drafter(drafter)
     for p in prompts:
-        speculative_sampled(runner, drafter, p["prompt_ids"], cfg.max_new_tokens, eos, cfg.draft_tokens,
-                            cfg.temperature, stats, gen)
+        method.sampled(runner, drafter, p["prompt_ids"], cfg.max_new_tokens, eos, cfg.draft_tokens,
+                       cfg.temperature, stats, gen)
     return {"temperature": cfg.temperature, **stats.summary()}
 
 
@@ -210,14 +209,14 @@ def run(recipe: Recipe, folder: RunFolder) -> dict:
     prompts = load_prompts(recipe, target)
     report = evaluate(runner, drafter, prompts, cfg, target.eos_token_id)
     names = [k for k in report if isinstance(report[k], dict) and "tau" in report[k]]  # the drafting ways
-    # Top-level figures are the first drafting's (EAGLE-3's chain, DFlash's block): what vLLM's
+    # Top-level figures are the first drafting's (a chain, or a block): what vLLM's
     # num_speculative_tokens = K serves.
     report = {"method": drafter.METHOD, "drafting": names, "prompts": report["prompts"],
-              "draft_tokens": report[names[0]]["shape"].get("depth", report[names[0]]["shape"].get("drafted")),
+              "draft_tokens": report["draft_tokens"],
               **{k: v for k, v in report[names[0]].items() if k != "shape"},
               "autoregressive_tokens_per_s": report["autoregressive_tokens_per_s"],
               **{k: v for k, v in report.items() if k not in ("prompts", "autoregressive_tokens_per_s")}}
-    if cfg.temperature > 0 and "chain" in names:  # sampled rounds are EAGLE-3 chains
+    if cfg.temperature > 0 and for_drafter(drafter).samples:
         report["sampled"] = sampled_tau(runner, drafter, prompts, cfg, target.eos_token_id, recipe.train.seed)
     report.update({"dtype": cfg.dtype, "device": str(device), "hardware": environment.hardware_line()})
     out = folder.eval

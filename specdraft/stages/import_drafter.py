@@ -1,120 +1,28 @@
 """import: a published drafter read, checked against the target and written as a specdraft checkpoint
-that eval, export and doctor use: an EAGLE-3 drafter (speculators or flat format, midlayer.* or
-layers.0.*) or a DFlash drafter (the folder vLLM loads for method "dflash", in vLLM's own form or the
-speculators library's, read as vLLM reads it: fields it leaves out take vLLM's defaults, each reported).
+that eval, export and doctor use. The folder's config.json says whose it is, and that method's package
+reads it (specdraft/methods/<name>/: the speculators library's folders, vLLM's and SGLang's, each read
+as its engine reads it, the defaults taken reported).
 """
 
 from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
-from specdraft.drafters.checkpoint import COMPLETE, save_checkpoint, scratch_paths
-from specdraft.drafters.dflash import DFlashDrafter
-from specdraft.drafters.dflash_format import is_dflash as is_dflash_config
-from specdraft.drafters.dflash_format import is_speculators, read_dflash
-from specdraft.drafters.dflash_format import problems as dflash_problems
-from specdraft.drafters.eagle3 import Eagle3Drafter
-from specdraft.drafters.formats import (
-    EMBED_KEY,
-    REEXPORT,
-    Published,
-    fit_problems,
-    read_published,
-)
+from specdraft.drafters.checkpoint import COMPLETE, scratch_paths
+from specdraft.drafters.common import REEXPORT
 from specdraft.files import read_json
+from specdraft.methods import for_folder
 from specdraft.hidden.store import INDEX, read_index
 from specdraft.run import RunFolder
 from specdraft.targets import Target
-
-
-def import_drafter(folder: Path, target, out: Path,
-                   extracted_aux_layer_ids: list[int] | None = None) -> tuple[Eagle3Drafter, Published]:
-    """A published drafter folder -> a specdraft checkpoint at `out` (train.save_checkpoint's format,
-    which eval, export and fine-tuning read), after checking it against `target` (and against the
-    layers a run's hidden states hold, when given). Any misfit is an error that lists every one."""
-
-    folder = Path(folder)
-    published = read_published(folder, target.default_aux_layer_ids())
-    problems = fit_problems(published.config, target, EMBED_KEY[1] in published.tensors)
-    if extracted_aux_layer_ids is not None and list(extracted_aux_layer_ids) != published.config.aux_layer_ids:
-        problems.append(f"aux layer ids: drafter {published.config.aux_layer_ids}, the run's hidden states "
-                        f"{list(extracted_aux_layer_ids)} (fine-tuning would feed it other layers)")
-    if problems:
-        raise ValueError(f"import: {folder} does not fit the target {target.path}:\n  " + "\n  ".join(problems))
-    embed = target.embed_weight()
-    drafter = published.build(embed)
-    if EMBED_KEY[1] in published.tensors and not torch.equal(drafter.embed_tokens.weight, embed.float()):
-        published.notes.append("embed_tokens: differs from the target's; kept in the checkpoint")
-    aux_ids = drafter.config.aux_layer_ids
-    target_for_drafter = type(target)(target.name, aux_ids)
-    meta = {"aux_layer_ids": aux_ids, "target": target_for_drafter.describe(),
-            "imported_from": {"folder": str(folder.resolve()), "layout": published.layout,
-                              "notes": published.notes}}
-    save_checkpoint(drafter, Path(out), meta)
-    return drafter, published
 
 
 def _config(folder: Path) -> dict:
     path = Path(folder) / "config.json"
     config = read_json(path, fix=REEXPORT, kind=None) if path.exists() else {}
     return config if isinstance(config, dict) else {}
-
-
-def is_dflash(folder: Path) -> bool:
-    """vLLM's own DFlash form or speculators' (whose EAGLE-3 folders import_drafter reads)."""
-    return is_dflash_config(_config(folder))
-
-
-@dataclass
-class DFlashRead:
-    layout: str
-    notes: list[str]  # how it was read: vLLM's defaults taken, an embedding of its own
-
-
-def import_dflash(folder: Path, target, out: Path,
-                  extracted_aux_layer_ids: list[int] | None = None) -> tuple[DFlashDrafter, DFlashRead]:
-    """A DFlash folder -> a specdraft checkpoint at `out`, after checking it against `target` as vLLM
-    would serve it (the target's embedding and, over the whole vocabulary, its lm_head)."""
-    if (Path(folder) / "mask_embedding.pt").exists():
-        # vLLM feeds the mask slots that tensor instead of an embedding row, which our drafter has no place for.
-        raise ValueError(f"import: {folder} ships mask_embedding.pt (a mask embedding apart from the vocabulary), "
-                         "which specdraft's DFlash drafter does not model")
-    notes: list[str] = []
-    drafter = read_dflash(folder, target.embed_weight(), target.head_weight(), notes)
-    cfg = drafter.config
-    found = dflash_problems(cfg, target.num_layers)
-    if cfg.vocab_size != target.vocab_size:
-        found.append(f"vocab_size: drafter {cfg.vocab_size}, target {target.vocab_size} (another tokenizer)")
-    if cfg.target_hidden_size != target.hidden_size:
-        found.append(f"target_hidden_size: drafter {cfg.target_hidden_size}, target hidden_size {target.hidden_size}")
-    if extracted_aux_layer_ids is not None and list(extracted_aux_layer_ids) != cfg.aux_layer_ids:
-        found.append(f"aux layer ids: drafter {cfg.aux_layer_ids}, the run's hidden states "
-                     f"{list(extracted_aux_layer_ids)} (fine-tuning would feed it other layers)")
-    if found:
-        raise ValueError(f"import: {folder} does not fit the target {target.path}:\n  " + "\n  ".join(found))
-    if not torch.equal(drafter.embed_tokens.weight, target.embed_weight().float()):
-        notes.append("embed_tokens: the folder's own, differing from the target's (vLLM keeps it); kept")
-    published = DFlashRead("speculators (dflash)" if is_speculators(_config(folder)) else "dflash", notes)
-    aux_ids = list(cfg.aux_layer_ids)
-    meta = {"aux_layer_ids": aux_ids, "target": type(target)(target.name, aux_ids).describe(),
-            "imported_from": {"folder": str(Path(folder).resolve()), "layout": published.layout, "notes": notes}}
-    save_checkpoint(drafter, Path(out), meta)
-    return drafter, published
-
-
-def describe(drafter) -> str:
-    cfg = drafter.config
-    common = (f"hidden {cfg.hidden_size}, {cfg.num_attention_heads} heads x {cfg.head_dim}, draft vocab "
-              f"{cfg.draft_vocab_size} of {cfg.vocab_size}, aux layers {cfg.aux_layer_ids}")
-    if isinstance(drafter, DFlashDrafter):
-        return (f"DFlash, {cfg.num_layers} layer(s), {common}, block {cfg.block_size}, mask token "
-                f"{cfg.mask_token_id}, rope theta {cfg.rope_theta:g}")
-    return f"EAGLE-3, {common}, norm_before_residual {cfg.norm_before_residual}"
 
 
 # All that an import's checkpoint holds (save_checkpoint without a trainer state): a folder holding
@@ -181,13 +89,13 @@ def run_import(source: str, recipe, folder: RunFolder | None = None, out: str | 
         out_path, extracted = Path(out), None
     check_out(Path(source), out_path)
     target = Target(recipe.target.model)
-    read = import_dflash if is_dflash(Path(source)) else import_drafter
-    drafter, published = read(Path(source), target, out_path, extracted)
+    method = for_folder(_config(Path(source)))
+    drafter, published = method.import_folder(Path(source), target, out_path, extracted)
     cfg = drafter.config
     print(f"import: {source} ({published.layout})")
     for note in published.notes:
         print(f"  {note}")
-    print(f"  drafter: {describe(drafter)}")
+    print(f"  drafter: {method.describe(drafter)}")
     print(f"  checkpoint: {out_path}")
     info = {"folder": str(Path(source).resolve()), "layout": published.layout, "notes": published.notes}
     if folder is None:
@@ -200,6 +108,6 @@ def run_import(source: str, recipe, folder: RunFolder | None = None, out: str | 
     entry = folder.record("import", state="done", seconds=time.time() - t0, extra={**info, "checkpoint": rel})
     # Recorded as the run's drafter: eval and export load the train stage's checkpoint.
     folder.record("train", state="done", extra={"checkpoint": rel, "imported_from": info["folder"]})
-    formats = "vllm" if isinstance(drafter, DFlashDrafter) else "both"  # DFlash: vLLM's folder format only
+    formats = "both" if len(method.formats) > 1 else method.formats[0]
     print(f"\nnext: specdraft eval --run {folder.path}    (then: specdraft export --run {folder.path} --formats {formats})")
     return entry

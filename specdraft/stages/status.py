@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 from specdraft.billing import human_bytes, human_seconds, make_plan, record
+from specdraft.methods import DEFAULT, METHODS
 from specdraft.run import PIPELINE, STAGES, RunFolder, write_text
 
 STAGE_ORDER = [s.name for s in PIPELINE]
@@ -241,14 +242,7 @@ def _goal(recipe: dict) -> dict:
     answers = ("with the source's own answers" if g.get("answers") == "source" else
                f"whose answers the target writes itself (up to {g['max_new_tokens']} tokens each)")
     vocab = f"a {tr['draft_vocab_size']}-token draft vocabulary" if tr["draft_vocab_size"] else "the whole vocabulary"
-    if tr.get("method") == "dflash":
-        drafter = (f"DFlash drafter ({tr['dflash_layers']} layer(s), blocks of {tr['block_size']}) trained for "
-                   f"{tr['epochs']} epochs with {vocab}, exported for vLLM")
-        k = tr["block_size"] - 1
-    else:
-        drafter = (f"EAGLE-3 drafter trained for {tr['epochs']} epochs with {tr['ttt_steps']} TTT steps and "
-                   f"{vocab}, exported for {', '.join(ex['formats'])}")
-        k = ev["draft_tokens"]
+    drafter, k = METHODS.get(tr.get("method"), METHODS[DEFAULT]).goal(tr, ex, ev, vocab)
     text = (f"{recipe.get('description') or 'A speculative-decoding drafter'}. Target: {t['model']}. Data: "
             f"{d['num_train'] or 'all train-split'} {d['source']} conversations {answers}, rendered with the "
             f"target's own chat template, hidden states {hidden}. Done means: a {drafter}, and measured by eval: "

@@ -1,7 +1,6 @@
-"""train: the drafter of train.method from the target's hidden states: EAGLE-3 with training-time
-test (specdraft/drafters/ttt.py's objective) or DFlash blocks (drafters/dflash_objective.py). What
-differs between methods (the drafter, its objective, its statistics) comes from specdraft/methods.py;
-the loop, the data, the checkpoints and resuming are one.
+"""train: the drafter of train.method from the target's hidden states. What differs between methods
+(the drafter, its objective, its statistics, the fields a resumed run keeps) comes from the method's
+package (specdraft/methods/); the loop, the data, the checkpoints and resuming are one.
 
 Documents are packed into rows of `batch_tokens` tokens (no padding waste); attention and rotary
 positions stay per document, so a packed row computes exactly what the documents would alone.
@@ -48,7 +47,7 @@ from specdraft.drafters.common import (
     summarize,
 )
 from specdraft.hidden.online import open_hidden
-from specdraft.methods import METHODS, Method
+from specdraft.methods import Method, named
 from specdraft.files import FULL, DiskFull, FileError, read_json, read_jsonl
 from specdraft.run import RunFolder
 from specdraft.targets import Target, resolve_dtype
@@ -247,7 +246,7 @@ def all_sum(t: torch.Tensor, world: int) -> torch.Tensor:
 def evaluate(model: nn.Module, source, rows, tops, cfg, device, autocast) -> dict:
     """summarize()'s loss, accuracy, conditional acceptance and tau over the packed `rows`, the model in eval mode."""
     model.eval()
-    total = torch.zeros(METHODS[cfg.method].positions(cfg), len(STAT_COLUMNS), device=device)
+    total = torch.zeros(named(cfg.method).positions(cfg), len(STAT_COLUMNS), device=device)
     for row in rows:
         batch = to_device(collate(source, [row], tops, cfg.batch_tokens, fixed_shape(cfg, device)), device)
         with autocast:
@@ -347,7 +346,7 @@ def check_choices(cfg: TrainConfig) -> None:
     if cfg.optimizer == "muon" and cfg.parallel == "fsdp":
         # Muon orthogonalises whole matrices; FSDP holds each rank's shard only.
         raise ValueError("train.optimizer = 'muon' needs whole weight matrices: use train.parallel = 'ddp'")
-    METHODS[cfg.method].check(cfg)
+    named(cfg.method).check(cfg)
 
 
 class TrainMemoryError(RuntimeError):
@@ -377,19 +376,21 @@ def check_memory(recipe: Recipe, folder: RunFolder) -> None:
     print(f"train: warning: {text}", file=sys.stderr)
 
 
-# Fields that fix the data order, the schedule or the shapes: a resumed run must keep them.
-RESUME_FIXED = ("method", "block_size", "dflash_layers", "mask_token_id", "seed", "batch_tokens", "micro_batches",
-                "epochs", "holdout", "draft_vocab_size", "ttt_steps", "lr", "warmup_steps", "schedule",
-                "norm_before_fc", "fc_norm", "norm_output", "norm_before_residual", "lm_head_init", "optimizer")
+# Fields that fix the data order, the schedule or the shapes: a resumed run must keep them, and its
+# method's own (Method.resume_fixed).
+RESUME_FIXED = ("method", "seed", "batch_tokens", "micro_batches", "epochs", "holdout", "draft_vocab_size", "lr",
+                "warmup_steps", "schedule", "lm_head_init", "optimizer")
 
 
 def check_resumable(path: Path, cfg: TrainConfig) -> None:
-    """Refuse to resume the checkpoint at `path` with a config that changes a RESUME_FIXED field."""
+    """Refuse to resume the checkpoint at `path` with a config that changes a RESUME_FIXED field or one
+    of its method's."""
     saved = read_json(path / "config.json", fix=RESTART).get("train")
     if not isinstance(saved, dict):
         raise FileError(f"{path / 'config.json'}: no 'train' config to resume with; {RESTART}")
     defaults = TrainConfig()  # a field newer than the checkpoint had its default then
-    changed = [f"{k}: {saved.get(k, getattr(defaults, k))!r} -> {getattr(cfg, k)!r}" for k in RESUME_FIXED
+    fixed = RESUME_FIXED + named(cfg.method).resume_fixed
+    changed = [f"{k}: {saved.get(k, getattr(defaults, k))!r} -> {getattr(cfg, k)!r}" for k in fixed
                if saved.get(k, getattr(defaults, k)) != getattr(cfg, k)]
     if changed:
         raise ValueError(f"{path}: cannot resume with a changed train config ({'; '.join(changed)}); restore "
@@ -446,7 +447,7 @@ class Trainer:
     def build_drafter(self, counts: torch.Tensor) -> torch.Tensor:
         """The method's drafter for the target, its draft vocabulary chosen from `counts`; returns the
         target's lm_head weight."""
-        self.method = METHODS[self.cfg.method]
+        self.method = named(self.cfg.method)
         self.drafter = self.method.build(self.cfg, self.target, counts)
         self.dcfg, self.t2d = self.drafter.config, self.drafter.t2d.clone()
         self.coverage = vocab.coverage(counts, self.t2d)

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from specdraft.drafters.common import NO_DOCUMENT, STAT_COLUMNS, position_loss, shift
-from specdraft.drafters.eagle3 import Eagle3Drafter, document_mask
+from specdraft.methods.eagle3.drafter import Eagle3Drafter, document_mask
 
 def unroll(drafter: Eagle3Drafter, aux, ids, documents, positions, steps: int, checkpointing: bool = False,
            mask=None):

@@ -36,8 +36,9 @@ from pathlib import Path
 
 import torch
 
-from specdraft.drafters.eagle3 import DrafterConfig, Eagle3Drafter
+from specdraft.methods.eagle3.drafter import DrafterConfig, Eagle3Drafter
 from specdraft.files import load_safetensors, read_json, save_safetensors
+from specdraft.drafters.common import REEXPORT
 from specdraft.drafters.vocab import checked_t2d
 from specdraft.run import atomic_path, write_json
 from specdraft.targets import refuse_pickled_weights
@@ -185,7 +186,6 @@ def _with_embed(keys: dict[str, str], cfg: DrafterConfig, include_embed: bool) -
 
 
 # What to do about a drafter folder that cannot be read: write it again, from the run or its publisher.
-REEXPORT = "re-export it (`specdraft export`), or fetch the drafter folder again from where it was published"
 
 
 def _read_config(folder: Path) -> dict:

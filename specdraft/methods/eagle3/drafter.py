@@ -93,6 +93,9 @@ class DrafterConfig:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    def make_drafter(self) -> Eagle3Drafter:
+        return Eagle3Drafter(self)
+
 
 KV = tuple[torch.Tensor, torch.Tensor]
 
@@ -250,7 +253,7 @@ class DecoderLayer(nn.Module):
 
 
 class Eagle3Drafter(nn.Module):
-    METHOD = "eagle3"  # train.method; recorded in checkpoints (specdraft/methods.py)
+    METHOD = "eagle3"  # train.method; recorded in checkpoints (specdraft/methods/)
 
     def __init__(self, cfg: DrafterConfig):
         super().__init__()

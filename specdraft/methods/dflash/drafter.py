@@ -97,6 +97,9 @@ class DFlashConfig:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    def make_drafter(self) -> DFlashDrafter:
+        return DFlashDrafter(self)
+
 
 def default_mask_token(tokenizer, vocab_size: int) -> int:
     """The mask token of a target with none chosen: the tokenizer's own mask token; else the first
@@ -194,7 +197,7 @@ class DecoderLayer(nn.Module):
 
 
 class DFlashDrafter(nn.Module):
-    METHOD = "dflash"  # train.method; recorded in checkpoints (specdraft/methods.py)
+    METHOD = "dflash"  # train.method; recorded in checkpoints (specdraft/methods/)
 
     def __init__(self, cfg: DFlashConfig):
         super().__init__()

@@ -1,0 +1,152 @@
+"""What a drafter method provides: the one contract every package under specdraft/methods/ fulfils.
+
+A method is a choice inside one design (`train.method`): every method trains from the same extracted
+hidden states, in the same trainer loop, is measured by the same eval and bench, and is written, read and
+checked by the same stages. What differs lives in the method's package, behind this class; the stages
+ask the registry (specdraft/methods/__init__.py) for a method and call it, never name one.
+
+Which method a saved drafter belongs to is its class's METHOD (written into checkpoints), so readers
+dispatch on the drafter they load, never on a recipe that may have changed since; an engine folder is
+claimed by the method whose `owns` accepts its config.json.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+Decoding = Callable  # (runner, drafter, prompt ids, max_new, eos, Stats) -> generated ids
+
+
+@dataclass(frozen=True)
+class Decode:
+    """One way the reference decoder drafts: `depth` drafted tokens per round at most, `shape` as
+    reported (JSON-ready), `run` the decoding function."""
+    depth: int
+    shape: dict
+    run: Decoding
+
+
+class DecodeState(Protocol):
+    """A drafter's state across the rounds of one decode (decoding/rounds.py): `advance` feeds it the
+    target's aux states of newly accepted positions; the method's round policy reads it to draft."""
+    drafter: nn.Module
+
+    def reset(self, max_accepted: int) -> None: ...
+
+    def advance(self, aux: torch.Tensor, next_tokens: list[int], first_position: int) -> None: ...
+
+
+@dataclass(frozen=True)
+class DecodeStates:
+    """How a method's decode state is made on each engine (decoding/runners.py): `eager(drafter)` on
+    the eager one, `static(drafter, capacity, graphs)` on preallocated buffers whose calls may be CUDA
+    graphs. The static runner keeps one and reuses it while the drafter is the same."""
+    eager: Callable[[nn.Module], DecodeState]
+    static: Callable[[nn.Module, int, Any], DecodeState]
+
+
+class Method:
+    """One drafter method. Its package defines a subclass and one instance, METHOD, that the registry
+    lists. Defaults are what a method without that feature does."""
+
+    name: str  # train.method's value, and what checkpoints record
+    title: str  # as people write it: "EAGLE-3", "DFlash"
+    config_class: type  # the drafter's config (a dataclass with to_dict and make_drafter)
+    drafter_class: type
+    position: str  # what one statistic row is, as plots and logs name it
+    first_position: int  # the number of the first row (TTT steps count from 0, drafted block slots from 1)
+    # train fields of this method that a resumed run may not change (the trainer adds its own)
+    resume_fixed: tuple[str, ...] = ()
+    # the export formats the method writes, the first the one the engines serve most
+    formats: tuple[str, ...] = ("vllm",)
+    # whether the reference decoder has sampled rounds for it (eval.temperature > 0: `sampled`)
+    samples: bool = False
+
+    # --- training -----------------------------------------------------------------------------------
+
+    def check(self, cfg) -> None:
+        """Refuse (ValueError) or warn about a train choice the method does not take."""
+
+    def build(self, cfg, target, counts: torch.Tensor) -> nn.Module:
+        """The drafter for `target` on its frozen embedding, with the draft vocabulary of `counts`."""
+        raise NotImplementedError
+
+    def objective(self, drafter: nn.Module, draft_head: torch.Tensor, cfg) -> nn.Module:
+        """The module the trainer steps: batch dict -> (loss, statistics [positions, len(STAT_COLUMNS)])."""
+        raise NotImplementedError
+
+    def positions(self, cfg) -> int:
+        """Statistic rows per step (TTT steps, block slots)."""
+        raise NotImplementedError
+
+    def loss_weights(self, cfg) -> list[float]:
+        """The weight of each statistic row in the logged loss."""
+        raise NotImplementedError
+
+    def position_labels(self, n: int) -> list[str]:
+        """The names of n statistic rows: 'TTT step 0', ... or 'block slot 1', ..."""
+        return [f"{self.position} {self.first_position + i}" for i in range(n)]
+
+    def goal(self, train: dict, export: dict, eval: dict, vocab: str) -> tuple[str, int]:
+        """status's goal: what the drafter of the recorded recipe sections is ("EAGLE-3 drafter trained
+        for ..."; `vocab` says its draft vocabulary) and the K its eval measures."""
+        raise NotImplementedError
+
+    # --- plan ---------------------------------------------------------------------------------------
+
+    def plan_config(self, target, cfg):
+        """The drafter's config for plan's bill, without reading the tokenizer."""
+        raise NotImplementedError
+
+    def queries(self, cfg) -> float:
+        """Drafter queries per batch token, each through every drafter layer."""
+        raise NotImplementedError
+
+    # --- the reference decoder ----------------------------------------------------------------------
+
+    def decodings(self, runner, drafter: nn.Module, cfg) -> dict[str, Decode]:
+        """The reference decoder's ways of drafting with `drafter`, the first headlining the report."""
+        raise NotImplementedError
+
+    def sampled(self, runner, drafter, prompt: list[int], max_new: int, eos: int, K: int, temperature: float,
+                stats, generator: torch.Generator) -> list[int]:
+        """Sampled speculative decoding (eval.temperature > 0), for a method that `samples`: the output
+        distributed as the target's own sampling at `temperature`."""
+        raise NotImplementedError
+
+    # --- engine folders -----------------------------------------------------------------------------
+
+    def owns(self, config: dict) -> bool:
+        """Whether an engine folder's config.json is this method's (the registry's default method
+        claims the folders no other does)."""
+        return False
+
+    def serve_config(self, folder: str, K: int | None) -> dict:
+        """vLLM's --speculative-config serving an exported folder of this method with K drafts per round
+        (None: the method's own choice)."""
+        raise NotImplementedError
+
+    def export(self, recipe, folder, formats: list[str], drafter, target, embed: torch.Tensor,
+               t_start: float) -> dict:
+        """The engine folders of a trained drafter and their serve commands -> the export stage's record."""
+        raise NotImplementedError
+
+    def import_folder(self, folder: Path, target, out: Path, extracted_aux_layer_ids: list[int] | None):
+        """A published folder -> a specdraft checkpoint at `out`, checked against `target` -> (drafter,
+        what was read: .layout and .notes)."""
+        raise NotImplementedError
+
+    def describe(self, drafter) -> str:
+        """One line about a drafter, for import."""
+        raise NotImplementedError
+
+    def diagnose(self, folder: Path, config: dict, target, run_path: Path | None, measured: bool,
+                 conversations) -> list:
+        """doctor's checks of an engine folder of this method (each a checks.Check)."""
+        raise NotImplementedError
