@@ -14,6 +14,7 @@ from specdraft.methods.eagle3 import formats
 from specdraft.run import write_json
 from specdraft.stages import export as export_stage
 from specdraft.methods.eagle3.formats import read_drafter, read_sglang, read_vllm, write_sglang, write_vllm
+from specdraft.methods import eagle3 as eagle3_method
 from specdraft.methods.eagle3 import sglang_serve_command
 from specdraft.stages.export import resolve_formats
 
@@ -307,11 +308,11 @@ def test_export_stage_writes_both_folders_and_serve_commands(tmp_path, monkeypat
 
 def test_expected_speedup_picks_the_best_chain_length():
     # The demo drafter's eval (stop 12): acceptance 0.292 / 0.091 / 0.028 at draft cost 0.040.
-    speedups = export_stage.expected_speedups([0.292, 0.091, 0.028], 0.040)
+    speedups = eagle3_method.expected_speedups([0.292, 0.091, 0.028], 0.040)
     assert speedups == pytest.approx({1: 1.292 / 1.04, 2: 1.383 / 1.08, 3: 1.411 / 1.12})
     assert max(speedups, key=speedups.get) == 2
     # Drafting for free, every accepted token is profit: the longest chain measured wins.
-    free = export_stage.expected_speedups([0.6, 0.4, 0.3], 0.0)
+    free = eagle3_method.expected_speedups([0.6, 0.4, 0.3], 0.0)
     assert max(free, key=free.get) == 3
 
 

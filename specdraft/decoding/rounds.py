@@ -2,11 +2,12 @@
 
 decode() is the one round loop of every drafter method (prefill, then rounds of draft, verify, accept,
 keep and drafter advance, timed and synced alike for every kind of round); a RoundPolicy says which
-drafter state a decode keeps, what a round drafts and what it accepts. GreedyTree keeps the longest
-drafted path of an EAGLE-3 tree (or chain) whose tokens the target itself picks, plus the target's own
-next token; SampledChain drafts an EAGLE-3 chain by sampling and accepts with exact rejection sampling
-(Leviathan et al. 2023), so the output is distributed as the target's own sampling; decoding/dflash.py's
-GreedyBlock drafts a DFlash block in one drafter forward and accepts it as GreedyTree does a chain.
+drafter state a decode keeps (made by the method's DecodeStates on the runner's engine), what a round
+drafts and what it accepts. GreedyTree keeps the longest drafted path of a tree (or chain) whose tokens
+the target itself picks, plus the target's own next token; SampledChain drafts a chain by sampling and
+accepts with exact rejection sampling (Leviathan et al. 2023), so the output is distributed as the
+target's own sampling; a block method's policy (methods/dflash/decode.py's GreedyBlock) drafts a whole
+block in one drafter forward and accepts it as GreedyTree does a chain.
 Greedy output is checked against plain greedy decoding on the same engine (check_exact): a divergence
 at a logit gap below the tolerance is a numerical tie (bf16 verification passes can flip near-ties),
 anything else is a bug. Stats turns the rounds into tau, the accepted-length histogram and
