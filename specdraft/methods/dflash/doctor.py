@@ -184,8 +184,8 @@ def diagnose(folder: Path, config: dict, target, run_path: Path | None, measured
                         f"{drafter.config.vocab_size} / {target.vocab_size}", "the drafter was trained for another target"))
     counts = None
     if run_path is not None:
-        run_checks, counts = _run_checks(drafter, run_path, target)
-        checks += run_checks
+        found, counts = _run_checks(drafter, run_path, target)
+        checks += found
     checks += vocab_checks(drafter, counts)
     if measured and fits and all(c.ok for c in checks):
         held_out = conversations is None

@@ -205,8 +205,8 @@ def diagnose(folder: Path, config: dict, target, run_path: Path | None, measured
     checks += _target_checks(drafter, target)
     counts = None
     if run_path is not None:
-        run_checks, counts = run_checks(drafter, Path(run_path), target)
-        checks += run_checks
+        found, counts = run_checks(drafter, Path(run_path), target)
+        checks += found
     checks += vocab_checks(drafter, counts)
     in_range = all(1 <= k < target.num_layers for k in drafter.config.aux_layer_ids)
     fits = drafter.config.target_hidden_size == target.hidden_size and drafter.config.vocab_size == target.vocab_size
