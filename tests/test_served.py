@@ -139,3 +139,132 @@ def test_served_training_follows_the_disk_loss_curve(server, disk_curve, extract
     served = manifest_train(run)["metrics"]["served"]
     assert served["cache_hits"] > 0 and served["retries"] == 0
     assert not (run / "hidden").exists()
+
+
+def test_failed_requests_are_retried_and_counted(server, disk_curve, extracted_run, tmp_path):
+    """Every third request through a proxy answers 500 or drops the connection halfway: each is asked
+    again, counted, and training takes the same steps."""
+    from faultproxy import FaultProxy
+
+    run = copy_run(extracted_run, tmp_path / "served")
+    with FaultProxy(server.url, fault_every=3, faults=("500", "drop")) as proxy:
+        args = [*FAST, *ONE_AT_A_TIME, "--set", "train.hidden=served", "--set", f"train.served_endpoints={proxy.url}"]
+        assert main(cli(run, extracted_run, *args)) == 0
+        broken = proxy.counts["500"] + proxy.counts["drop"]
+    assert losses(run) == disk_curve
+    served = manifest_train(run)["metrics"]["served"]
+    assert broken > 0 and served["retries"] == broken, (served, proxy.counts)
+    assert served["requests"] == served["samples"] + served["retries"]
+
+
+def test_killed_server_is_restarted_and_no_sample_is_lost(server, disk_curve, extracted_run, tmp_path):
+    """The states server handed to the trainer is killed (kill -9, its whole process group) after the
+    second step: it is restarted, the requests it lost are asked again, and the loss curve is the disk
+    run's: no sample skipped, none seen twice."""
+    run = copy_run(extracted_run, tmp_path / "served")
+    recipe = load_recipe(str(extracted_run.parent / "tiny.toml"))
+    from specdraft.config import apply_sets
+
+    apply_sets(recipe, [a for a in FAST + ONE_AT_A_TIME if a != "--set"] + ["train.hidden=served"])
+    folder = RunFolder(run)
+    folder.init(recipe)
+    pid = server.process.pid
+    killed = threading.Event()
+
+    def kill_after_step_two():
+        while not killed.is_set():
+            log = folder.train_log
+            if log.exists() and sum('"kind": "train"' in line for line in log.read_text().splitlines()) >= 2:
+                os.killpg(pid, signal.SIGKILL)
+                killed.set()
+            time.sleep(0.05)
+
+    watcher = threading.Thread(target=kill_after_step_two, daemon=True)
+    watcher.start()
+    try:
+        entry = tr.run(recipe, folder, servers=[server])
+    finally:
+        killed.set()
+    assert server.process.pid != pid and server.process.poll() is None, "restarted, and left running"
+    assert losses(run) == disk_curve
+    served = entry["metrics"]["served"]
+    assert served["restarts"] == 1 and served["retries"] >= 1, served
+
+
+def test_killed_trainer_resumes_mid_epoch_from_the_served_source(server, disk_curve, extracted_run, tmp_path):
+    """The trainer killed (kill -9) as step 4 begins resumes from `latest` (step 2), asks the server for
+    the rest of the epoch from there, and ends on the disk run's curve."""
+    run = copy_run(extracted_run, tmp_path / "served")
+    args = cli(run, extracted_run, *served_args(server, *ONE_AT_A_TIME))
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "TQDM_DISABLE": "1",
+           "OMP_NUM_THREADS": str(torch.get_num_threads())}
+    kill_at("specdraft.stages.train:Trainer.train_step", 4, args, tmp_path, when="before", env=env)
+    assert [s for s, _, _ in losses(run)] == [1, 2, 3]
+    assert main(args) == 0
+    assert losses(run) == disk_curve
+
+
+# ---- bad input: one line each, before any step
+
+
+def test_scratch_cap_below_one_sample_is_refused_before_any_server(extracted_run, tmp_path, capsys):
+    run = copy_run(extracted_run, tmp_path / "run")
+    args = [*FAST, "--set", "train.hidden=served", "--set", "train.served_scratch_bytes=1000"]
+    assert main(cli(run, extracted_run, *args)) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("specdraft: error: train.served_scratch_bytes = 1,000 is smaller than one sample's")
+    assert "set it to at least" in err and len(err.splitlines()) == 1
+    assert not (run / "served").exists(), "no server was started"
+
+
+def test_server_that_cannot_start_is_one_line_naming_its_log(extracted_run, tmp_path, capsys):
+    run = copy_run(extracted_run, tmp_path / "run")
+    args = [*FAST, "--set", "train.hidden=served", "--set", "extract.vllm_args=--no-such-vllm-flag"]
+    assert main(cli(run, extracted_run, *args)) == 2
+    err = capsys.readouterr().err.strip()
+    log = run / "served" / "vllm.log"
+    assert len(err.splitlines()) == 1 and err.startswith("specdraft: error: the states server"), err
+    assert err.endswith(f"its log: {log}") and log.exists()
+
+
+def test_endpoint_that_is_not_a_states_server(server, vllm_target, extracted_run, tmp_path, capsys):
+    """A URL where nothing listens, and a plain vLLM (no extract_hidden_states): one line each."""
+    from specdraft.engines import free_port
+
+    run = copy_run(extracted_run, tmp_path / "run")
+    for url, says in ((f"http://127.0.0.1:{free_port()}", "is not a vLLM server answering /v1/models"),
+                      (vllm_target.url, "is not a vLLM server with the extract_hidden_states method")):
+        args = [*FAST, "--set", "train.hidden=served", "--set", f"train.served_endpoints={url}"]
+        assert main(cli(run, extracted_run, *args)) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and says in err and url in err, err
+
+
+def test_aux_layers_the_server_was_not_started_with(server, extracted_run, tmp_path, capsys):
+    run = copy_run(extracted_run, tmp_path / "run")
+    args = [*served_args(server), "--set", "target.aux_layer_ids=2,27"]
+    assert main(cli(run, extracted_run, *args)) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert "returns 4 states of width 576 per token" in err and "need 3" in err
+    assert "eagle_aux_hidden_state_layer_ids = [2, 27, 30]" in err
+
+
+def test_sample_longer_than_the_servers_max_model_len(server, extracted_run, tmp_path, capsys):
+    from safetensors.torch import load_file, save_file
+
+    run = copy_run(extracted_run, tmp_path / "run")
+    path = run / "tokens" / "tokens.safetensors"
+    t = load_file(str(path))
+    first = slice(int(t["offsets"][0]), int(t["offsets"][1]))
+    long_ids, long_mask = t["input_ids"][first].repeat(40), t["loss_mask"][first].repeat(40)  # > 2,049 tokens
+    assert long_ids.numel() > 2049
+    rest = slice(int(t["offsets"][1]), None)
+    save_file({"input_ids": torch.cat([long_ids, t["input_ids"][rest]]),
+               "loss_mask": torch.cat([long_mask, t["loss_mask"][rest]]),
+               "offsets": torch.cat([t["offsets"][:1], t["offsets"][1:] + long_ids.numel() - (first.stop - first.start)])},
+              str(path))
+    assert main(cli(run, extracted_run, *served_args(server))) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert f"takes at most 2,049 tokens (max_model_len) but sample 0 has {long_ids.numel():,}" in err
