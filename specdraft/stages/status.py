@@ -93,7 +93,11 @@ def _measured(manifest: dict) -> list[dict]:
         entry = manifest.get("stages", {}).get(stage)
         if not entry:
             continue
-        for name, value in (entry.get("metrics") or {}).items():
+        metrics = dict(entry.get("metrics") or {})
+        # The served source's figures (requests, retries, restarts, its rate, the scratch used), one row each.
+        for name, value in (metrics.pop("served", None) or {}).items():
+            metrics[f"served.{name}"] = value
+        for name, value in metrics.items():
             if value is None:
                 continue
             rows.append({"stage": stage, "name": name, "value": value, "unit": _unit(name),
@@ -237,7 +241,8 @@ def collect(folder: RunFolder) -> dict:
 
 def _goal(recipe: dict) -> dict:
     t, d, g, tr, ex, ev = (recipe[k] for k in ("target", "data", "gen", "train", "export", "eval"))
-    hidden = "on the fly (online)" if tr.get("hidden") == "online" else "extracted to disk"
+    hidden = {"online": "on the fly (online)", "served": "streamed from a vLLM server (served, none stored)"}.get(
+        tr.get("hidden"), "extracted to disk")
     answers = ("with the source's own answers" if g.get("answers") == "source" else
                f"whose answers the target writes itself (up to {g['max_new_tokens']} tokens each)")
     vocab = f"a {tr['draft_vocab_size']}-token draft vocabulary" if tr["draft_vocab_size"] else "the whole vocabulary"

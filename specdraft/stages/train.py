@@ -493,7 +493,7 @@ class Trainer:
         """The hidden states' source, its lengths and train / held-out split; returns the training
         samples' answer-token counts, which choose the draft vocabulary."""
         cfg = self.cfg
-        self.source = open_hidden(self.recipe, self.folder, self.servers)
+        self.source = self.open_source()
         self.target = Target(self.recipe.target.model, self.source.aux_layer_ids)
         samples = [self.source.tokens(i) for i in range(len(self.source))]
         self.lengths = [len(ids) for ids, _ in samples]
@@ -501,6 +501,23 @@ class Trainer:
         if cfg.max_samples:
             self.train_idx = self.train_idx[:cfg.max_samples]
         return vocab.token_counts([samples[i] for i in self.train_idx], self.target.vocab_size)
+
+    def open_source(self):
+        """open_hidden; under torchrun a states server that train starts is started once, by rank 0, and the
+        other ranks ask it (each for its own rows of every step)."""
+        if self.cfg.hidden != "served" or self.world == 1 or self.cfg.served_endpoints or self.servers:
+            return open_hidden(self.recipe, self.folder, self.servers)
+        import dataclasses
+
+        import torch.distributed as dist
+
+        source = open_hidden(self.recipe, self.folder) if self.rank == 0 else None
+        url = [source.endpoints[0].url if source is not None else None]
+        dist.broadcast_object_list(url, src=0)
+        if source is not None:
+            return source
+        recipe = dataclasses.replace(self.recipe, train=dataclasses.replace(self.cfg, served_endpoints=url))
+        return open_hidden(recipe, self.folder)
 
     def build_drafter(self, counts: torch.Tensor) -> torch.Tensor:
         """The method's drafter for the target, its draft vocabulary chosen from `counts`; returns the
