@@ -22,7 +22,7 @@ from specdraft.run import PIPELINE, STAGES, RunFolder, write_text
 STAGE_ORDER = [s.name for s in PIPELINE]
 # The plan's time table names phases; render and export are too quick to plan.
 PHASE_OF_STAGE = {"gen": "gen", "extract": "extract", "train": "train", "eval": "eval"}
-ICONS = {"done": "✅", "in progress": "🔄", "not started": "⏳", "failed": "❌"}
+ICONS = {"done": "✅", "in progress": "🔄", "not started": "⏳", "failed": "❌", "not needed": "➖"}
 # Units of the figures stages record (by metric name; other names get one from their suffix).
 UNITS = {
     "tokens_per_s": "tok/s", "autoregressive_tokens_per_s": "tok/s", "speculative_tokens_per_s": "tok/s",
@@ -78,6 +78,8 @@ def _stages(folder: RunFolder, manifest: dict, recipe: dict) -> list[dict]:
                 row["state"] = "in progress"
             elif entry and entry["state"] == "failed":
                 row["state"] = "failed"
+            elif stage == "extract" and (recipe.get("train") or {}).get("hidden") in ("online", "served"):
+                row["state"] = "not needed"  # the trainer gets its states from the target itself
             else:
                 row["state"] = "not started"
             if progress:
@@ -159,7 +161,7 @@ def _problems(manifest: dict, stages: list[dict]) -> list[dict]:
 
 def _next_command(folder: RunFolder, manifest: dict, stages: list[dict]) -> dict:
     for row in stages:
-        if row["state"] != "done":
+        if row["state"] not in ("done", "not needed"):
             cmd = f"specdraft {row['stage']} --run {folder.path}"
             why = {"in progress": "resumes from what is on disk", "failed": "reruns the failed stage"}.get(
                 row["state"], "the next stage")
@@ -180,7 +182,7 @@ def _remaining(manifest: dict, stages: list[dict]) -> dict | None:
     for trow in plan["time"]:
         stage = next((s for s, p in PHASE_OF_STAGE.items() if p == trow["phase"]), None)
         row = state.get(stage)
-        if row is None or row["state"] == "done":
+        if row is None or row["state"] in ("done", "not needed"):
             continue
         # An unknown share done (gen of every conversation) bills the whole phase.
         done = ((row.get("progress") or {}).get("fraction") or 0.0) if row["state"] == "in progress" else 0.0
