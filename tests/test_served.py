@@ -155,6 +155,10 @@ def test_failed_requests_are_retried_and_counted(server, disk_curve, extracted_r
     served = manifest_train(run)["metrics"]["served"]
     assert broken > 0 and served["retries"] == broken, (served, proxy.counts)
     assert served["requests"] == served["samples"] + served["retries"]
+    from specdraft.stages import status
+
+    measured = {m["name"]: m["value"] for m in status.collect(RunFolder(run))["measured"] if m["stage"] == "train"}
+    assert measured["served.retries"] == broken and "wait_share" in measured
 
 
 def test_killed_server_is_restarted_and_no_sample_is_lost(server, disk_curve, extracted_run, tmp_path):
@@ -227,7 +231,7 @@ def test_server_that_cannot_start_is_one_line_naming_its_log(extracted_run, tmp_
     assert err.endswith(f"its log: {log}") and log.exists()
 
 
-def test_endpoint_that_is_not_a_states_server(server, vllm_target, extracted_run, tmp_path, capsys):
+def test_endpoint_that_is_not_a_states_server(vllm_target, extracted_run, tmp_path, capsys):
     """A URL where nothing listens, and a plain vLLM (no extract_hidden_states): one line each."""
     from specdraft.engines import free_port
 

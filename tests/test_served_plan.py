@@ -62,3 +62,19 @@ def test_memory_cache_cuts_the_passes_and_is_billed_in_host_memory():
     # On the CPU the server and the trainer share the cores: the train phase is their sum.
     train = next(r for r in base["time"] if r["phase"] == "train")
     assert train["serving"]["wait_share"] is None and train["seconds"] > train["serving"]["seconds"]
+
+
+def test_status_of_a_served_run_does_not_ask_for_extract(tmp_path):
+    from specdraft.run import RunFolder
+    from specdraft.stages import status
+
+    recipe = load_recipe("smollm2-cpu")
+    recipe.train.hidden = "served"
+    folder = RunFolder(tmp_path / "run")
+    folder.init(recipe)
+    for stage in ("gen", "render"):
+        folder.record(stage, state="done")
+    s = status.collect(folder)
+    extract = next(r for r in s["stages"] if r["stage"] == "extract")
+    assert extract["state"] == "not needed"
+    assert s["next"]["command"].startswith("specdraft train")
