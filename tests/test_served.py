@@ -4,6 +4,12 @@ extract_hidden_states method into the trainer, nothing under hidden/.
 One eager states server for the whole module (~40 s to start); the kill -9 test restarts it once. The
 trainer gets it as an endpoint (train.served_endpoints), or handed over in-process (`servers=`) where the
 test kills it and expects the trainer to restart it.
+
+Cost (2-core CPU box, 2026-12-07): ~4 min beyond the shared `extracted_run` — the server's start and its
+restart (~40 s each), a start that fails on purpose (~17 s), one extraction through the server and five
+tiny trainings (12-25 s each). Each is what issue 34 asks to see with the real engine: states equal to
+extract's, the same loss curve, a retried request, a server killed and a trainer killed, and a server
+that cannot start; the bad-input probes ride on the same server at no extra start.
 """
 
 from __future__ import annotations
