@@ -25,7 +25,7 @@ from pathlib import Path
 
 from specdraft.config import Recipe
 from specdraft.data.tokens import load_tokens
-from specdraft.engines import ServerError, VllmServer
+from specdraft.engines import READY_TIMEOUT_S, ServerError, VllmServer
 from specdraft.hidden.capture import FinalNorm, NotStatesServer, request_states, resolved, states_server
 from specdraft.run import RunFolder
 from specdraft.targets import Target
@@ -67,6 +67,20 @@ class Endpoint:
         self.lock = threading.Lock()
         self.restarts = 0
         self.closed = False  # stopped on purpose: never restarted
+
+    def wait_back(self, timeout: float) -> None:
+        """An endpoint someone else runs (rank 0's server under torchrun, or the user's) that refused a
+        connection: wait for it to answer again (its restart) before the next try, at most `timeout` s."""
+        import httpx
+
+        t0 = time.time()
+        while time.time() - t0 < timeout and not self.closed:
+            try:
+                if httpx.get(f"{self.url}/v1/models", timeout=5).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(2)
 
     def recover(self) -> bool:
         """Restart the server if it is ours and has died; True when it did."""
@@ -244,6 +258,8 @@ class ServedHidden:
                 if ep.recover():
                     with self._stats_lock:
                         self.stats["restarts"] += 1
+                elif isinstance(e, httpx.ConnectError) and ep.server is None:
+                    ep.wait_back(READY_TIMEOUT_S)
                 else:
                     time.sleep(min(BACKOFF_MAX_S, BACKOFF_S * 2**attempt))
         aux, last = self.norm.split(states)
@@ -322,6 +338,7 @@ class ServedHidden:
             ep.closed = True
             if ep.owned:
                 ep.server.stop()
+                (ep.server.log_path.parent / PID_FILE).unlink(missing_ok=True)
 
 
 class _Pipeline:
