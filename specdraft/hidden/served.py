@@ -233,35 +233,13 @@ class ServedHidden:
     def fetch(self, i: int, position: int = 0) -> dict:
         """Sample i's tensors, asked from an endpoint (retried and counted, restarting a dead server of
         ours), as HiddenStore[i] gives them."""
-        import httpx
         import torch
 
         ids, mask = self.samples[i]
         t0 = time.time()
         with self._stats_lock:
             self.stats["first_request"] = self.stats["first_request"] or t0
-        for attempt in range(self.cfg.served_max_retries + 1):
-            ep = self.endpoints[(position + attempt) % len(self.endpoints)]
-            if ep.closed:
-                raise RuntimeError("served hidden states: the source is closed")
-            with self._stats_lock:
-                self.stats["requests"] += 1
-            try:
-                states = request_states(ep.url, ep.model, list(ids), on_file=self._scratch_seen)
-                break
-            except (httpx.HTTPError, OSError, NotStatesServer) as e:
-                with self._stats_lock:
-                    self.stats["retries"] += 1
-                if attempt == self.cfg.served_max_retries:
-                    raise RuntimeError(f"served hidden states: sample {i} failed {attempt + 1} times; last: "
-                                       f"{type(e).__name__}: {e}") from None
-                if ep.recover():
-                    with self._stats_lock:
-                        self.stats["restarts"] += 1
-                elif isinstance(e, httpx.ConnectError) and ep.server is None:
-                    ep.wait_back(READY_TIMEOUT_S)
-                else:
-                    time.sleep(min(BACKOFF_MAX_S, BACKOFF_S * 2**attempt))
+        states = self._ask(i, list(ids), position)
         aux, last = self.norm.split(states)
         item = {"input_ids": torch.tensor(ids, dtype=torch.int32), "loss_mask": torch.tensor(mask, dtype=torch.uint8),
                 "aux": aux.to(torch.bfloat16), "last": last.to(torch.bfloat16)}
@@ -273,6 +251,41 @@ class ServedHidden:
             self.stats["fetch_s"] += time.time() - t0
             self.stats["last_arrival"] = time.time()
         return item
+
+    def _ask(self, i: int, row: list[int], position: int):
+        """The states of sample i's tokens `row`: tried on the endpoints in turn from `position`'s."""
+        import httpx
+
+        waited = False
+        for attempt in range(self.cfg.served_max_retries + 1):
+            ep = self.endpoints[(position + attempt) % len(self.endpoints)]
+            if ep.closed:
+                raise RuntimeError("served hidden states: the source is closed")
+            with self._stats_lock:
+                self.stats["requests"] += 1
+            try:
+                return request_states(ep.url, ep.model, row, on_file=self._scratch_seen)
+            except (httpx.HTTPError, OSError, NotStatesServer) as e:
+                with self._stats_lock:
+                    self.stats["retries"] += 1
+                if attempt == self.cfg.served_max_retries:
+                    raise RuntimeError(f"served hidden states: sample {i} failed {attempt + 1} times; last: "
+                                       f"{type(e).__name__}: {e}") from None
+                waited = self._before_retry(ep, e, attempt, waited)
+
+    @staticmethod
+    def _before_retry(ep: Endpoint, error: Exception, attempt: int, waited: bool) -> bool:
+        """Restart a dead server of ours; wait for one we cannot restart to answer again (once per sample:
+        a server gone for good fails the run); else back off. Returns whether it has waited."""
+        import httpx
+
+        if ep.recover():
+            return waited
+        if isinstance(error, httpx.ConnectError) and ep.server is None and not waited:
+            ep.wait_back(READY_TIMEOUT_S)
+            return True
+        time.sleep(min(BACKOFF_MAX_S, BACKOFF_S * 2**attempt))
+        return waited
 
     def _scratch_seen(self, path: Path) -> None:
         """The bytes of state files in the server's folder as one is read: the scratch the cap bounds."""
