@@ -536,7 +536,8 @@ def _reference_rows(recipe: Recipe, spec: TargetSpec, tokens: dict, parts: dict,
                                f"(online hidden states)")
     if served:
         rows[-1]["passes"] = served_passes(recipe, tokens, spec.hidden_size, len(spec.target.aux_layer_ids) + 1)
-        _add_serving(rows[-1], recipe, tokens, stages, refs["extract"][0] * target_scale * devices, gpus)
+        _add_serving(rows[-1], recipe, tokens, stages, refs["extract"][0] * target_scale * devices, gpus,
+                     len(spec.target.aux_layer_ids) + 1, spec.hidden_size)
     # Eval decodes each prompt three times (plainly, as a chain, as a tree), one prompt at a time on one
     # device: no data-parallel speedup; speculative decodes taken at about the plain rate.
     row("eval", EVAL_DECODES * recipe.eval.num_prompts * recipe.eval.max_new_tokens,
@@ -552,17 +553,36 @@ def served_passes(recipe: Recipe, tokens: dict, spec_hidden: int, n_states: int)
     if cfg.served_cache != "memory" or cfg.epochs <= 1:
         return float(cfg.epochs)
     train_tokens = tokens["tokens"] * (1 - cfg.holdout)
-    kept = min(1.0, cfg.served_cache_bytes / max(1, memory_bytes(round(train_tokens), n_states, spec_hidden)))
+    held = memory_bytes(round(tokens["tokens"] * cfg.holdout), n_states, spec_hidden)
+    left = cfg.served_cache_bytes - (held if held <= cfg.served_cache_bytes else 0)  # held-out kept first
+    kept = min(1.0, left / max(1, memory_bytes(round(train_tokens), n_states, spec_hidden)))
     return 1 + (cfg.epochs - 1) * (1 - kept)
 
 
-def _add_serving(row: dict, recipe: Recipe, tokens: dict, stages: dict, reference_rate: float, gpus: int) -> None:
+def heldout_scorings(recipe: Recipe, tokens: dict) -> int:
+    """How often the trainer scores the held-out samples: every train.eval_every steps and at the end, the
+    steps taken as full rows of train.batch_tokens (an upper bound on the rows packing makes)."""
+    cfg = recipe.train
+    if cfg.holdout <= 0:
+        return 0
+    steps = math.ceil(tokens["tokens"] * (1 - cfg.holdout) / (cfg.batch_tokens * cfg.micro_batches)) * cfg.epochs
+    return steps // max(1, cfg.eval_every) + 1
+
+
+def _add_serving(row: dict, recipe: Recipe, tokens: dict, stages: dict, reference_rate: float, gpus: int,
+                 n_states: int, hidden_size: int) -> None:
     """The train row of a served run: the steps, and the states server computing every pass's states at
     its measured rate (the last served train's, else extract's, else the reference). On GPUs the server
     runs beside the trainer (the longer of the two, the trainer waiting the difference); on a CPU they
     share the cores (the sum)."""
     passes = row.pop("passes")
-    work = round(tokens["tokens"] * (1 - recipe.train.holdout) * passes)
+    evals = heldout_scorings(recipe, tokens)
+    # The held-out samples are asked for again at every scoring (they are never in the training order),
+    # unless the memory cache holds them (it keeps them first).
+    held_bytes = memory_bytes(round(tokens["tokens"] * recipe.train.holdout), n_states, hidden_size)
+    if recipe.train.served_cache == "memory" and recipe.train.served_cache_bytes >= held_bytes:
+        evals = min(evals, 1)
+    work = round(tokens["tokens"] * ((1 - recipe.train.holdout) * passes + recipe.train.holdout * evals))
     served_rate = ((stages.get("train") or {}).get("metrics") or {}).get("served", {}).get("tokens_per_s")
     if served_rate and (stages.get("train") or {}).get("state") == "done":
         rate, source = float(served_rate), "measured: stages.train.metrics.served.tokens_per_s"
@@ -576,7 +596,8 @@ def _add_serving(row: dict, recipe: Recipe, tokens: dict, stages: dict, referenc
     row["seconds"] = round(seconds, 1)
     row["serving"] = {"passes": round(passes, 3), "tokens": work, "rate_per_s": round(rate, 1),
                       "seconds": round(serve_s, 1), "wait_share": round(wait, 3) if wait is not None else None}
-    row["source"] += (f"; + the states server: {work:,} tokens ({passes:.2f} passes) at {rate:,.0f} tok/s [{source}], "
+    row["source"] += (f"; + the states server: {work:,} tokens ({passes:.2f} passes, and the held-out samples "
+                      f"at each of {evals} scorings) at {rate:,.0f} tok/s [{source}], "
                       + ("beside the trainer (the longer of the two" + (f"; the trainer waits {wait:.0%} of it)" if wait
                                                                          else "; the trainer does not wait)")
                          if gpus else "on the same cores (added)"))

@@ -127,6 +127,22 @@ def test_served_states_equal_extracted_ones_bit_for_bit(server, vllm_disk_run, e
     assert not (run / "hidden").exists()
 
 
+def test_held_out_samples_are_kept_by_the_memory_cache(server, vllm_disk_run, extracted_run, tmp_path):
+    """Held-out samples, asked for at every scoring outside the order, are asked once when the memory
+    cache holds them; without the cache, every time."""
+    store = HiddenStore(RunFolder(vllm_disk_run).hidden)
+    recipe = load_recipe(str(extracted_run.parent / "tiny.toml"))
+    recipe.train.hidden, recipe.train.served_endpoints = "served", [server.url]
+    for cache, asked in (("memory", 1), ("none", 3)):
+        recipe.train.served_cache, recipe.train.served_cache_bytes = cache, 2**30
+        source = ServedHidden(recipe, RunFolder(copy_run(extracted_run, tmp_path / cache)))
+        source.held_out([0])
+        items = [source[0] for _ in range(3)]
+        source.close()
+        assert all(torch.equal(it["aux"], store[0]["aux"]) for it in items)
+        assert (source.report()["requests"], source.report()["cache_hits"]) == (asked, 3 - asked), cache
+
+
 @pytest.fixture(scope="module")
 def disk_curve(vllm_disk_run, extracted_run, tmp_path_factory) -> list[tuple]:
     run = copy_run(vllm_disk_run, tmp_path_factory.mktemp("disk-train") / "run", hidden=True)

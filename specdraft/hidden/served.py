@@ -159,6 +159,9 @@ class ServedHidden:
                       "last_arrival": None}
         self._stats_lock = threading.Lock()
         self.pipeline: _Pipeline | None = None
+        self.kept: dict[int, dict] = {}  # held-out samples kept by the memory cache (asked at every scoring)
+        self.keep_outside: set[int] = set()
+        self.cache_left = cfg.served_cache_bytes if cfg.served_cache == "memory" else 0
         self._check_scratch()
         self.endpoints = self._endpoints(recipe, folder, servers, extract)
         try:
@@ -298,6 +301,15 @@ class ServedHidden:
         with self._stats_lock:
             self.stats["peak_scratch_bytes"] = max(self.stats["peak_scratch_bytes"], total)
 
+    def held_out(self, indices: list[int]) -> None:
+        """The samples asked for outside the order (the held-out ones, at every scoring): the memory cache
+        keeps them first, as far as served_cache_bytes goes; the training samples get what is left."""
+        for i in indices:
+            size = memory_bytes(self.lengths[i], self.num_states, self.hidden_size)
+            if size <= self.cache_left:
+                self.keep_outside.add(i)
+                self.cache_left -= size
+
     def expect(self, order: list[int]) -> None:
         """The samples the trainer will take, in order (every epoch left): requests start, ahead of it."""
         if self.pipeline is not None:
@@ -323,7 +335,14 @@ class ServedHidden:
             with self._stats_lock:
                 self.stats["wait_s"] += time.time() - t0
             return item
-        return self.fetch(i)
+        if i in self.kept:
+            with self._stats_lock:
+                self.stats["cache_hits"] += 1
+            return self.kept[i]
+        item = self.fetch(i)
+        if i in self.keep_outside:
+            self.kept[i] = item
+        return item
 
     def last(self, i: int, device=None):
         last = self[i]["last"]
@@ -378,7 +397,7 @@ class _Pipeline:
         """(samples to keep in memory at their first arrival, positions served from that copy)."""
         if cfg.served_cache != "memory":
             return set(), set()
-        keep, used, seen, from_cache = set(), 0, set(), set()
+        keep, used, seen, from_cache = set(), cfg.served_cache_bytes - self.source.cache_left, set(), set()
         src = self.source
         for p, i in enumerate(self.order):
             if i in seen:

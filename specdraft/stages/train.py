@@ -481,6 +481,7 @@ class Trainer:
         if self.cfg.hidden == "served":
             self.tops = {}
             self.source.on_arrival = TopsOnArrival(head, self.device, self.tops)
+            self.source.held_out(self.held_idx)
         else:
             self.tops = target_top_tokens(self.source, head, self.train_idx + self.held_idx, self.device)
         self.phase["top tokens"] = time.time() - t_phase
