@@ -183,6 +183,28 @@ def test_failed_requests_are_retried_and_counted(server, disk_curve, extracted_r
     assert measured["served.retries"] == broken and "wait_share" in measured
 
 
+def test_two_endpoints_share_the_requests(server, disk_curve, extracted_run, tmp_path):
+    """Two endpoints (the server, and the same server behind a proxy: a second URL) take the order's
+    requests in turn; training takes the same steps. vLLM then batches requests from both, so the bf16
+    states, and the losses, agree closely rather than bit for bit."""
+    from faultproxy import FaultProxy
+
+    run = copy_run(extracted_run, tmp_path / "served")
+    with FaultProxy(server.url) as proxy:
+        args = [*FAST, "--set", "train.hidden=served", "--set", f"train.served_endpoints={server.url},{proxy.url}"]
+        assert main(cli(run, extracted_run, *args)) == 0
+        posts = proxy.counts["posts"]
+    served = manifest_train(run)["metrics"]["served"]
+    assert served["endpoints"] == 2 and served["retries"] == 0
+    # The order's requests alternate; the 2 held-out samples, scored once, go to the first endpoint; -1: the
+    # proxy's probe.
+    assert posts - 1 == (served["samples"] - 2) // 2
+    got = losses(run)
+    assert [s for s, _, _ in got] == [s for s, _, _ in disk_curve]
+    for (_, a, _), (_, b, _) in zip(got, disk_curve):
+        assert a == pytest.approx(b, rel=0.05)
+
+
 def test_killed_server_is_restarted_and_no_sample_is_lost(server, disk_curve, extracted_run, tmp_path):
     """The states server handed to the trainer is killed (kill -9, its whole process group) after the
     second step: it is restarted, the requests it lost are asked again, and the loss curve is the disk
