@@ -569,6 +569,18 @@ def heldout_scorings(recipe: Recipe, tokens: dict) -> int:
     return steps // max(1, cfg.eval_every) + 1
 
 
+def _serving_rate(stages: dict, reference_rate: float) -> tuple[float, str]:
+    """The states server's tokens/s: a finished served train's, else extract's, else the reference."""
+    train = stages.get("train") or {}
+    served_rate = (train.get("metrics") or {}).get("served", {}).get("tokens_per_s")
+    if served_rate and train.get("state") == "done":
+        return float(served_rate), "measured: stages.train.metrics.served.tokens_per_s"
+    rate, source = _measured_rate(stages, "extract", "tokens_per_s")
+    if rate:
+        return rate, source
+    return reference_rate, f"default: extract's reference rate {reference_rate:,.0f} tok/s"
+
+
 def _add_serving(row: dict, recipe: Recipe, tokens: dict, stages: dict, reference_rate: float, gpus: int,
                  n_states: int, hidden_size: int) -> None:
     """The train row of a served run: the steps, and the states server computing every pass's states at
@@ -583,12 +595,7 @@ def _add_serving(row: dict, recipe: Recipe, tokens: dict, stages: dict, referenc
     if recipe.train.served_cache == "memory" and recipe.train.served_cache_bytes >= held_bytes:
         evals = min(evals, 1)
     work = round(tokens["tokens"] * ((1 - recipe.train.holdout) * passes + recipe.train.holdout * evals))
-    served_rate = ((stages.get("train") or {}).get("metrics") or {}).get("served", {}).get("tokens_per_s")
-    if served_rate and (stages.get("train") or {}).get("state") == "done":
-        rate, source = float(served_rate), "measured: stages.train.metrics.served.tokens_per_s"
-    else:
-        rate, source = _measured_rate(stages, "extract", "tokens_per_s")
-        rate, source = (rate, source) if rate else (reference_rate, f"default: extract's reference rate {reference_rate:,.0f} tok/s")
+    rate, source = _serving_rate(stages, reference_rate)
     serve_s = work / rate
     train_s = row["seconds"]
     seconds = max(train_s, serve_s) if gpus else train_s + serve_s
