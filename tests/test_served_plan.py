@@ -78,3 +78,17 @@ def test_status_of_a_served_run_does_not_ask_for_extract(tmp_path):
     extract = next(r for r in s["stages"] if r["stage"] == "extract")
     assert extract["state"] == "not needed"
     assert s["next"]["command"].startswith("specdraft train")
+
+
+def test_the_servers_measured_rate_replaces_the_reference(tmp_path):
+    from specdraft.run import RunFolder
+
+    recipe = load_recipe("smollm2-cpu")
+    recipe.train.hidden = "served"
+    folder = RunFolder(tmp_path / "run")
+    folder.init(recipe)
+    before = next(r for r in make_plan(recipe, folder)["time"] if r["phase"] == "train")
+    folder.record("train", state="done", metrics={"tokens_per_s": 500.0, "served": {"tokens_per_s": 123.0}})
+    after = next(r for r in make_plan(recipe, folder)["time"] if r["phase"] == "train")
+    assert before["serving"]["rate_per_s"] != 123.0 and after["serving"]["rate_per_s"] == 123.0
+    assert "measured: stages.train.metrics.served.tokens_per_s" in after["source"]
