@@ -6,6 +6,7 @@ between stages) and lists the stages in their order.
       conversations.jsonl    gen (+ gen_errors.jsonl, gen_in_flight.jsonl)
       tokens/                render
       hidden/                extract
+      served/                train with hidden = "served": the states server's log and scratch folder
       checkpoints/           train: latest/, best/, final/ (+ train_log.jsonl, tensorboard/, curves.png)
       export/vllm/ export/sglang/   export
       eval/                  eval: report.json, report.md, plots
@@ -127,6 +128,12 @@ class RunFolder:
     @property
     def hidden(self) -> Path:
         return self.path / "hidden"
+
+    @property
+    def served(self) -> Path:
+        """The states server specdraft starts for train.hidden = "served": its log, and the scratch folder
+        its connector writes each request's states to (deleted as read, bounded by served_scratch_bytes)."""
+        return self.path / "served"
 
     @property
     def checkpoints(self) -> Path:

@@ -22,7 +22,7 @@ from specdraft.run import PIPELINE, STAGES, RunFolder, write_text
 STAGE_ORDER = [s.name for s in PIPELINE]
 # The plan's time table names phases; render and export are too quick to plan.
 PHASE_OF_STAGE = {"gen": "gen", "extract": "extract", "train": "train", "eval": "eval"}
-ICONS = {"done": "✅", "in progress": "🔄", "not started": "⏳", "failed": "❌"}
+ICONS = {"done": "✅", "in progress": "🔄", "not started": "⏳", "failed": "❌", "not needed": "➖"}
 # Units of the figures stages record (by metric name; other names get one from their suffix).
 UNITS = {
     "tokens_per_s": "tok/s", "autoregressive_tokens_per_s": "tok/s", "speculative_tokens_per_s": "tok/s",
@@ -78,6 +78,8 @@ def _stages(folder: RunFolder, manifest: dict, recipe: dict) -> list[dict]:
                 row["state"] = "in progress"
             elif entry and entry["state"] == "failed":
                 row["state"] = "failed"
+            elif stage == "extract" and (recipe.get("train") or {}).get("hidden") in ("online", "served"):
+                row["state"] = "not needed"  # the trainer gets its states from the target itself
             else:
                 row["state"] = "not started"
             if progress:
@@ -93,7 +95,11 @@ def _measured(manifest: dict) -> list[dict]:
         entry = manifest.get("stages", {}).get(stage)
         if not entry:
             continue
-        for name, value in (entry.get("metrics") or {}).items():
+        metrics = dict(entry.get("metrics") or {})
+        # The served source's figures (requests, retries, restarts, its rate, the scratch used), one row each.
+        for name, value in (metrics.pop("served", None) or {}).items():
+            metrics[f"served.{name}"] = value
+        for name, value in metrics.items():
             if value is None:
                 continue
             rows.append({"stage": stage, "name": name, "value": value, "unit": _unit(name),
@@ -155,7 +161,7 @@ def _problems(manifest: dict, stages: list[dict]) -> list[dict]:
 
 def _next_command(folder: RunFolder, manifest: dict, stages: list[dict]) -> dict:
     for row in stages:
-        if row["state"] != "done":
+        if row["state"] not in ("done", "not needed"):
             cmd = f"specdraft {row['stage']} --run {folder.path}"
             why = {"in progress": "resumes from what is on disk", "failed": "reruns the failed stage"}.get(
                 row["state"], "the next stage")
@@ -176,7 +182,7 @@ def _remaining(manifest: dict, stages: list[dict]) -> dict | None:
     for trow in plan["time"]:
         stage = next((s for s, p in PHASE_OF_STAGE.items() if p == trow["phase"]), None)
         row = state.get(stage)
-        if row is None or row["state"] == "done":
+        if row is None or row["state"] in ("done", "not needed"):
             continue
         # An unknown share done (gen of every conversation) bills the whole phase.
         done = ((row.get("progress") or {}).get("fraction") or 0.0) if row["state"] == "in progress" else 0.0
@@ -237,7 +243,8 @@ def collect(folder: RunFolder) -> dict:
 
 def _goal(recipe: dict) -> dict:
     t, d, g, tr, ex, ev = (recipe[k] for k in ("target", "data", "gen", "train", "export", "eval"))
-    hidden = "on the fly (online)" if tr.get("hidden") == "online" else "extracted to disk"
+    hidden = {"online": "on the fly (online)", "served": "streamed from a vLLM server (served, none stored)"}.get(
+        tr.get("hidden"), "extracted to disk")
     answers = ("with the source's own answers" if g.get("answers") == "source" else
                f"whose answers the target writes itself (up to {g['max_new_tokens']} tokens each)")
     vocab = f"a {tr['draft_vocab_size']}-token draft vocabulary" if tr["draft_vocab_size"] else "the whole vocabulary"
