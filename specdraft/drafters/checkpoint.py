@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import random
-import shutil
 from pathlib import Path
 
 import torch
@@ -27,7 +26,8 @@ from specdraft.config import Recipe
 from specdraft.drafters.dflash import DFlashConfig, DFlashDrafter
 from specdraft.drafters.eagle3 import DrafterConfig, Eagle3Drafter
 from specdraft.drafters.formats import read_drafter
-from specdraft.run import RunFolder, write_json
+from specdraft.run import RunFolder, staged_folders, write_json
+from specdraft.run import scratch_paths as run_scratch_paths
 from specdraft.targets import Target
 
 COMPLETE = "COMPLETE"  # written last into a checkpoint folder: a folder without it is ignored
@@ -134,33 +134,28 @@ def load_trainer_state(path: Path) -> dict:
 
 
 def scratch_paths(path: Path) -> tuple[Path, Path]:
-    """The siblings save_checkpoint clears and uses: the new folder is written in the first, the one it
-    replaces moved to the second. Callers that must not lose a folder check these as well as `path`."""
-    return path.with_name(f".{path.name}.tmp"), path.with_name(f".{path.name}.old")
+    """The siblings save_checkpoint clears and uses (run.scratch_paths): the new folder is written in the
+    first, the one it replaces moved to the second. Callers that must not lose a folder check these as
+    well as `path`."""
+    return run_scratch_paths(path)
 
 
 def save_checkpoint(drafter, path: Path, meta: dict, extra: dict | None = None) -> None:
-    """A checkpoint folder, written whole under a temporary name, marked complete, then renamed. The
-    target's own tensors are left out (target_tensors), read from the target on load; config.json
-    names the method. `extra` (optimizer, scheduler, data position, RNG) goes to trainer.safetensors +
-    trainer.json for resuming."""
+    """A checkpoint folder, written whole under a temporary name, marked complete, then renamed (a
+    failure, a full disk say, removes the temporary folder and leaves the last one). The target's own
+    tensors are left out (target_tensors), read from the target on load; config.json names the method.
+    `extra` (optimizer, scheduler, data position, RNG) goes to trainer.safetensors + trainer.json for
+    resuming."""
     from safetensors.torch import save_file
 
-    tmp, old = scratch_paths(path)
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    shared = target_tensors(drafter.config)
-    state = {k: v.detach().cpu().contiguous() for k, v in drafter.state_dict().items() if k not in shared}
-    save_file(state, str(tmp / "model.safetensors"))
-    write_json(tmp / "config.json", {"drafter": drafter.config.to_dict(), **meta, "method": drafter.METHOD})
-    if extra is not None:
-        save_trainer_state(tmp, extra)
-    (tmp / COMPLETE).write_text("")
-    shutil.rmtree(old, ignore_errors=True)
-    if path.exists():
-        path.rename(old)
-    tmp.rename(path)
-    shutil.rmtree(old, ignore_errors=True)
+    with staged_folders(path) as (tmp,):
+        shared = target_tensors(drafter.config)
+        state = {k: v.detach().cpu().contiguous() for k, v in drafter.state_dict().items() if k not in shared}
+        save_file(state, str(tmp / "model.safetensors"))
+        write_json(tmp / "config.json", {"drafter": drafter.config.to_dict(), **meta, "method": drafter.METHOD})
+        if extra is not None:
+            save_trainer_state(tmp, extra)
+        (tmp / COMPLETE).write_text("")
 
 
 def rng_state() -> dict:

@@ -42,7 +42,7 @@ from specdraft.data.sources import (
     source_is_rendered,
     split_of,
 )
-from specdraft.run import RunFolder, atomic_path, write_json
+from specdraft.run import RunFolder, staged_files
 from specdraft.targets import Target, tokenizer_thinking_markers
 
 # Fields templates read an assistant turn's reasoning from, probed in this order: Qwen3, DeepSeek and
@@ -460,11 +460,6 @@ class Packed:
         import torch
         from safetensors.torch import save_file
 
-        out.mkdir(parents=True, exist_ok=True)
-        with atomic_path(out / "tokens.safetensors") as tmp:
-            save_file({"input_ids": torch.tensor(self.ids, dtype=torch.int32),
-                       "loss_mask": torch.tensor(self.mask, dtype=torch.uint8),
-                       "offsets": torch.tensor(self.offsets, dtype=torch.int64)}, str(tmp))
         index = {
             "ids": self.names,
             "num_samples": len(self.names),
@@ -474,7 +469,12 @@ class Packed:
             "template": template.describe(),
             "target": target.describe(),
         }
-        write_json(out / "index.json", index)
+        # The tokens and their index renamed in together: the last good pair stays until both are written.
+        with staged_files(out / "tokens.safetensors", out / "index.json") as (tokens, index_json):
+            save_file({"input_ids": torch.tensor(self.ids, dtype=torch.int32),
+                       "loss_mask": torch.tensor(self.mask, dtype=torch.uint8),
+                       "offsets": torch.tensor(self.offsets, dtype=torch.int64)}, str(tokens))
+            index_json.write_text(json.dumps(index, indent=2) + "\n")
         return index
 
 
