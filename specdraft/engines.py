@@ -7,6 +7,7 @@ process group, which holds vLLM's engine workers), whatever happened in between.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -25,8 +26,10 @@ VLLM_PYTHON = Path(os.environ.get("SPECDRAFT_VLLM_PYTHON",
 # The CPU backend's KV cache in GiB: 2 holds 2,048-token contexts for dozens of concurrent requests.
 CPU_KVCACHE_GIB = 2
 READY_TIMEOUT_S = 900.0
-# How long a stopped server gets to exit on SIGTERM before its process group is killed.
+# How long a stopped server gets to exit on SIGTERM before its process group is killed; one still
+# starting up (which may not answer SIGTERM until it serves) has nothing to finish and gets less.
 STOP_TIMEOUT_S = 60.0
+STARTING_STOP_TIMEOUT_S = 5.0
 
 
 def _signal_group(pgid: int, sig: int) -> None:
@@ -115,7 +118,7 @@ class VllmServer:
         except BaseException:
             # Not ready, or interrupted (Ctrl-C, SIGTERM) while waiting: `with` never reaches __exit__
             # when __enter__ raises, so the server is stopped here.
-            self.stop()
+            self.stop(grace=STARTING_STOP_TIMEOUT_S)
             raise
         self.ready_seconds = time.time() - t0
         return self
@@ -135,22 +138,23 @@ class VllmServer:
                 raise ServerError(f"vLLM not ready after {READY_TIMEOUT_S:.0f} s:\n{self.log_tail()}")
             time.sleep(2)
 
-    def stop(self) -> None:
-        """SIGTERM to the server's process group, SIGKILL after STOP_TIMEOUT_S or when interrupted again
-        while waiting; then SIGKILL to whatever of the group outlived its leader (engine workers)."""
+    def stop(self, grace: float = STOP_TIMEOUT_S) -> None:
+        """SIGTERM to the server's process group; after `grace` seconds, or at once when interrupted again
+        while waiting, SIGKILL; then SIGKILL to whatever of the group outlived its leader (engine workers)."""
         if self.process is None or self.stopped:
             return
         pgid = self.process.pid  # the group start_new_session made: its id is the leader's pid
         try:
             if self.process.poll() is None:
                 _signal_group(pgid, signal.SIGTERM)
-                self.process.wait(timeout=STOP_TIMEOUT_S)
-        except BaseException:
-            _signal_group(pgid, signal.SIGKILL)
-            self.process.wait(timeout=30)
-            raise
+                self.process.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            pass  # killed below (a server still starting up may not answer SIGTERM)
         finally:
+            # Whatever happened, interrupted again included: the group killed, the leader reaped.
             _signal_group(pgid, signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.process.wait(timeout=30)
             self.stopped = True  # once: the group's id may be another's after this
 
     def metrics_text(self) -> str:
