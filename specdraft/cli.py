@@ -159,7 +159,8 @@ def _run_stage(name: str, recipe, folder) -> dict:
     except BaseException as e:
         folder.record(name, state="failed", extra={"error": f"{type(e).__name__}: {e}".strip().rstrip(":")})
         if writer:
-            folder.clear_temporaries(name)
+            with contextlib.suppress(OSError):  # never in place of the stage's own error
+                folder.clear_temporaries(name)
         raise
     finally:
         from specdraft.stages.status import after_stage

@@ -456,7 +456,8 @@ def check_new_or_ours(path: Path, ours: Callable[[Path], bool], what: str, fix: 
     path = Path(path)
     if path.exists() and not path.is_dir():
         raise ValueError(f"{what} {path} is a file, not a folder; {fix}")
-    if path.is_dir() and any(path.iterdir()) and not ours(path):
+    # specdraft's own temporaries do not count: another process of a torchrun may be creating the run.
+    if path.is_dir() and any(not _ATOMIC_TMP.match(p.name) for p in path.iterdir()) and not ours(path):
         raise ValueError(f"{what} {path} holds files specdraft did not write; {fix}")
 
 

@@ -492,12 +492,14 @@ class Trainer:
 
     def will_resume(self) -> bool:
         """Whether this run continues from `latest`: a stopped run left it (its stage not recorded done, or
-        a retraining recorded beside the last good one as its unfinished `attempt`); else it starts over,
-        and a finished run is retrained. A checkpoint it cannot resume from (another config, a trainer state
-        saved as a pickle) is refused here, before the set-up's long parts."""
+        a retraining stopped after it moved the last good one's checkpoints aside, to which the good record
+        then points); else it starts over, and a finished run is retrained. A checkpoint it cannot resume
+        from (another config, a trainer state saved as a pickle) is refused here, before the set-up's long
+        parts."""
         cfg, folder = self.cfg, self.folder
         previous = folder.stage("train")
-        stopped = previous is None or previous["state"] != "done" or "attempt" in previous
+        stopped = (previous is None or previous["state"] != "done"
+                   or previous.get("checkpoint", "").startswith(f"{folder.previous_checkpoints.name}/"))
         resuming = cfg.resume and (folder.checkpoint("latest") / COMPLETE).exists() and stopped
         if resuming:
             check_resumable(folder.checkpoint("latest"), cfg)
