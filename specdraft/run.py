@@ -528,7 +528,7 @@ class Stage:
 
 
 PIPELINE = (
-    Stage("gen", "specdraft.stages.gen", "gen", ("conversations", "gen_errors"), _gen_progress),
+    Stage("gen", "specdraft.stages.gen", "gen", ("conversations", "gen_errors", "gen_in_flight"), _gen_progress),
     Stage("render", "specdraft.stages.render", "render", ("tokens",)),
     Stage("extract", "specdraft.stages.extract", "extract", ("hidden",), _extract_progress, _extract_intact),
     Stage("train", "specdraft.stages.train", "train", ("checkpoints",), _train_progress),
