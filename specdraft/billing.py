@@ -566,6 +566,7 @@ def make_plan(recipe: Recipe, folder: RunFolder | None = None, *, target: str | 
     # The target as every stage reads it: its aux layers (the recipe's, sorted, or its family's default)
     # checked against its depth.
     spec = read_target(target or recipe.target.model, recipe.target.aux_layer_ids)
+    spec.target.check_fits(recipe)  # the ranges the target sets: plan refuses what the stages would
     aux = spec.target.aux_layer_ids
     store_dtype = recipe.extract.store_dtype  # bf16, or fp8 with a per-row scale
     n_states = len(aux) + 1

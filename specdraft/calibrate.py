@@ -26,6 +26,7 @@ from pathlib import Path
 
 from specdraft import environment
 from specdraft.config import Recipe
+from specdraft.files import FileError, read_json
 from specdraft.targets import Target, cache_dir, resolve_dtype
 
 # Shapes of the timed work: large enough that per-call overheads are amortised as in the stages, small
@@ -98,7 +99,7 @@ def calibrate(recipe: Recipe, target: Target, cache: Path) -> Calibration:
     if found is not None:
         return found
     result = measure(recipe, target)
-    entries = json.loads(cache.read_text()) if cache.exists() else {}
+    entries = _entries(cache)
     entries[key(recipe, target)] = result.to_dict()
     cache.parent.mkdir(parents=True, exist_ok=True)
     tmp = cache.with_name(cache.name + ".tmp")
@@ -109,8 +110,27 @@ def calibrate(recipe: Recipe, target: Target, cache: Path) -> Calibration:
 
 def cached(recipe: Recipe, target: Target, cache: Path) -> Calibration | None:
     """The cached calibration, None where this machine, target and recipe have none yet."""
-    found = (json.loads(cache.read_text()) if cache.exists() else {}).get(key(recipe, target))
-    return Calibration(**found) if found else None
+    found = _entries(cache).get(key(recipe, target))
+    if not found:
+        return None
+    try:
+        return Calibration(**found)
+    except TypeError:  # a stale entry of another specdraft's fields
+        raise FileError(f"{cache}: its entry for this machine and recipe is not a calibration; {CACHE_FIX}") from None
+
+
+# The calibration cache is only ever a cache: a damaged one is removed and measured again.
+CACHE_FIX = "remove it (plan measures this machine again)"
+
+
+def _entries(cache: Path) -> dict:
+    """The cached calibrations {key: fields}, none when there is no cache yet."""
+    if not cache.exists():
+        return {}
+    entries = read_json(cache, fix=CACHE_FIX)
+    if not all(isinstance(v, dict) for v in entries.values()):
+        raise FileError(f"{cache}: not a calibration cache (its entries are not objects); {CACHE_FIX}")
+    return entries
 
 
 def measure(recipe: Recipe, target: Target) -> Calibration:

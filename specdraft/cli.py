@@ -19,6 +19,7 @@ import sys
 import threading
 import time
 import typing
+from urllib.parse import urlsplit
 
 from specdraft import environment
 from specdraft.config import apply_sets, load_recipe, stage_fields
@@ -29,7 +30,7 @@ def _flag_help(tp) -> str:
     name = getattr(tp, "__name__", str(tp))
     if typing.get_origin(tp) is list:
         name = "comma-separated list"
-    if tp is dict:
+    if tp is dict or typing.get_origin(tp) is dict:
         name = "json object"
     return name
 
@@ -68,6 +69,9 @@ def _levels(text: str) -> list[int]:
 def _url(text: str) -> str:
     if not text.startswith(("http://", "https://")):
         raise argparse.ArgumentTypeError(f"not an http:// or https:// URL: {text!r}")
+    if "@" in urlsplit(text).netloc:  # httpx would send it as a header, and the report records the URL
+        raise argparse.ArgumentTypeError("a user or password in the URL would be written in the report; give "
+                                         "the key in an environment variable (gen.api_key_env)")
     return text
 
 
@@ -143,7 +147,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _open(args):
     flags = {dest: value for dest, value in vars(args).items() if "." in dest}
-    return open_run(args.recipe, args.run, args.set, flags)
+    # A stage's `preflight(recipe)` refuses what must not even be recorded (a key pasted where a variable's
+    # name belongs), before the run folder is written; the demo runs every stage, so it checks them all.
+    names = [s.name for s in PIPELINE] if args.command == "demo" else [args.command]
+    checks = [getattr(importlib.import_module(STAGES[n].module), "preflight", None) for n in names if n in STAGES]
+
+    def check(recipe):
+        for preflight in filter(None, checks):
+            preflight(recipe)
+
+    return open_run(args.recipe, args.run, args.set, flags, check=check)
 
 
 def _run_stage(name: str, recipe, folder) -> dict:

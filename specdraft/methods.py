@@ -80,7 +80,7 @@ def build_eagle3(cfg: TrainConfig, target, counts: torch.Tensor) -> Eagle3Drafte
     and lm_head as train.lm_head_init says."""
     from pathlib import Path
 
-    dcfg = DrafterConfig.from_target(target, cfg.draft_vocab_size)  # its size: 0 and oversize resolved
+    dcfg = DrafterConfig.from_target(target, cfg.draft_vocab_size)  # its size: 0 is the whole vocabulary
     d2t, t2d = vocab.build(counts, dcfg.draft_vocab_size)
     dcfg.norm_before_fc, dcfg.fc_norm, dcfg.norm_output = cfg.norm_before_fc, cfg.fc_norm, cfg.norm_output
     dcfg.norm_before_residual = cfg.norm_before_residual

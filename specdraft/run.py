@@ -35,11 +35,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from specdraft import environment
+from specdraft import environment, files
 from specdraft.config import (
     Recipe,
     apply_override,
     apply_sets,
+    check_recipe,
     load_recipe,
     recipe_from_dict,
     to_dict,
@@ -51,8 +52,9 @@ CheckpointName = Literal["latest", "best", "final", "imported"]
 
 
 @contextlib.contextmanager
-def atomic_path(path: Path):
-    """Yield a temporary path beside `path`; on success rename it over `path`, else remove it."""
+def atomic_path(path: Path, needed: int | None = None):
+    """Yield a temporary path beside `path`; on success rename it over `path`, else remove it. A full
+    disk is one DiskFull line naming `path` and the bytes it `needed` (when the caller knows them)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
@@ -62,14 +64,19 @@ def atomic_path(path: Path):
             with open(tmp, "rb+") as f:
                 os.fsync(f.fileno())
         os.replace(tmp, path)
+    except OSError as e:
+        if e.errno not in files.FULL:
+            raise
+        raise files.full_disk(e, path, needed, files.size_of(tmp)) from None
     finally:
-        if tmp.exists():
+        if tmp.is_symlink() or tmp.exists():
             tmp.unlink()
 
 
 def write_text(path: Path, text: str) -> None:
-    with atomic_path(path) as tmp:
-        tmp.write_text(text)
+    data = text.encode()
+    with atomic_path(path, needed=len(data)) as tmp:
+        tmp.write_bytes(data)
 
 
 def write_json(path: Path, obj) -> None:
@@ -165,13 +172,35 @@ def remove_stale_temporaries(outputs: list[Path], *, every_tmp: bool = True) -> 
                 if entry.name.startswith(f".{out.name}."):
                     _clear_entry(entry, removed, every_tmp)
         if out.is_dir() and not out.is_symlink():
-            for root, dirs, files in os.walk(out):
-                for name in [*dirs, *files]:
+            for root, dirs, names in os.walk(out):
+                for name in [*dirs, *names]:
                     entry = Path(root) / name
                     if name.startswith("."):
                         _clear_entry(entry, removed, every_tmp)
                 dirs[:] = [d for d in dirs if (Path(root) / d).is_dir()]
     return removed
+
+
+# What to do with a manifest.json specdraft cannot read: it is only ever replaced whole, so a damaged one
+# was written by something else; its stages' files are still there.
+MANIFEST_FIX = "restore it from a copy or fix that entry by hand (specdraft writes it whole: something else changed it)"
+
+
+def check_manifest(m: dict, path: Path) -> dict:
+    """The manifest `m` read from `path`, checked for what every reader of it takes as given: a
+    `stages` object of objects, each with its `state`, and an object as its `recipe`."""
+    stages = m.get("stages", {})
+    if not isinstance(stages, dict):
+        raise files.FileError(f"{path}: 'stages' is a JSON {type(stages).__name__}, not an object; {MANIFEST_FIX}")
+    for name, entry in stages.items():
+        state = entry.get("state") if isinstance(entry, dict) else None
+        if not isinstance(state, str):
+            found = "no 'state'" if isinstance(entry, dict) else f"a JSON {type(entry).__name__}, not an object"
+            raise files.FileError(f"{path}: stage {name!r} has {found}; {MANIFEST_FIX}")
+    if not isinstance(m.get("recipe", {}), dict):
+        raise files.FileError(f"{path}: 'recipe' is not an object; {MANIFEST_FIX}")
+    m.setdefault("stages", stages)
+    return m
 
 
 class RunFolder:
@@ -262,7 +291,8 @@ class RunFolder:
     def manifest(self) -> dict:
         if not self.exists():
             return {"stages": {}}
-        return json.loads(self.manifest_path.read_text())
+        return check_manifest(files.read_json(self.manifest_path, fix=MANIFEST_FIX, what="the run's manifest"),
+                              self.manifest_path)
 
     def save_manifest(self, manifest: dict) -> None:
         write_json(self.manifest_path, manifest)
@@ -466,13 +496,10 @@ def check_new_or_ours(path: Path, ours: Callable[[Path], bool], what: str, fix: 
 def _gen_progress(folder: RunFolder, recipe: dict) -> dict | None:
     if not folder.conversations.exists():
         return None
-    records = 0
-    with open(folder.conversations, encoding="utf-8") as f:
-        for line in f:
-            try:
-                records += "id" in json.loads(line)
-            except json.JSONDecodeError:
-                pass  # a torn last line: gen repairs it when it resumes
+    # A torn last line is skipped: gen repairs it when it resumes.
+    lines = files.read_jsonl(folder.conversations, torn_tail=True,
+                             fix="remove the line (gen answers its prompt again) or start over in a new run folder")
+    records = sum("id" in record for _, record in lines)
     # gen.num_samples (when the recipe sets it) or data.num_train conversations make gen done; both 0
     # means every usable one, a count gen alone knows (fraction None: started, share unknown).
     of = recipe["gen"].get("num_samples") or recipe["data"]["num_train"]
@@ -485,13 +512,17 @@ def _extract_progress(folder: RunFolder, recipe: dict) -> dict | None:
     index_path = folder.hidden / "index.json"
     if not index_path.exists():
         return None
-    index = json.loads(index_path.read_text())
-    # A shard file that exists is whole: extract writes each under a temporary name, then renames it.
-    names = [s if isinstance(s, str) else s["name"] for s in index["shards"]]
-    written = {s for s in names if (folder.hidden / s).exists()}
-    done = [s for s in index["samples"] if s["shard"] in written]
-    total_tokens = sum(s["tokens"] for s in index["samples"])
-    tokens = sum(s["tokens"] for s in done)
+    fix = "rerun `specdraft extract` (it rewrites what it needs)"
+    index = files.read_json(index_path, fix=fix)
+    try:
+        # A shard file that exists is whole: extract writes each under a temporary name, then renames it.
+        names = [s if isinstance(s, str) else s["name"] for s in index["shards"]]
+        written = {s for s in names if (folder.hidden / s).exists()}
+        done = [s for s in index["samples"] if s["shard"] in written]
+        total_tokens = sum(s["tokens"] for s in index["samples"])
+        tokens = sum(s["tokens"] for s in done)
+    except (KeyError, TypeError) as e:
+        raise files.FileError(f"{index_path}: not extract's index ({type(e).__name__}: {e}); {fix}") from None
     return {"shards": len(written), "shards_of": len(names), "samples": len(done),
             "samples_of": len(index["samples"]), "tokens": tokens, "tokens_of": total_tokens,
             "fraction": tokens / max(1, total_tokens), "index_state": index.get("state"),
@@ -509,7 +540,7 @@ def _train_progress(folder: RunFolder, recipe: dict) -> dict | None:
     config = folder.checkpoint("latest") / "config.json"
     if not (folder.checkpoint("latest") / "COMPLETE").exists() or not config.exists():
         return None
-    step = json.loads(config.read_text()).get("step")
+    step = files.read_json(config, fix="rerun `specdraft train` (it resumes from the last whole checkpoint)").get("step")
     return {"latest_checkpoint_step": step, "source": "checkpoints/latest/config.json"}
 
 
@@ -546,22 +577,26 @@ def check_run_folder(path: Path) -> None:
                       "or a run folder specdraft made (it holds manifest.json)")
 
 
-def open_run(recipe_name: str | None, run_dir: str | None, sets: list[str], flags: dict | None = None
-             ) -> tuple[Recipe, RunFolder]:
+def open_run(recipe_name: str | None, run_dir: str | None, sets: list[str], flags: dict | None = None,
+             check: Callable[[Recipe], None] | None = None) -> tuple[Recipe, RunFolder]:
     """The recipe and run folder a command works on: the run's recorded recipe when no recipe is named
     and the run exists, else the named (or default) recipe; then `--set` items and stage flags
-    (`{"train.epochs": "3"}`) on top. A new run is created with that recipe recorded; an existing run's
-    recorded recipe changes only when the command's stage succeeds (RunFolder.record). Every process of
-    a torchrun calls this."""
+    (`{"train.epochs": "3"}`) on top. Once `check` (the command's own refusals, e.g. a key variable that
+    is not set) has passed, a new run is created with that recipe recorded; an existing run's recorded
+    recipe changes only when the command's stage succeeds (RunFolder.record). Every process of a
+    torchrun calls this."""
     recipe = load_recipe(recipe_name or DEFAULT_RECIPE)
     folder = RunFolder(Path(run_dir) if run_dir else Path("runs") / recipe.name)
     check_run_folder(folder.path)
     if not recipe_name and folder.exists():
         recipe = folder.recipe()
-    apply_sets(recipe, sets)
+    apply_sets(recipe, sets, check=False)
     for dotted, value in (flags or {}).items():
         if value is not None:
             apply_override(recipe, dotted, value)
+    check_recipe(recipe)  # the checks across fields, once every --set and flag is in
+    if check is not None:
+        check(recipe)
     folder.create(recipe)
     folder.runs_with(recipe)
     return recipe, folder

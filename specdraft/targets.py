@@ -15,16 +15,46 @@ import contextlib
 import hashlib
 import json
 import os
+import shlex
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from specdraft.bundled import BUNDLED, BundleError, bundled_gguf
+from specdraft.config import check_target_limits
+from specdraft.files import FileError, open_safetensors, read_json
+
+
+def refuse_pickled_weights(folder: Path) -> None:
+    """Refuse a folder whose weights are pytorch_model*.bin (a target's or a drafter's) in one line giving the
+    command that converts them: a .bin is a pickle, and reading one runs whatever code it holds (torch's
+    weights_only guard has been bypassed before, CVE-2025-32434), so specdraft never opens one."""
+    if any(Path(folder).glob("pytorch_model*.bin")):
+        raise ValueError(f"{folder}: its weights are pytorch_model*.bin, a pickle, which specdraft never loads "
+                         f"(unpickling runs any code the file holds); where you trust the file, convert them to "
+                         f"model.safetensors and rerun: {bin_to_safetensors_command(folder)}")
+
+
+def bin_to_safetensors_command(folder: Path) -> str:
+    """A shell command (torch + safetensors, no specdraft) writing `folder`'s pytorch_model*.bin tensors
+    to model.safetensors: copies, so tensors that shared storage in the pickle can be saved."""
+    code = ("import glob, torch; from safetensors.torch import save_file; "
+            "save_file({k: v.contiguous().clone() for f in sorted(glob.glob(%s)) "
+            "for k, v in torch.load(f, map_location=\"cpu\", weights_only=True).items()}, %s)"
+            % (json.dumps(str(Path(folder) / "pytorch_model*.bin")),
+               json.dumps(str(Path(folder) / "model.safetensors"))))
+    return f"python -c {shlex.quote(code)}"
 
 
 class TargetError(ValueError):
     """A target that cannot be found or loaded."""
+
+
+# What to do about a target's file that cannot be read: the model folder is the user's (or, for a bundled
+# target, a conversion cached under ~/.cache/specdraft/targets, made again when its folder is removed).
+TARGET_FIX = ("copy the model folder again from where it came (a bundled target: remove its folder under "
+              "the cache's targets/ and it is converted again)")
 
 
 def eagle3_aux_layers(num_layers: int) -> list[int]:
@@ -141,13 +171,24 @@ def template_thinking_markers(template: str | None) -> list[tuple[str, str]]:
     return [(start, end) for start, end in THINKING_MARKERS if template and start in template]
 
 
-def resolve_device(name: str) -> str:
-    """A torch device name; "auto" is the GPU when there is one, else the CPU."""
-    if name != "auto":
-        return name
+def resolve_device(name: str, field: str = "device") -> str:
+    """A torch device name; "auto" is the GPU when there is one, else the CPU. A device this machine
+    does not have is one line naming the recipe's `field` ("eval.device"), not torch's assertion at the
+    first tensor moved there."""
     import torch
 
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        device = torch.device(name)
+    except RuntimeError as e:
+        raise TargetError(f"{field}: {name!r} is not a torch device ({str(e).splitlines()[0]})") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise TargetError(f"{field}: {name!r} but torch sees no CUDA device; use \"auto\" or \"cpu\"")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise TargetError(f"{field}: {name!r} but torch sees {torch.cuda.device_count()} CUDA device(s)")
+    return name
 
 
 def cpu_has_bf16() -> bool:
@@ -262,9 +303,9 @@ def _load_config(config_file: Path) -> tuple[dict, object, object]:
     from transformers import AutoConfig, PretrainedConfig
 
     try:
-        raw = json.loads(config_file.read_text())
-    except json.JSONDecodeError as e:
-        raise TargetError(f"{config_file}:{e.lineno}: not JSON ({e.msg})") from None
+        raw = read_json(config_file, fix=TARGET_FIX, what="a model's config")
+    except FileError as e:
+        raise TargetError(str(e)) from None
     try:
         # A folder's config.json is read through its folder (what transformers records as its name).
         config = AutoConfig.from_pretrained(str(config_file.parent if config_file.name == "config.json"
@@ -313,6 +354,12 @@ class Target:
     def default_aux_layer_ids(self) -> list[int]:
         return self.family.aux_layers(self.num_layers)
 
+    def check_fits(self, recipe) -> None:
+        """The recipe's ranges that this target sets (config.check_target_limits): its vocabulary and,
+        where its config gives one, its context length."""
+        check_target_limits(recipe, vocab_size=self.vocab_size, target=self.name,
+                            max_positions=getattr(self.text_config, "max_position_embeddings", None))
+
     @property
     def tied(self) -> bool:
         """Whether lm_head is the embedding (a wrapper may say so at its top level or in its text config)."""
@@ -346,7 +393,7 @@ class Target:
             return jinja.read_text()
         tok_config = self.path / "tokenizer_config.json"
         if tok_config.exists():
-            template = json.loads(tok_config.read_text()).get("chat_template")
+            template = read_json(tok_config, fix=TARGET_FIX).get("chat_template")
             return template if isinstance(template, str) else None
         return None
 
@@ -445,23 +492,27 @@ class Target:
         import transformers
 
         auto = getattr(transformers, self.family.auto_class)
+        # safetensors only: a pytorch_model.bin is a pickle, and transformers would unpickle it.
+        if not any(self.path.glob("*.safetensors")):
+            refuse_pickled_weights(self.path)
         if device_map:
-            return auto.from_pretrained(self.path, dtype=getattr(torch, dtype), device_map=device_map).eval()
-        model = auto.from_pretrained(self.path, dtype=getattr(torch, dtype))
+            return auto.from_pretrained(self.path, dtype=getattr(torch, dtype), device_map=device_map,
+                                        use_safetensors=True).eval()
+        model = auto.from_pretrained(self.path, dtype=getattr(torch, dtype), use_safetensors=True)
         return model.to(resolve_device(device)).eval()
 
     def read_tensor(self, name: str):
         """One tensor from the checkpoint without loading the model (embeddings, lm_head)."""
-        from safetensors import safe_open
-
         index = self.path / "model.safetensors.index.json"
         if index.exists():
-            weight_map = json.loads(index.read_text())["weight_map"]
+            weight_map = read_json(index, fix=TARGET_FIX).get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise TargetError(f"{index}: no 'weight_map' object; {TARGET_FIX}")
             files = [weight_map[name]] if name in weight_map else []
         else:
             files = [p.name for p in self.path.glob("*.safetensors")]
         for fname in sorted(files):
-            with safe_open(self.path / fname, "pt") as f:
+            with open_safetensors(self.path / fname, fix=TARGET_FIX) as f:
                 if name in f.keys():
                     return f.get_tensor(name)
         raise TargetError(f"{self.path}: tensor {name!r} not found")

@@ -80,9 +80,9 @@ def test_the_stages_accept_the_same_choices():
 
 
 def test_dflash_fields_are_bounded_when_loaded_and_when_set():
-    with pytest.raises(ConfigError, match=r"train.block_size: 1 is below the least allowed, 2"):
+    with pytest.raises(ConfigError, match=r"train.block_size: 1 is outside its range: >= 2"):
         recipe_from_dict({"train": {"method": "dflash", "block_size": 1}})
-    with pytest.raises(ConfigError, match=r"--set train.mask_token_id: -2 is below"):
+    with pytest.raises(ConfigError, match=r"--set train.mask_token_id: -2 is outside its range: >= -1"):
         apply_sets(Recipe(), ["train.mask_token_id=-2"])
     assert apply_sets(Recipe(), ["train.method=dflash", "train.block_size=2"]).train.block_size == 2
 

@@ -170,8 +170,8 @@ def test_a_file_that_is_not_what_its_suffix_says_is_one_error_line(tmp_path, cap
     # Nothing but the line: not the datasets library's own log line about the file either.
     assert err.count("\n") == 1 and err.startswith(f"specdraft: error: {path}: not a readable parquet file")
     binary = tmp_path / "binary.jsonl"
-    binary.write_bytes(b'{"messages": []}\n\xff\xfe\n')
-    with pytest.raises(DataError, match=r"binary.jsonl: not UTF-8 text"):
+    binary.write_bytes(b'{"messages": [{"role": "user", "content": "hi"}]}\n\xff\xfe\n')
+    with pytest.raises(DataError, match=r"binary.jsonl:2: not UTF-8 text"):
         list(read_source(str(binary)))
 
 

@@ -278,5 +278,5 @@ def test_bad_prompts_file_names_file_and_line(tmp_path, target):
     bad.write_text('{"prompt": "fine"}\nnot json\n')
     recipe = Recipe()
     recipe.eval.prompts_file = str(bad)
-    with pytest.raises(ValueError, match=r"bad\.jsonl:2: not JSON"):
+    with pytest.raises(ValueError, match=r"bad\.jsonl:2: not valid JSON"):
         eval_stage.load_prompts(recipe, target)

@@ -163,6 +163,9 @@ def test_gen_without_the_right_key_stops_at_once_with_one_line(keyed_vllm, tmp_p
 
 
 def test_render_and_bench_without_the_key_stop_with_one_line(keyed_vllm, tmp_path):
+    """gen ran with the key in $KEY_ENV; in a shell without it, render --verify-endpoint and bench --endpoint
+    stop before asking the server (the variable gen.api_key_env names is not set), and a server that refuses
+    the request without a key (the default variable, unset) stops render at once with its 401."""
     (tmp_path / "keyed.toml").write_text(RECIPE)
     run = tmp_path / "run"
     gen = specdraft(["gen", "--recipe", str(tmp_path / "keyed.toml"), "--run", str(run), "--endpoint",
@@ -170,13 +173,18 @@ def test_render_and_bench_without_the_key_stop_with_one_line(keyed_vllm, tmp_pat
     assert gen.returncode == 0, gen.stderr[-3000:]
     with KeyCheckingProxy(keyed_vllm.url, guard=True) as proxy:
         render = specdraft(["render", "--run", str(run), "--verify-endpoint", proxy.url], {}, tmp_path)
+        line = one_error_line(render)
+        assert "gen.api_key_env" in line and "not set" in line and proxy.seen == []
+        bench = specdraft(["bench", "--run", str(run), "--endpoint", proxy.url, "--concurrency", "1",
+                           "--requests", "1", "--max-tokens", "8", "--prompts", "1"], {}, tmp_path)
+        line = one_error_line(bench)
+        assert "gen.api_key_env" in line and "not set" in line and proxy.seen == []
+        # the default variable, unset: no key sent, and the server's 401 stops render at once
+        render = specdraft(["render", "--run", str(run), "--verify-endpoint", proxy.url,
+                            "--set", "gen.api_key_env=OPENAI_API_KEY"], {}, tmp_path)
     line = one_error_line(render)
-    assert "/tokenize answered 401" in line and f"${KEY_ENV} is not set" in line and "gen.api_key_env" in line
+    assert "/tokenize answered 401" in line and "$OPENAI_API_KEY is not set" in line and "gen.api_key_env" in line
     assert not RunFolder(run).tokens.exists() or not any(RunFolder(run).tokens.iterdir())
-    bench = specdraft(["bench", "--run", str(run), "--endpoint", keyed_vllm.url, "--concurrency", "1",
-                       "--requests", "1", "--max-tokens", "8", "--prompts", "1"], {}, tmp_path)
-    line = one_error_line(bench)
-    assert " 401 " in line and "gen.api_key_env" in line
     assert not (run / "eval" / "bench.json").exists()
 
 

@@ -15,7 +15,7 @@ from specdraft.data.sources import DataError
 def test_a_malformed_record_is_named_by_file_and_line(tmp_path):
     path = tmp_path / "conversations.jsonl"
     path.write_text(json.dumps({"id": "a", "messages": []}) + "\n" + "{not json}\n" + json.dumps({"id": "b"}) + "\n")
-    with pytest.raises(DataError, match=rf"{path}:2: not a conversation record"):
+    with pytest.raises(DataError, match=rf"{path}:2: not valid JSON"):
         finished_ids(path)
     path.write_text(json.dumps({"id": "a"}) + "\n" + json.dumps(["no", "id"]) + "\n")
     with pytest.raises(DataError, match=rf"{path}:2:"):

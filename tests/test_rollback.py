@@ -25,7 +25,7 @@ import pytest
 from conftest import TINY_RECIPE
 
 from specdraft.cli import main
-from specdraft.config import load_recipe, to_dict
+from specdraft.config import load_recipe
 from specdraft.run import PIPELINE, RunFolder, remove_stale_temporaries, staged_files, staged_folders
 
 REPO = Path(__file__).resolve().parents[1]

@@ -27,6 +27,8 @@ from typing import Self
 
 import httpx
 
+from specdraft.config import check_key_variable
+
 RETRY_STATUSES = {429} | set(range(500, 600))
 # How much of a failed response's body goes into the error record: enough for the server's message.
 ERROR_BODY_CHARS = 500
@@ -60,8 +62,9 @@ class Auth:
     """What every request to an OpenAI-compatible server carries besides its body.
 
     `Auth.from_env(cfg.api_key_env, cfg.headers)`: the key is the value of the environment variable
-    `key_env` (none sent when it is "" or the variable is unset or empty); `headers` are sent as given,
-    `${NAME}` in a value replaced by that environment variable's value. The recipe holds only names.
+    `key_env` (none sent when it is "", or the default variable unset or empty; any other variable unset is
+    refused: it may be a key pasted where a name belongs); `headers` are sent as given, `${NAME}` in a value
+    replaced by that environment variable's value. The recipe holds only names.
     """
 
     headers: dict[str, str] = field(default_factory=dict)
@@ -85,6 +88,7 @@ class Auth:
 
         for name, value in (headers or {}).items():
             out[str(name)] = _ENV_REFERENCE.sub(expand, str(value))
+        check_key_variable(key_env, DEFAULT_API_KEY_ENV, "gen.api_key_env", environ)
         key = environ.get(key_env, "").strip() if key_env else ""
         if key:
             out["Authorization"] = f"Bearer {key}"

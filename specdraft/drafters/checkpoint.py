@@ -16,7 +16,6 @@ lose: tuples ({"__tuple__": [...]}) and dicts with keys other than plain strings
 
 from __future__ import annotations
 
-import json
 import random
 from pathlib import Path
 
@@ -26,6 +25,15 @@ from specdraft.config import Recipe
 from specdraft.drafters.dflash import DFlashConfig, DFlashDrafter
 from specdraft.drafters.eagle3 import DrafterConfig, Eagle3Drafter
 from specdraft.drafters.formats import read_drafter
+from specdraft.files import (
+    FULL,
+    DiskFull,
+    FileError,
+    load_safetensors,
+    read_json,
+    safetensors_bytes,
+    save_safetensors,
+)
 from specdraft.run import RunFolder, staged_folders, write_json
 from specdraft.run import scratch_paths as run_scratch_paths
 from specdraft.targets import Target
@@ -102,10 +110,8 @@ def unflatten_state(skeleton, tensors: dict[str, torch.Tensor]):
 
 
 def save_trainer_state(folder: Path, state: dict) -> None:
-    from safetensors.torch import save_file
-
     tensors, skeleton = flatten_state(state)
-    save_file(tensors, str(folder / TRAINER_TENSORS))
+    save_safetensors(tensors, folder / TRAINER_TENSORS)
     write_json(folder / TRAINER_JSON, {"format": TRAINER_FORMAT, "version": TRAINER_VERSION, "state": skeleton})
 
 
@@ -123,14 +129,51 @@ def check_trainer_state(path: Path) -> None:
 
 def load_trainer_state(path: Path) -> dict:
     """What `save_trainer_state` wrote into the folder `path`, read with safetensors and json only."""
-    from safetensors.torch import load_file
-
     check_trainer_state(path)
-    doc = json.loads((path / TRAINER_JSON).read_text())
+    doc = read_json(path / TRAINER_JSON, fix=RESTART)
     if doc.get("format") != TRAINER_FORMAT or doc.get("version") != TRAINER_VERSION:
         raise ValueError(f"{path / TRAINER_JSON}: not a {TRAINER_FORMAT} version {TRAINER_VERSION} "
                          f"(format {doc.get('format')!r}, version {doc.get('version')!r})")
-    return unflatten_state(doc["state"], load_file(str(path / TRAINER_TENSORS), device="cpu"))
+    tensors = load_safetensors(path / TRAINER_TENSORS, fix=RESTART)
+    try:
+        return unflatten_state(doc["state"], tensors)
+    except (KeyError, TypeError, ValueError) as e:
+        raise FileError(f"{path}: {TRAINER_JSON} names a tensor {TRAINER_TENSORS} does not hold ({e}); "
+                        f"{RESTART}") from None
+
+
+# A training checkpoint that cannot be read is started over; any other is written again by its stage.
+RESTART = "start over with --set train.resume=false (checkpoints are replaced)"
+
+
+def checkpoint_fix(path: Path) -> str:
+    """What to do about a checkpoint folder that cannot be read: an import's is imported again, a run's
+    trained again (train resumes from the last whole checkpoint)."""
+    if path.name == "imported":
+        return "rerun `specdraft import` to write it again"
+    if path.name == "latest":
+        return RESTART
+    return "rerun `specdraft train` (it resumes from checkpoints/latest), or " + RESTART
+
+
+def read_meta(path: Path) -> dict:
+    """A checkpoint's config.json, checked for the drafter config and method every loader takes from it."""
+    meta = read_json(Path(path) / "config.json", fix=checkpoint_fix(Path(path)))
+    if not isinstance(meta.get("drafter"), dict) or meta.get("method", "eagle3") not in DRAFTERS \
+            or not isinstance(meta.get("aux_layer_ids", []), list):
+        raise FileError(f"{Path(path) / 'config.json'}: not a specdraft checkpoint's config (its 'drafter', "
+                        f"'method' or 'aux_layer_ids'); {checkpoint_fix(Path(path))}")
+    return meta
+
+
+def drafter_config(meta: dict, path: Path):
+    """The drafter config a checkpoint's config.json (`meta`, read from `path`) holds."""
+    config_cls, _ = DRAFTERS[meta.get("method", "eagle3")]
+    try:
+        return config_cls(**meta["drafter"])
+    except TypeError as e:  # a field this specdraft does not know, or one missing
+        raise FileError(f"{Path(path) / 'config.json'}: its drafter config does not fit this specdraft ({e}); "
+                        f"{checkpoint_fix(Path(path))}") from None
 
 
 def scratch_paths(path: Path) -> tuple[Path, Path]:
@@ -141,21 +184,25 @@ def scratch_paths(path: Path) -> tuple[Path, Path]:
 
 
 def save_checkpoint(drafter, path: Path, meta: dict, extra: dict | None = None) -> None:
-    """A checkpoint folder, written whole under a temporary name, marked complete, then renamed (a
-    failure, a full disk say, removes the temporary folder and leaves the last one). The target's own
-    tensors are left out (target_tensors), read from the target on load; config.json names the method.
-    `extra` (optimizer, scheduler, data position, RNG) goes to trainer.safetensors + trainer.json for
-    resuming."""
-    from safetensors.torch import save_file
-
-    with staged_folders(path) as (tmp,):
-        shared = target_tensors(drafter.config)
-        state = {k: v.detach().cpu().contiguous() for k, v in drafter.state_dict().items() if k not in shared}
-        save_file(state, str(tmp / "model.safetensors"))
-        write_json(tmp / "config.json", {"drafter": drafter.config.to_dict(), **meta, "method": drafter.METHOD})
-        if extra is not None:
-            save_trainer_state(tmp, extra)
-        (tmp / COMPLETE).write_text("")
+    """A checkpoint folder, written whole under a temporary name, marked complete, then renamed
+    (run.staged_folders): a failure (a full disk, a kill's KeyboardInterrupt) removes the temporary
+    folder and leaves the last whole checkpoint at `path` untouched. The target's own tensors are left
+    out (target_tensors), read from the target on load; config.json names the method. `extra`
+    (optimizer, scheduler, data position, RNG) goes to trainer.safetensors + trainer.json for resuming."""
+    shared = target_tensors(drafter.config)
+    state = {k: v.detach().cpu().contiguous() for k, v in drafter.state_dict().items() if k not in shared}
+    try:
+        with staged_folders(path) as (tmp,):
+            save_safetensors(state, tmp / "model.safetensors")
+            write_json(tmp / "config.json", {"drafter": drafter.config.to_dict(), **meta, "method": drafter.METHOD})
+            if extra is not None:
+                save_trainer_state(tmp, extra)
+            (tmp / COMPLETE).write_text("")
+    except OSError as e:
+        if e.errno not in FULL:
+            raise
+        needed = safetensors_bytes(state) + (safetensors_bytes(flatten_state(extra)[0]) if extra else 0)
+        raise DiskFull(path, needed) from None
 
 
 def rng_state() -> dict:
@@ -231,19 +278,21 @@ def load_checkpoint(path: Path, embed: torch.Tensor | None = None, head: torch.T
     """The drafter of a checkpoint, of the method its config.json names, with the target's `embed` (and
     `head`, the target's lm_head weight, for a DFlash drafter sharing it) where the checkpoint left them
     out."""
-    from safetensors.torch import load_file
-
     path = Path(path)
-    meta = json.loads((path / "config.json").read_text())
-    config_cls, drafter_cls = DRAFTERS[meta.get("method", "eagle3")]
-    drafter = drafter_cls(config_cls(**meta["drafter"]))
-    state = load_file(str(path / "model.safetensors"))
+    meta = read_meta(path)
+    drafter = DRAFTERS[meta.get("method", "eagle3")][1](drafter_config(meta, path))
+    state = load_safetensors(path / "model.safetensors", fix=checkpoint_fix(path))
     given = {"embed_tokens.weight": embed, "lm_head.weight": head}
     for name in target_tensors(drafter.config) - set(state):
         if given[name] is None:
             raise ValueError(f"{path}: checkpoint has no {name}; pass the target's")
         state[name] = given[name]
-    drafter.load_state_dict(state)
+    try:
+        drafter.load_state_dict(state)
+    except RuntimeError as e:  # torch's list of missing / unexpected keys and shapes
+        first = str(e).splitlines()[1].strip() if len(str(e).splitlines()) > 1 else str(e)
+        raise FileError(f"{path / 'model.safetensors'}: does not fit config.json's drafter ({first}); "
+                        f"{checkpoint_fix(path)}") from None
     return drafter.eval(), meta
 
 
@@ -253,11 +302,12 @@ def load_trained(recipe: Recipe, folder: RunFolder):
 
     entry = folder.require("train")
     ckpt = folder.path / entry["checkpoint"] if "checkpoint" in entry else folder.checkpoint("final")
-    meta = json.loads((ckpt / "config.json").read_text())
+    meta = read_meta(ckpt)
+    if "aux_layer_ids" not in meta:
+        raise FileError(f"{ckpt / 'config.json'}: no 'aux_layer_ids' (the layers it drafts from); {checkpoint_fix(ckpt)}")
     target = Target(recipe.target.model, meta["aux_layer_ids"])
     embed = target.embed_weight()
-    config_cls, _ = DRAFTERS[meta.get("method", "eagle3")]
-    head = target.head_weight() if "lm_head.weight" in target_tensors(config_cls(**meta["drafter"])) else None
+    head = target.head_weight() if "lm_head.weight" in target_tensors(drafter_config(meta, ckpt)) else None
     drafter, _ = load_checkpoint(ckpt, embed, head)
     return drafter, target, embed
 

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from specdraft.drafters.eagle3 import MLP, RMSNorm, apply_rotary, rotary
+from specdraft.drafters.eagle3 import MLP, RMSNorm, apply_rotary, rotary, within_vocab
 
 # The block size the paper and the published drafters use (15 drafted tokens per round).
 DEFAULT_BLOCK_SIZE = 16
@@ -74,7 +74,7 @@ class DFlashConfig:
             intermediate_size=c.intermediate_size,
             num_layers=num_layers,
             vocab_size=vocab,
-            draft_vocab_size=min(draft_vocab_size, vocab) if draft_vocab_size else vocab,
+            draft_vocab_size=within_vocab(draft_vocab_size or 0, vocab),
             target_hidden_size=c.hidden_size,
             mask_token_id=mask_token_id,
             block_size=block_size,

@@ -37,7 +37,9 @@ from pathlib import Path
 import torch
 
 from specdraft.drafters.dflash import DEFAULT_BLOCK_SIZE, DFlashConfig, DFlashDrafter
+from specdraft.drafters.formats import REEXPORT
 from specdraft.drafters.vocab import checked_t2d
+from specdraft.files import load_safetensors, read_json, save_safetensors
 from specdraft.run import atomic_path, write_json
 
 WEIGHTS = "model.safetensors"
@@ -151,8 +153,6 @@ def config_json(cfg: DFlashConfig, *, target_num_layers: int, provenance: dict) 
 def write_dflash(drafter: DFlashDrafter, out: Path, *, target_num_layers: int, provenance: dict) -> Path:
     """The folder vLLM loads for method "dflash"; refuses a drafter it would not load or would serve
     as another network (`problems`), writing nothing."""
-    from safetensors.torch import save_file
-
     cfg = drafter.config
     found = problems(cfg, target_num_layers)
     if found:
@@ -165,7 +165,7 @@ def write_dflash(drafter: DFlashDrafter, out: Path, *, target_num_layers: int, p
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     with atomic_path(out / WEIGHTS) as tmp:
-        save_file(tensors, str(tmp))
+        save_safetensors(tensors, tmp)
     write_json(out / "config.json", config_json(cfg, target_num_layers=target_num_layers, provenance=provenance))
     return out
 
@@ -284,7 +284,7 @@ def is_speculators(config: dict) -> bool:
 
 def is_dflash(config: dict) -> bool:
     """A DFlash drafter's config.json, in vLLM's own form or speculators'."""
-    return ARCHITECTURE in (config.get("architectures") or []) or is_speculators(config)
+    return isinstance(config, dict) and (ARCHITECTURE in (config.get("architectures") or []) or is_speculators(config))
 
 
 def speculators_k(config: dict) -> int | None:
@@ -431,19 +431,15 @@ def read_dflash(folder: Path, embed: torch.Tensor, lm_head: torch.Tensor | None 
     `lm_head` the target's lm_head weight when the folder drafts over the whole vocabulary (both are
     what vLLM gives the drafter). Every tensor the config needs must be there, named when missing;
     config fields read with vLLM's defaults are appended to `notes`."""
-    from safetensors.torch import load_file
-
     folder = Path(folder)
     path = folder / "config.json"
-    if not path.exists():
-        raise ValueError(f"{path}: not found")
-    cfg = parse_config(json.loads(path.read_text()), str(path), notes)
+    cfg = parse_config(read_json(path, fix=REEXPORT, what="a drafter's config"), str(path), notes)
     files = [folder / WEIGHTS] if (folder / WEIGHTS).exists() else sorted(folder.glob("*.safetensors"))
     if not files:
         raise ValueError(f"{folder}: no weights (*.safetensors)")
     theirs = {}
     for f in files:
-        theirs.update({k.removeprefix("model."): v for k, v in load_file(str(f)).items()})
+        theirs.update({k.removeprefix("model."): v for k, v in load_safetensors(f, fix=REEXPORT).items()})
     keys = keys_for(cfg)
     state = {ours: theirs[name] for ours, name in keys.items() if name in theirs}
     missing = [name for ours, name in keys.items() if ours not in state and ours != "t2d"]

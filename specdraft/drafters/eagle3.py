@@ -29,6 +29,15 @@ import torch.nn.functional as F
 from torch import nn
 
 
+def within_vocab(draft_vocab_size: int, vocab_size: int) -> int:
+    """The draft vocabulary's size: 0 is the whole vocabulary; more than it is refused, not cut to it
+    (the recipe's train.draft_vocab_size, checked first by targets.check_fits)."""
+    if draft_vocab_size > vocab_size:
+        raise ValueError(f"train.draft_vocab_size: {draft_vocab_size} is outside its range: <= {vocab_size:,} "
+                         f"(the target's vocabulary; 0 takes all of it)")
+    return draft_vocab_size or vocab_size
+
+
 @dataclass
 class DrafterConfig:
     hidden_size: int
@@ -81,7 +90,7 @@ class DrafterConfig:
             head_dim=target.drafter_head_dim,  # MLA targets: the value head width (targets.py)
             intermediate_size=c.intermediate_size,
             vocab_size=c.vocab_size,
-            draft_vocab_size=min(draft_vocab_size, c.vocab_size) if draft_vocab_size else c.vocab_size,
+            draft_vocab_size=within_vocab(draft_vocab_size, c.vocab_size),
             target_hidden_size=c.hidden_size,
             aux_layer_ids=list(target.aux_layer_ids),
             rms_norm_eps=c.rms_norm_eps,

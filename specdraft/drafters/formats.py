@@ -31,15 +31,16 @@ export followed by import gives back the same tensors (tested).
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from specdraft.drafters.eagle3 import DrafterConfig, Eagle3Drafter
+from specdraft.files import load_safetensors, read_json, save_safetensors
 from specdraft.drafters.vocab import checked_t2d
 from specdraft.run import atomic_path, write_json
+from specdraft.targets import refuse_pickled_weights
 
 WEIGHTS = "model.safetensors"
 FLAT_ARCHITECTURE = "LlamaForCausalLMEagle3"
@@ -153,8 +154,6 @@ def _config_from_layer(lc: dict, where: str, *, draft_vocab_size: int, target_hi
 
 def _write_tensors(drafter: Eagle3Drafter, out: Path, keys: dict[str, str]) -> None:
     """The drafter's tensors under the format's names (`keys`: ours -> theirs), floats as bf16."""
-    from safetensors.torch import save_file
-
     state = drafter.state_dict()
     tensors = {}
     for ours, theirs in keys.items():
@@ -162,7 +161,7 @@ def _write_tensors(drafter: Eagle3Drafter, out: Path, keys: dict[str, str]) -> N
         tensors[theirs] = (t.to(torch.bfloat16) if t.is_floating_point() else t).contiguous()
     out.mkdir(parents=True, exist_ok=True)
     with atomic_path(out / WEIGHTS) as tmp:
-        save_file(tensors, str(tmp))
+        save_safetensors(tensors, tmp)
 
 
 def _norm_keys(cfg: DrafterConfig) -> dict[str, str]:
@@ -185,32 +184,25 @@ def _with_embed(keys: dict[str, str], cfg: DrafterConfig, include_embed: bool) -
     return keys
 
 
+# What to do about a drafter folder that cannot be read: write it again, from the run or its publisher.
+REEXPORT = "re-export it (`specdraft export`), or fetch the drafter folder again from where it was published"
+
+
 def _read_config(folder: Path) -> dict:
-    path = Path(folder) / "config.json"
-    try:
-        config = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ValueError(f"{path}: not found") from None
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: {e}") from None
-    if not isinstance(config, dict):
-        raise ValueError(f"{path}: a JSON {type(config).__name__}, not an object")
-    return config
+    return read_json(Path(folder) / "config.json", fix=REEXPORT, what="a drafter's config")
 
 
 def _read_tensors(folder: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a folder: model.safetensors, else its shards, else pytorch_model.bin."""
-    from safetensors.torch import load_file
-
+    """Every tensor of a folder: model.safetensors, else its shards. A folder of pytorch_model*.bin only is
+    refused with the command that converts it (targets.refuse_pickled_weights): nothing is unpickled."""
     files = [folder / WEIGHTS] if (folder / WEIGHTS).exists() else sorted(folder.glob("*.safetensors"))
     if files:
         tensors = {}
         for f in files:
-            tensors.update(load_file(str(f)))
+            tensors.update(load_safetensors(f, fix=REEXPORT))
         return tensors
-    if (folder / "pytorch_model.bin").exists():
-        return torch.load(folder / "pytorch_model.bin", map_location="cpu", weights_only=True)
-    raise ValueError(f"{folder}: no weights (*.safetensors or pytorch_model.bin)")
+    refuse_pickled_weights(folder)
+    raise ValueError(f"{folder}: no weights (*.safetensors)")
 
 
 def _build(folder: Path, cfg: DrafterConfig, theirs: dict[str, torch.Tensor], keys: dict[str, str],

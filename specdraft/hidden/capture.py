@@ -12,6 +12,7 @@ from pathlib import Path
 
 from specdraft.config import ExtractConfig
 from specdraft.engines import VllmServer
+from specdraft.files import load_safetensors
 from specdraft.targets import (
     Target,
     get_attr,
@@ -24,7 +25,7 @@ from specdraft.targets import (
 def resolved(cfg: ExtractConfig) -> ExtractConfig:
     """`cfg` with dtype "auto" made the dtype of the machine the target runs on (a device_map spreads
     it over the GPUs where there are any)."""
-    where = resolve_device("auto" if cfg.device_map else cfg.device)
+    where = resolve_device("auto" if cfg.device_map else cfg.device, "extract.device")
     return dataclasses.replace(cfg, dtype=resolve_dtype(cfg.dtype, where))
 
 
@@ -126,7 +127,6 @@ class VllmStates:
         import fcntl
 
         import httpx
-        from safetensors.torch import load_file
 
         r = httpx.post(f"{self.server.url}/v1/completions", timeout=600,
                        json={"model": self.server.model, "prompt": row, "max_tokens": 1, "temperature": 0})
@@ -135,7 +135,9 @@ class VllmStates:
         lock = path.with_name(path.name + ".lock")
         with open(lock) as f:
             fcntl.flock(f, fcntl.LOCK_SH)  # the connector holds it exclusively until the file is written
-            data = load_file(str(path))
+            data = load_safetensors(path, fix="vLLM's hidden-states connector wrote it torn: see the server's log "
+                                              "(extract.vllm_args), then rerun `specdraft extract`",
+                                    need=("hidden_states", "token_ids"))
         path.unlink()
         lock.unlink()
         if data["token_ids"].tolist() != row:

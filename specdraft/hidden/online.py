@@ -20,7 +20,7 @@ class OnlineHidden:
         folder.require("render")
         cfg = resolved(recipe.extract)
         self.target = Target(recipe.target.model, recipe.target.aux_layer_ids)
-        _, self.samples = load_tokens(folder.tokens)
+        _, self.samples = load_tokens(folder.tokens, self.target.vocab_size)
         self.lengths = [len(ids) for ids, _ in self.samples]
         self.aux_layer_ids: list[int] = self.target.aux_layer_ids
         self.hidden_size: int = self.target.hidden_size

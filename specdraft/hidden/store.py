@@ -23,6 +23,8 @@ import struct
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from specdraft.files import FileError, open_safetensors, read_json
+
 INDEX = "index.json"
 STORE_DTYPES = ("bfloat16", "fp8_e4m3")
 # The largest finite float8_e4m3fn value: each row's scale maps its largest magnitude here.
@@ -112,10 +114,65 @@ def shard_header(path: Path) -> dict | None:
             if n > size:
                 return None
             header = json.loads(f.read(n))
-    except (OSError, ValueError, struct.error):
-        return None
-    end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+        end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+    except (OSError, ValueError, struct.error, AttributeError, KeyError, TypeError, IndexError):
+        return None  # unreadable, not JSON, or JSON of another shape than a safetensors header
     return header if 8 + n + end == size else None
+
+
+# What to do about hidden states that cannot be read: extract checks every shard and rewrites the torn ones.
+REEXTRACT = "rerun `specdraft extract` (it rewrites torn or missing shards)"
+# What index.json must hold for the reader, with the JSON type of each.
+INDEX_FIELDS = {"state": str, "samples": list, "shards": list, "aux_layer_ids": list, "hidden_size": int,
+                "store_dtype": str}
+
+
+def read_index(hidden_dir: Path, need: tuple[str, ...] = tuple(INDEX_FIELDS)) -> dict:
+    """hidden/index.json, checked for the fields `need` (of INDEX_FIELDS; all of them: the reader's)."""
+    path = Path(hidden_dir) / INDEX
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: no hidden states; run `specdraft extract` first")
+    index = read_json(path, fix=REEXTRACT)
+    wrong = [k for k in need if not isinstance(index.get(k), INDEX_FIELDS[k])]
+    if wrong:
+        raise FileError(f"{path}: {', '.join(wrong)} missing or of the wrong type (not extract's index); {REEXTRACT}")
+    return index
+
+
+def check_shards(hidden_dir: Path, index: dict) -> None:
+    """Refuse, before any is read, a shard that is missing, torn, not a safetensors file, or short of the
+    tensors or tokens index.json places in it (headers only: cheap for thousands of shards)."""
+    names = ["input_ids", "loss_mask", "aux", "last"]
+    names += ["aux_scale", "last_scale"] if index["store_dtype"] == "fp8_e4m3" else []
+    ends: dict[str, int] = {}
+    for s in index["samples"]:
+        ok = isinstance(s, dict) and all(isinstance(s.get(k), t) for k, t in (("shard", str), ("offset", int),
+                                                                                ("tokens", int)))
+        if not ok:
+            raise FileError(f"{Path(hidden_dir) / INDEX}: a sample placed as {s!r:.80} (not extract's index); "
+                            f"{REEXTRACT}")
+        ends[s["shard"]] = max(ends.get(s["shard"], 0), s["offset"] + s["tokens"])
+    for shard, end in ends.items():
+        path = Path(hidden_dir) / shard
+        header = shard_header(path)
+        if not path.exists():
+            raise FileError(f"{path}: missing; {REEXTRACT}")
+        if header is None:
+            raise FileError(f"{path}: not a whole safetensors file (torn by a kill or a copy, or another "
+                            f"program's); {REEXTRACT}")
+        missing = [n for n in names if n not in header]
+        shape = header["input_ids"].get("shape") if not missing else None
+        rows = shape[0] if isinstance(shape, list) and shape and isinstance(shape[0], int) else 0
+        if missing or rows < end:
+            raise FileError(f"{path}: " + (f"no tensor(s) {missing}" if missing else
+                                           f"{rows} tokens where index.json places {end}")
+                            + f" (not this run's shard); {REEXTRACT}")
+        H, n_aux = index["hidden_size"], len(index["aux_layer_ids"])
+        widths = {"aux": [rows, n_aux * H], "last": [rows, H]}
+        wrong = {k: header[k].get("shape") for k, want in widths.items() if header[k].get("shape") != want}
+        if wrong:
+            raise FileError(f"{path}: states of shape {wrong} where index.json's {n_aux} aux layers of width {H} "
+                            f"need {widths} (another target's shard?); {REEXTRACT}")
 
 
 class HiddenStore:
@@ -125,11 +182,10 @@ class HiddenStore:
     def __init__(self, hidden_dir: Path):
         self.dir = Path(hidden_dir)
         index_path = self.dir / INDEX
-        if not index_path.exists():
-            raise FileNotFoundError(f"{index_path}: no hidden states; run `specdraft extract` first")
-        self.index = json.loads(index_path.read_text())
+        self.index = read_index(self.dir)
         if self.index.get("state") != "done":
             raise RuntimeError(f"{index_path}: extraction is {self.index.get('state')}; rerun `specdraft extract`")
+        check_shards(self.dir, self.index)
         self.samples = self.index["samples"]  # [{"shard", "offset", "tokens"}], in render order
         self.aux_layer_ids: list[int] = self.index["aux_layer_ids"]
         self.hidden_size: int = self.index["hidden_size"]
@@ -141,10 +197,8 @@ class HiddenStore:
         return len(self.samples)
 
     def _open(self, shard: str):
-        from safetensors import safe_open
-
         if shard not in self._handles:
-            self._handles[shard] = safe_open(self.dir / shard, "pt")
+            self._handles[shard] = open_safetensors(self.dir / shard, fix=REEXTRACT)
         return self._handles[shard]
 
     def _rows(self, i: int, name: str):

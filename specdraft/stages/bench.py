@@ -381,7 +381,9 @@ def run_bench(args) -> int:
         check_new_or_ours(Path(args.out), _earlier_bench, "bench --out",
                           "its report would be written among them: give a new or empty folder, or one an "
                           "earlier bench wrote its report in")
-    recipe, folder = open_run(args.recipe, args.run, args.set)
+    # The served endpoint gets gen's key and headers: their variables are checked before anything is written.
+    check = (lambda r: Auth.from_env(r.gen.api_key_env, r.gen.headers)) if args.endpoint else None
+    recipe, folder = open_run(args.recipe, args.run, args.set, check=check)
     target = Target(recipe.target.model, recipe.target.aux_layer_ids)
     prompts, _ = select_prompts(recipe, target, "eval", args.prompts or recipe.eval.num_prompts)
     if not prompts:

@@ -14,7 +14,6 @@ as served, the vocabulary mapping, and the first drafted slot's agreement with t
 from __future__ import annotations
 
 import hashlib
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,9 +29,11 @@ from specdraft.drafters.dflash_format import (
     read_dflash,
     speculators_k,
 )
-from specdraft.drafters.formats import EAGLE31_FLAGS, FLAT_ARCHITECTURE, read_drafter
+from specdraft.drafters.checkpoint import read_meta
+from specdraft.drafters.formats import EAGLE31_FLAGS, FLAT_ARCHITECTURE, REEXPORT, read_drafter
 from specdraft.drafters.vocab import token_counts
-from specdraft.hidden.store import INDEX
+from specdraft.files import FileError, open_safetensors, read_json
+from specdraft.hidden.store import INDEX, read_index
 from specdraft.run import RunFolder
 from specdraft.targets import Target
 
@@ -186,21 +187,21 @@ def trained_config(run_path: Path) -> dict | None:
         return None
     checkpoint = run_path / entry["checkpoint"] if "checkpoint" in entry else folder.checkpoint("final")
     path = checkpoint / "config.json"
-    return json.loads(path.read_text())["drafter"] if path.exists() else None
+    return read_meta(checkpoint)["drafter"] if path.exists() else None
 
 
 def _run_checks(drafter, run_path: Path, target) -> tuple[list[Check], object]:
     checks, counts, folder = [], None, RunFolder(run_path)
     index_path = folder.hidden / INDEX
     if index_path.exists():
-        extracted = json.loads(index_path.read_text())["aux_layer_ids"]
+        extracted = read_index(folder.hidden, ("aux_layer_ids",))["aux_layer_ids"]
         checks.append(Check("aux layer ids = extracted ones", drafter.config.aux_layer_ids == extracted,
                             f"drafter {drafter.config.aux_layer_ids}, hidden states {extracted}",
                             "the drafter would be fed other layers than it was trained on; re-export from the run"))
     if (folder.tokens / "index.json").exists():
-        index, samples = load_tokens(folder.tokens)
+        index, samples = load_tokens(folder.tokens, target.vocab_size)
         served = hashlib.sha256((target.tokenizer.chat_template or "").encode()).hexdigest()[:16]
-        trained = index["chat_template_sha256"]
+        trained = index.get("chat_template_sha256")
         checks.append(Check("chat template = training data's", served == trained,
                             f"served {served}, training data {trained}",
                             "render the training data with the template the engine serves (tau < 3 vs 5.8 seen)"))
@@ -336,8 +337,8 @@ def diagnose(folder: Path, target, run_path: Path | None = None, measured: bool 
     size), which config-level callers can leave out."""
     folder = Path(folder)
     try:
-        config = json.loads((folder / "config.json").read_text())
-    except (OSError, json.JSONDecodeError) as e:
+        config = read_json(folder / "config.json", fix=REEXPORT, what="a drafter's config")
+    except (OSError, FileError) as e:
         return [Check("config.json readable", False, str(e), "point doctor at an exported drafter folder")]
     if is_dflash(config):
         return diagnose_dflash(folder, config, target, Path(run_path) if run_path is not None else None, measured,
@@ -394,7 +395,6 @@ def _dflash_mask_checks(folder: Path, config: dict, target) -> list[Check]:
     """The mask token's id and the embedding row vLLM feeds the mask slots: the folder's own embedding
     when it ships one, a mask_embedding.pt when present, else the target's row."""
     import torch
-    from safetensors import safe_open
 
     mask = (config.get("dflash_config") or {}).get("mask_token_id")
     tok = target.tokenizer
@@ -411,7 +411,11 @@ def _dflash_mask_checks(folder: Path, config: dict, target) -> list[Check]:
                             "(and specdraft never unpickles a .pt to check it)"))
     elif ok:
         row = target.embed_weight()[mask].float()
-        with safe_open(str(folder / DFLASH_WEIGHTS), "pt") as f:
+        try:
+            f = open_safetensors(folder / DFLASH_WEIGHTS, fix=REEXPORT)
+        except FileError as e:
+            return checks + [Check("mask embedding", False, str(e), REEXPORT)]
+        with f:
             names = {n.removeprefix("model."): n for n in f.keys()}  # noqa: SIM118 - safe_open has no __iter__
             own = f.get_tensor(names["embed_tokens.weight"])[mask].float() if "embed_tokens.weight" in names else None
         served = own if own is not None else row

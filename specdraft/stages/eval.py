@@ -52,6 +52,7 @@ from specdraft.decoding.rounds import (
 from specdraft.decoding.runners import TargetRunner, make_runner, sync
 from specdraft.decoding.tree import decode_capacity
 from specdraft.drafters.checkpoint import load_trained
+from specdraft.files import read_jsonl
 from specdraft.methods import decodings_for
 from specdraft.run import RunFolder, staged_files
 from specdraft.targets import Target, resolve_device
@@ -66,29 +67,23 @@ def load_prompts(recipe: Recipe, target: Target) -> list[dict]:
         return prompts
     chosen = []
     path = Path(cfg.prompts_file)
-    with open(path) as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: not JSON ({e.msg})") from None
-            if not isinstance(rec, dict) or not (isinstance(rec.get("prompt"), str) or
-                                                 isinstance(rec.get("messages"), list)):
-                # ValueError, not TypeError: a bad line of the user's file, which the CLI reports as such.
-                raise ValueError(  # noqa: TRY004
-                    f"{path}:{lineno}: expected an object with a 'prompt' string or 'messages' list")
-            messages = rec.get("messages") or [{"role": "user", "content": rec["prompt"]}]
-            ids = target.chat_ids(messages, add_generation_prompt=True)
-            if len(ids) > recipe.data.max_prompt_tokens:
-                continue
-            item = {"id": str(rec.get("id", f"{path.name}:{lineno}")), "messages": messages, "prompt_ids": ids}
-            if cfg.category_field in rec:
-                item["category"] = str(rec[cfg.category_field])
-            chosen.append(item)
-            if len(chosen) >= cfg.num_prompts:
-                break
+    # A line that is not JSON (or not UTF-8) is named with its line.
+    for lineno, rec in read_jsonl(path, fix="fix the line (eval.prompts_file)", kind=None):
+        if not isinstance(rec, dict) or not (isinstance(rec.get("prompt"), str) or
+                                             isinstance(rec.get("messages"), list)):
+            # ValueError, not TypeError: a bad line of the user's file, which the CLI reports as such.
+            raise ValueError(  # noqa: TRY004
+                f"{path}:{lineno}: expected an object with a 'prompt' string or 'messages' list")
+        messages = rec.get("messages") or [{"role": "user", "content": rec["prompt"]}]
+        ids = target.chat_ids(messages, add_generation_prompt=True)
+        if len(ids) > recipe.data.max_prompt_tokens:
+            continue
+        item = {"id": str(rec.get("id", f"{path.name}:{lineno}")), "messages": messages, "prompt_ids": ids}
+        if cfg.category_field in rec:
+            item["category"] = str(rec[cfg.category_field])
+        chosen.append(item)
+        if len(chosen) >= cfg.num_prompts:
+            break
     if not chosen:
         raise ValueError(f"{path}: no prompt of at most {recipe.data.max_prompt_tokens} tokens")
     return chosen
@@ -207,8 +202,9 @@ def run(recipe: Recipe, folder: RunFolder) -> dict:
 
     cfg = recipe.eval
     t_start = time.time()
-    device = torch.device(resolve_device(cfg.device))
+    device = torch.device(resolve_device(cfg.device, "eval.device"))
     drafter, target, _ = load_trained(recipe, folder)
+    target.check_fits(recipe)
     drafter = drafter.to(device=device, dtype=getattr(torch, cfg.dtype))
     runner = make_runner(target, target.load_model(cfg.dtype, device=str(device)), cfg.engine)
     prompts = load_prompts(recipe, target)

@@ -17,6 +17,7 @@ import torch
 from specdraft.drafters.checkpoint import load_trained
 from specdraft.drafters.dflash_format import serve_spec, write_dflash
 from specdraft.drafters.formats import FLAT_ARCHITECTURE, write_sglang, write_vllm
+from specdraft.files import FileError, read_json
 from specdraft.run import staged_folders
 
 
@@ -76,8 +77,13 @@ def choose_speculative_tokens(folder, default: int) -> dict:
             or evaluated.get("finished", "") < train.get("finished", "")):
         return {"value": default, "source": "recipe (export.speculative_tokens); run eval, then export again, "
                                             "to choose it from measured acceptance"}
-    report = json.loads(report_path.read_text())
-    speedups = expected_speedups(report["per_position_acceptance"], report["draft_to_target_cost"])
+    fix = "rerun `specdraft eval` to write it again"
+    report = read_json(report_path, fix=fix)
+    acceptance, cost = report.get("per_position_acceptance"), report.get("draft_to_target_cost")
+    if not (isinstance(acceptance, list) and acceptance and all(isinstance(a, (int, float)) for a in acceptance)
+            and isinstance(cost, (int, float))):
+        raise FileError(f"{report_path}: no per_position_acceptance list and draft_to_target_cost; {fix}")
+    speedups = expected_speedups(acceptance, cost)
     best = max(speedups, key=speedups.get)
     return {"value": best, "source": "eval/report.json", "expected_speedup": {k: round(v, 3) for k, v in speedups.items()},
             "per_position_acceptance": report["per_position_acceptance"], "draft_to_target_cost": report["draft_to_target_cost"],

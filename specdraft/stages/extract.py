@@ -41,6 +41,7 @@ from specdraft.hidden.store import (
     shard_name,
     token_batches,
 )
+from specdraft.files import save_safetensors
 from specdraft.run import RunFolder, atomic_path, write_json
 from specdraft.targets import Target
 
@@ -173,7 +174,6 @@ def _write_shards(forward, samples, lengths, shards, todo, plans, out: Path, cfg
                   stats: dict) -> None:
     """Compute the `todo` shards batch by batch with `forward` and write each one (in a thread)."""
     import torch
-    from safetensors.torch import save_file
     from tqdm import tqdm
 
     bar = tqdm(total=stats["tokens_written"], desc="extract", unit="tok", unit_scale=True)
@@ -185,7 +185,7 @@ def _write_shards(forward, samples, lengths, shards, todo, plans, out: Path, cfg
             event.synchronize()
         tensors = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
         with atomic_path(out / shard_name(n)) as tmp:
-            save_file(tensors, str(tmp), metadata={"plan": plans[n]})
+            save_safetensors(tensors, tmp, metadata={"plan": plans[n]})
         return (out / shard_name(n)).stat().st_size
 
     t0 = time.time()
@@ -220,7 +220,7 @@ def run(recipe: Recipe, folder: RunFolder) -> dict:
     t_start = time.time()
     folder.require("render")
     target = Target(recipe.target.model, recipe.target.aux_layer_ids)
-    _, samples = load_tokens(folder.tokens)
+    _, samples = load_tokens(folder.tokens, target.vocab_size)
     stats = extract(target, samples, folder.hidden, cfg)
     seconds = stats["seconds"]
     counts = {k: stats[k] for k in ("samples", "tokens", "shards", "shards_written", "tokens_written",

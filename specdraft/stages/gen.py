@@ -39,6 +39,7 @@ from specdraft.config import ConfigError, GenConfig, Recipe, field_choices
 from specdraft.data.client import Auth, RequestFailed, ServerPool, ServerRefused
 from specdraft.data.prompts import select_prompts
 from specdraft.data.sources import DataError, prompts, source_is_rendered
+from specdraft.files import FileError, read_jsonl
 from specdraft.run import RunFolder, atomic_path
 from specdraft.targets import Target, resolve_device, resolve_dtype
 
@@ -78,15 +79,14 @@ def _records(path: Path):
     _repair_tail(path)
     if not path.exists():
         return
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                record = None
+    fix = "remove the line (gen answers its prompt again) or start over in a new run folder"
+    try:
+        for lineno, record in read_jsonl(path, fix=fix, kind=None):
             if not isinstance(record, dict) or "id" not in record:
-                raise DataError(f"{path}:{lineno}: not a conversation record")
+                raise DataError(f"{path}:{lineno}: not a conversation record; {fix}")
             yield record
+    except FileError as e:
+        raise DataError(str(e)) from None
 
 
 def finished_ids(path: Path) -> set[str]:
@@ -347,6 +347,7 @@ def run_inprocess(recipe: Recipe, folder: RunFolder) -> dict:
     cfg = recipe.gen
     t_start = time.time()
     target = Target(recipe.target.model, recipe.target.aux_layer_ids)
+    target.check_fits(recipe)
     done = finished_ids(folder.conversations)
     # A cut run's unfinished conversations go on from the turn they reached.
     flight_path = folder.gen_in_flight
@@ -355,7 +356,7 @@ def run_inprocess(recipe: Recipe, folder: RunFolder) -> dict:
     fresh, wanted, counts = _inprocess_prompts(recipe, target, done, resumed)
     pending = resumed + fresh
     stats: Counter = Counter()
-    device = resolve_device(cfg.device)
+    device = resolve_device(cfg.device, "gen.device")
     dtype = resolve_dtype(cfg.dtype, device)
     generator = {"kind": "inprocess", "target": target.describe()["fingerprint"],
                  "sampling": _inprocess_sampling(cfg, dtype)}
@@ -803,6 +804,7 @@ def run_server(recipe: Recipe, folder: RunFolder) -> dict:
     cfg = recipe.gen
     t_start = time.time()
     target = Target(recipe.target.model, recipe.target.aux_layer_ids)
+    target.check_fits(recipe)
     already = finished_ids(folder.conversations)
     # gen.self_instruct_samples' conversations come after the source's and count apart from them.
     done = {i for i in already if not i.startswith(MAGPIE_PREFIX)}
@@ -853,6 +855,13 @@ def nothing_to_generate(recipe: Recipe, folder: RunFolder) -> dict:
           f"next: specdraft render --run {folder.path}")
     return folder.record("gen", state="done", config=recipe.gen, counts={"records": 0},
                          extra={"skipped": "pre-rendered source: nothing to generate"})
+
+
+def preflight(recipe: Recipe) -> None:
+    """Before the run folder is written (cli): a server-side gen's key variable and header variables are set,
+    so a key pasted where a variable's name belongs is refused before the recipe holding it is recorded."""
+    if recipe.gen.endpoints:
+        Auth.from_env(recipe.gen.api_key_env, recipe.gen.headers)
 
 
 def run(recipe: Recipe, folder: RunFolder) -> dict:

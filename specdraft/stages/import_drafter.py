@@ -21,11 +21,13 @@ from specdraft.drafters.dflash_format import problems as dflash_problems
 from specdraft.drafters.eagle3 import Eagle3Drafter
 from specdraft.drafters.formats import (
     EMBED_KEY,
+    REEXPORT,
     Published,
     fit_problems,
     read_published,
 )
-from specdraft.hidden.store import INDEX
+from specdraft.files import read_json
+from specdraft.hidden.store import INDEX, read_index
 from specdraft.run import RunFolder, check_new_or_ours
 from specdraft.targets import Target
 
@@ -59,7 +61,7 @@ def import_drafter(folder: Path, target, out: Path,
 
 def _config(folder: Path) -> dict:
     path = Path(folder) / "config.json"
-    config = json.loads(path.read_text()) if path.exists() else {}
+    config = read_json(path, fix=REEXPORT, kind=None) if path.exists() else {}
     return config if isinstance(config, dict) else {}
 
 
@@ -172,7 +174,7 @@ def run_import(source: str, recipe, folder: RunFolder | None = None, out: str | 
                              "import into a new run (--run) or a folder (--out)")
         out_path = folder.checkpoint("imported")
         index = folder.hidden / INDEX
-        extracted = json.loads(index.read_text())["aux_layer_ids"] if index.exists() else None
+        extracted = read_index(folder.hidden, ("aux_layer_ids",))["aux_layer_ids"] if index.exists() else None
     else:
         out_path, extracted = Path(out), None
     check_out(Path(source), out_path)

@@ -28,10 +28,11 @@ import torch
 from torch import nn
 
 from specdraft.billing import MEMORY_HEADROOM, make_plan
-from specdraft.config import Recipe, TrainConfig, to_dict
+from specdraft.config import ConfigError, Recipe, TrainConfig, to_dict
 from specdraft.drafters import vocab
 from specdraft.drafters.checkpoint import (
     COMPLETE,
+    RESTART,
     check_trainer_state,
     load_training,
     save_training,
@@ -46,6 +47,7 @@ from specdraft.drafters.ttt import (
 )
 from specdraft.hidden.online import open_hidden
 from specdraft.methods import METHODS, Method
+from specdraft.files import FULL, DiskFull, FileError, read_json, read_jsonl
 from specdraft.run import RunFolder, write_text
 from specdraft.targets import Target, resolve_dtype
 
@@ -303,9 +305,29 @@ def evaluate(model: nn.Module, source, rows, tops, cfg, device, autocast) -> dic
     return summarize(total.cpu())
 
 
+LOG_FIX = "remove the damaged line, or start over with --set train.resume=false"
+
+
+def read_log(log_path: Path, torn_tail: bool = False) -> list[tuple[str, dict]]:
+    """(its line, as text) and record of each line of train_log.jsonl, each checked to be a train or eval
+    record of a step. `torn_tail`: a last line cut by a kill is dropped."""
+    records = []
+    for lineno, r in read_jsonl(log_path, fix=LOG_FIX, torn_tail=torn_tail):
+        if not isinstance(r.get("step"), int) or r.get("kind") not in ("train", "eval"):
+            raise FileError(f"{log_path}:{lineno}: not a training log record (a step and kind); {LOG_FIX}")
+        records.append((json.dumps(r), r))
+    return records
+
+
 def append_record(log_path: Path, record: dict) -> None:
-    with open(log_path, "a") as f:
-        f.write(json.dumps(record) + "\n")
+    line = (json.dumps(record) + "\n").encode()
+    try:
+        with open(log_path, "ab") as f:
+            f.write(line)
+    except OSError as e:  # a line cut short by a full disk is dropped on resume (read_log's torn tail)
+        if e.errno in FULL:
+            raise DiskFull(log_path, len(line)) from None
+        raise
 
 
 def tensorboard(logdir: Path, rank: int):
@@ -325,7 +347,7 @@ def plot_curves(log_path: Path, png: Path, method: Method) -> list[str]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    records = [json.loads(line) for line in log_path.read_text().splitlines() if line]
+    records = [r for _, r in read_log(log_path)]
     train = [r for r in records if r["kind"] == "train"]
     held = [r for r in records if r["kind"] == "eval"]
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
@@ -352,7 +374,7 @@ def keep_log_until(log_path: Path, step: int) -> None:
     if not log_path.exists():
         log_path.write_text("")
         return
-    kept = [line for line in log_path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
+    kept = [line for line, r in read_log(log_path, torn_tail=True) if r["step"] <= step]
     write_text(log_path, "".join(line + "\n" for line in kept))
 
 
@@ -385,6 +407,8 @@ def check_memory(recipe: Recipe, folder: RunFolder) -> None:
     estimate. Either way the message names the batch that fits."""
     try:
         plan = make_plan(recipe, folder)
+    except ConfigError:
+        raise  # a range the target sets (targets.check_fits): refused here as plan refuses it
     except Exception as e:  # noqa: BLE001 - a target the plan cannot read still trains, unchecked
         print(f"train: warning: memory not checked ({type(e).__name__}: {e})", file=sys.stderr)
         return
@@ -407,7 +431,9 @@ RESUME_FIXED = ("method", "block_size", "dflash_layers", "mask_token_id", "seed"
 
 def check_resumable(path: Path, cfg: TrainConfig) -> None:
     """Refuse to resume the checkpoint at `path` with a config that changes a RESUME_FIXED field."""
-    saved = json.loads((path / "config.json").read_text())["train"]
+    saved = read_json(path / "config.json", fix=RESTART).get("train")
+    if not isinstance(saved, dict):
+        raise FileError(f"{path / 'config.json'}: no 'train' config to resume with; {RESTART}")
     defaults = TrainConfig()  # a field newer than the checkpoint had its default then
     changed = [f"{k}: {saved.get(k, getattr(defaults, k))!r} -> {getattr(cfg, k)!r}" for k in RESUME_FIXED
                if saved.get(k, getattr(defaults, k)) != getattr(cfg, k)]
@@ -455,6 +481,7 @@ class Trainer:
         cfg = self.cfg
         self.source = open_hidden(self.recipe, self.folder)
         self.target = Target(self.recipe.target.model, self.source.aux_layer_ids)
+        self.target.check_fits(self.recipe)  # before the draft vocabulary is chosen from it
         samples = [self.source.tokens(i) for i in range(len(self.source))]
         self.lengths = [len(ids) for ids, _ in samples]
         self.train_idx, self.held_idx = split_holdout(len(self.source), cfg.holdout, cfg.seed)
