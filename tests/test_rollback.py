@@ -127,7 +127,7 @@ def test_a_failed_eval_keeps_the_good_report_and_export_still_takes_k_from_it(me
     bad = tmp_path / "prompts.jsonl"
     bad.write_text("not json\n")
     code, err = run_main(["eval", "--run", run, "--set", "eval.draft_tokens=2", "--set", f"eval.prompts_file={bad}"])
-    assert "not JSON" in one_error_line(code, err)
+    assert f"{bad}:1: not" in one_error_line(code, err)
     assert files_of(folder.eval) == report
     entry = dict(folder.stage("eval"))
     assert entry.pop("attempt")["state"] == "failed" and entry == good
