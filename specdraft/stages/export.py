@@ -18,6 +18,7 @@ from specdraft.drafters.checkpoint import load_trained
 from specdraft.drafters.dflash_format import serve_spec, write_dflash
 from specdraft.drafters.formats import FLAT_ARCHITECTURE, write_sglang, write_vllm
 from specdraft.files import FileError, read_json
+from specdraft.run import staged_folders
 
 
 def provenance(run_name: str) -> dict:
@@ -104,7 +105,8 @@ def export_dflash(recipe, folder, formats: list[str], drafter, target, embed, t_
         raise ValueError(f"export: a DFlash drafter has vLLM's folder format only, not {formats}; "
                          "use --formats vllm")
     out = folder.export("vllm")
-    write_dflash(drafter, out, target_num_layers=target.num_layers, provenance=provenance(recipe.name))
+    with staged_folders(out) as (staged,):  # the last good folder stays until this one is whole
+        write_dflash(drafter, staged, target_num_layers=target.num_layers, provenance=provenance(recipe.name))
     spec = serve_spec(out.resolve(), drafter.config)
     command = f"vllm serve {target.path} --speculative-config '{json.dumps(spec)}'"
     print(f"export: vLLM DFlash drafter in {out} (block of {drafter.config.block_size}, mask token "
@@ -132,22 +134,25 @@ def export_eagle3(recipe, folder, formats: list[str], drafter, target, embed, t_
     # The embedding is frozen at the target's during training, so the engine's shared copy is identical.
     include_embed = not torch.equal(drafter.embed_tokens.weight.detach(), embed.float())
     written, commands = {}, {}
+    # Every format's folder written under a temporary name, all swapped in at the end: a format refused
+    # or failing midway leaves the last good export's folders as they were.
+    with staged_folders(*(folder.export(fmt) for fmt in formats)) as staged:
+        for fmt, tmp in zip(formats, staged):
+            out = folder.export(fmt)
+            if fmt == "vllm":
+                write_vllm(drafter, tmp, verifier=str(target.path),
+                           verifier_architectures=list(target.config.architectures or []),
+                           speculative_tokens=speculative_tokens, include_embed=include_embed,
+                           provenance=provenance(recipe.name))
+                written[fmt] = {"path": str(out.relative_to(folder.path)), "format": "speculators (Eagle3Speculator)"}
+                commands[fmt] = serve_command(str(target.path), out, speculative_tokens)
+            else:
+                write_sglang(drafter, tmp, include_embed=include_embed, provenance=provenance(recipe.name))
+                written[fmt] = {"path": str(out.relative_to(folder.path)), "format": f"flat ({FLAT_ARCHITECTURE})"}
+                commands[fmt] = sglang_serve_command(str(target.path), out, speculative_tokens)
+    engines = {"vllm": "vLLM", "sglang": "SGLang"}
     for fmt in formats:
-        out = folder.export(fmt)
-        if fmt == "vllm":
-            write_vllm(drafter, out, verifier=str(target.path),
-                       verifier_architectures=list(target.config.architectures or []),
-                       speculative_tokens=speculative_tokens, include_embed=include_embed,
-                       provenance=provenance(recipe.name))
-            written[fmt] = {"path": str(out.relative_to(folder.path)), "format": "speculators (Eagle3Speculator)"}
-            commands[fmt] = serve_command(str(target.path), out, speculative_tokens)
-            engine = "vLLM"
-        else:
-            write_sglang(drafter, out, include_embed=include_embed, provenance=provenance(recipe.name))
-            written[fmt] = {"path": str(out.relative_to(folder.path)), "format": f"flat ({FLAT_ARCHITECTURE})"}
-            commands[fmt] = sglang_serve_command(str(target.path), out, speculative_tokens)
-            engine = "SGLang"
-        print(f"export: {engine} drafter in {out}\n  serve it with:\n  {commands[fmt]}")
+        print(f"export: {engines[fmt]} drafter in {folder.export(fmt)}\n  serve it with:\n  {commands[fmt]}")
     print(f"\nnext: specdraft doctor {folder.export(formats[0])}")
     return folder.record("export", state="done", config=cfg, counts={"formats": len(written)},
                       seconds=time.time() - t_start,

@@ -65,6 +65,12 @@ def _stages(folder: RunFolder, manifest: dict, recipe: dict) -> list[dict]:
         if entry and entry["state"] == "done":
             row.update(state="done", counts=entry.get("counts") or {}, seconds=entry.get("seconds"),
                        finished=entry.get("finished"))
+            if entry.get("attempt"):
+                # A later run that did not succeed, recorded beside the good one, which stays in use.
+                attempt = entry["attempt"]
+                row["attempt"] = {k: attempt[k] for k in ("state", "finished", "error", "recipe_not_recorded")
+                                  if attempt.get(k) is not None}
+                row["attempt"]["source"] = f"stages.{stage}.attempt"
         else:
             progress = STAGES[stage].progress(folder, recipe) if STAGES[stage].progress else None
             if entry and entry.get("counts"):
@@ -141,6 +147,8 @@ def _problems(manifest: dict, stages: list[dict]) -> list[dict]:
     for row in stages:
         if row.get("error"):
             out.append({"text": f"{row['stage']} failed: {row['error']}", "source": f"stages.{row['stage']}.error"})
+        if row.get("attempt"):
+            out.append({"text": f"{row['stage']}: {_attempt_text(row['attempt'])}", "source": row["attempt"]["source"]})
     for stage, entry in manifest.get("stages", {}).items():
         for key in ("problems", "warnings"):
             for item in entry.get(key) or []:
@@ -284,6 +292,18 @@ def _progress_text(p: dict) -> str:
     return f"checkpoint at step {p['latest_checkpoint_step']} (from {p['source']})"
 
 
+def _attempt_text(a: dict) -> str:
+    """A later run of a done stage that did not succeed, as STATUS.md says it."""
+    what = {"failed": f"a later run failed ({a['finished']})" + (f": {a['error']}" if a.get("error") else ""),
+            "partial": f"a later run is in progress or was cut off ({a['finished']}); the same command resumes it"}
+    text = what.get(a["state"], f"a later run is {a['state']} ({a['finished']})")
+    changes = a.get("recipe_not_recorded") or {}
+    if changes:
+        text += "; its settings were not kept (" + ", ".join(f"{k} = {new!r}, the run keeps {old!r}"
+                                                          for k, (old, new) in changes.items()) + ")"
+    return text + "; the last good run's record and files are kept and used"
+
+
 def _md_stages(s: dict) -> list[str]:
     out = ["## Done / in progress / not started", "", "| | stage | state | counts | seconds |", "|---|---|---|---|---|"]
     for r in s["stages"]:
@@ -292,6 +312,8 @@ def _md_stages(s: dict) -> list[str]:
             counts = _progress_text(r["progress"])
         if r.get("error"):
             counts = (counts + "; " if counts else "") + f"last error: {r['error']}"
+        if r.get("attempt"):
+            counts = (counts + "; " if counts else "") + _attempt_text(r["attempt"])
         seconds = _fmt(r["seconds"]) if r.get("seconds") is not None else ""
         out.append(f"| {r['icon']} | {r['stage']} | {r['state']} | {counts} | {seconds} |")
     nxt = s["next"]
@@ -407,7 +429,8 @@ def after_stage(stage: str, recipe, folder: RunFolder) -> None:
     and never fails (or hides the error of) the stage itself."""
 
     try:
-        if (folder.stage(stage) or {}).get("state") == "done":
+        entry = folder.stage(stage) or {}
+        if entry.get("state") == "done" and "attempt" not in entry:  # this run succeeded
             record(folder, make_plan(recipe, folder, calibration="cached"))
         write(folder)
     except Exception as e:  # noqa: BLE001 - the stage's own result matters more than its summary

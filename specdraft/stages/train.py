@@ -20,7 +20,6 @@ import json
 import math
 import os
 import random
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -49,7 +48,7 @@ from specdraft.drafters.ttt import (
 from specdraft.hidden.online import open_hidden
 from specdraft.methods import METHODS, Method
 from specdraft.files import FULL, DiskFull, FileError, read_json, read_jsonl
-from specdraft.run import RunFolder
+from specdraft.run import RunFolder, write_text
 from specdraft.targets import Target, resolve_dtype
 
 HEAD_INITS = ("random", "target", "target-frozen")
@@ -400,9 +399,7 @@ def keep_log_until(log_path: Path, step: int) -> None:
         log_path.write_text("")
         return
     kept = [line for line, r in read_log(log_path, torn_tail=True) if r["step"] <= step]
-    tmp = log_path.with_suffix(".tmp")
-    tmp.write_text("".join(line + "\n" for line in kept))
-    tmp.rename(log_path)
+    write_text(log_path, "".join(line + "\n" for line in kept))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -576,13 +573,16 @@ class Trainer:
         self.held_rows = pack(self.held_idx, self.lengths, cfg.batch_tokens)
 
     def will_resume(self) -> bool:
-        """Whether this run continues from `latest`: a stopped run left it (its stage not recorded done);
-        else it starts over, and a finished run is retrained. A checkpoint it cannot resume from (another
-        config, a trainer state saved as a pickle) is refused here, before the set-up's long parts."""
+        """Whether this run continues from `latest`: a stopped run left it (its stage not recorded done, or
+        a retraining stopped after it moved the last good one's checkpoints aside, to which the good record
+        then points); else it starts over, and a finished run is retrained. A checkpoint it cannot resume
+        from (another config, a trainer state saved as a pickle) is refused here, before the set-up's long
+        parts."""
         cfg, folder = self.cfg, self.folder
         previous = folder.stage("train")
-        resuming = (cfg.resume and (folder.checkpoint("latest") / COMPLETE).exists()
-                    and (previous is None or previous["state"] != "done"))
+        stopped = (previous is None or previous["state"] != "done"
+                   or previous.get("checkpoint", "").startswith(f"{folder.previous_checkpoints.name}/"))
+        resuming = cfg.resume and (folder.checkpoint("latest") / COMPLETE).exists() and stopped
         if resuming:
             check_resumable(folder.checkpoint("latest"), cfg)
             check_trainer_state(folder.checkpoint("latest"))
@@ -602,7 +602,7 @@ class Trainer:
                                             self.schedulers))
         if self.rank == 0:
             if not resumed:
-                shutil.rmtree(folder.checkpoints, ignore_errors=True)
+                folder.set_aside_checkpoints()  # the last good training's stay until this one succeeds
             folder.checkpoints.mkdir(parents=True, exist_ok=True)
             folder.record("train", state="partial", config=cfg)
             keep_log_until(folder.train_log, self.state["step"])
@@ -758,9 +758,11 @@ class Trainer:
         print(f"train: {time.time() - self.t_start:.0f} s: " + ", ".join(f"{k} {v:.0f} s" for k, v in phase.items()))
         metrics["phase_seconds"] = phase
         print(f"next: specdraft export --run {folder.path}")
-        return folder.record("train", state="done", config=cfg, counts=counts, metrics=metrics,
-                             seconds=time.time() - self.t_start,
-                             extra={"checkpoint": str(folder.checkpoint(chosen).relative_to(folder.path))})
+        entry = folder.record("train", state="done", config=cfg, counts=counts, metrics=metrics,
+                              seconds=time.time() - self.t_start,
+                              extra={"checkpoint": str(folder.checkpoint(chosen).relative_to(folder.path))})
+        folder.drop_previous_checkpoints()
+        return entry
 
 
     def close(self) -> None:
