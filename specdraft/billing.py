@@ -28,6 +28,7 @@ from specdraft.calibrate import Calibration, cached, calibrate, default_cache, h
 from specdraft.config import Recipe
 from specdraft.data.sources import prompts
 from specdraft.drafters.checkpoint import drafter_of
+from specdraft.hidden.served import memory_bytes, state_file_bytes
 from specdraft.hidden.store import TOKEN_BYTES, bytes_per_token, disk_bytes_per_token
 from specdraft.methods import DEFAULT, named
 from specdraft.run import RunFolder
@@ -514,9 +515,11 @@ def _reference_rows(recipe: Recipe, spec: TargetSpec, tokens: dict, parts: dict,
         row("gen", answer_tokens, f"answer tokens (samples x {what}, an upper bound)", "gen",
             "tokens_per_s", target_scale, "forward FLOPs ratio")
     online = recipe.train.hidden == "online"
-    if online:
+    served = recipe.train.hidden == "served"
+    if online or served:
         rows.append({"phase": "extract", "work": 0, "unit": "tokens", "rate_per_s": None, "seconds": 0.0,
-                     "source": "train.hidden = online: the target runs inside train instead"})
+                     "source": f"train.hidden = {recipe.train.hidden}: the target "
+                               + ("runs inside train instead" if online else "is served to train instead")})
     else:
         row("extract", tokens["tokens"], "tokens", "extract", "tokens_per_s", target_scale, "forward FLOPs ratio")
     ref_train = refs["train"]
@@ -530,12 +533,80 @@ def _reference_rows(recipe: Recipe, spec: TargetSpec, tokens: dict, parts: dict,
         rows[-1]["seconds"] = round(rows[-1]["seconds"] + tokens["tokens"] * recipe.train.epochs / extract_rate, 1)
         rows[-1]["source"] += (f"; + the target's forward every epoch at {extract_rate:,.0f} tok/s "
                                f"(online hidden states)")
+    if served:
+        rows[-1]["passes"] = served_passes(recipe, tokens, spec.hidden_size, len(spec.target.aux_layer_ids) + 1)
+        _add_serving(rows[-1], recipe, tokens, stages, refs["extract"][0] * target_scale * devices, gpus,
+                     len(spec.target.aux_layer_ids) + 1, spec.hidden_size)
     # Eval decodes each prompt three times (plainly, as a chain, as a tree), one prompt at a time on one
     # device: no data-parallel speedup; speculative decodes taken at about the plain rate.
     row("eval", EVAL_DECODES * recipe.eval.num_prompts * recipe.eval.max_new_tokens,
         "decoded tokens (3 decodes x eval.num_prompts x eval.max_new_tokens)", "eval", "autoregressive_tokens_per_s",
         target_scale, "forward FLOPs ratio", devices=1)
     return rows
+
+
+def served_passes(recipe: Recipe, tokens: dict, spec_hidden: int, n_states: int) -> float:
+    """Passes of the states server over the training tokens: one per epoch, less what the memory cache
+    keeps from the first (the share of the training samples' states that fit served_cache_bytes)."""
+    cfg = recipe.train
+    if cfg.served_cache != "memory" or cfg.epochs <= 1:
+        return float(cfg.epochs)
+    train_tokens = tokens["tokens"] * (1 - cfg.holdout)
+    held = memory_bytes(round(tokens["tokens"] * cfg.holdout), n_states, spec_hidden)
+    left = cfg.served_cache_bytes - (held if held <= cfg.served_cache_bytes else 0)  # held-out kept first
+    kept = min(1.0, left / max(1, memory_bytes(round(train_tokens), n_states, spec_hidden)))
+    return 1 + (cfg.epochs - 1) * (1 - kept)
+
+
+def heldout_scorings(recipe: Recipe, tokens: dict) -> int:
+    """How often the trainer scores the held-out samples: every train.eval_every steps and at the end, the
+    steps taken as full rows of train.batch_tokens (an upper bound on the rows packing makes)."""
+    cfg = recipe.train
+    if cfg.holdout <= 0:
+        return 0
+    steps = math.ceil(tokens["tokens"] * (1 - cfg.holdout) / (cfg.batch_tokens * cfg.micro_batches)) * cfg.epochs
+    return steps // max(1, cfg.eval_every) + 1
+
+
+def _serving_rate(stages: dict, reference_rate: float) -> tuple[float, str]:
+    """The states server's tokens/s: a finished served train's, else extract's, else the reference."""
+    train = stages.get("train") or {}
+    served_rate = (train.get("metrics") or {}).get("served", {}).get("tokens_per_s")
+    if served_rate and train.get("state") == "done":
+        return float(served_rate), "measured: stages.train.metrics.served.tokens_per_s"
+    rate, source = _measured_rate(stages, "extract", "tokens_per_s")
+    if rate:
+        return rate, source
+    return reference_rate, f"default: extract's reference rate {reference_rate:,.0f} tok/s"
+
+
+def _add_serving(row: dict, recipe: Recipe, tokens: dict, stages: dict, reference_rate: float, gpus: int,
+                 n_states: int, hidden_size: int) -> None:
+    """The train row of a served run: the steps, and the states server computing every pass's states at
+    its measured rate (the last served train's, else extract's, else the reference). On GPUs the server
+    runs beside the trainer (the longer of the two, the trainer waiting the difference); on a CPU they
+    share the cores (the sum)."""
+    passes = row.pop("passes")
+    evals = heldout_scorings(recipe, tokens)
+    # The held-out samples are asked for again at every scoring (they are never in the training order),
+    # unless the memory cache holds them (it keeps them first).
+    held_bytes = memory_bytes(round(tokens["tokens"] * recipe.train.holdout), n_states, hidden_size)
+    if recipe.train.served_cache == "memory" and recipe.train.served_cache_bytes >= held_bytes:
+        evals = min(evals, 1)
+    work = round(tokens["tokens"] * ((1 - recipe.train.holdout) * passes + recipe.train.holdout * evals))
+    rate, source = _serving_rate(stages, reference_rate)
+    serve_s = work / rate
+    train_s = row["seconds"]
+    seconds = max(train_s, serve_s) if gpus else train_s + serve_s
+    wait = max(0.0, serve_s - train_s) / seconds if gpus and seconds else None
+    row["seconds"] = round(seconds, 1)
+    row["serving"] = {"passes": round(passes, 3), "tokens": work, "rate_per_s": round(rate, 1),
+                      "seconds": round(serve_s, 1), "wait_share": round(wait, 3) if wait is not None else None}
+    row["source"] += (f"; + the states server: {work:,} tokens ({passes:.2f} passes, and the held-out samples "
+                      f"at each of {evals} scorings) at {rate:,.0f} tok/s [{source}], "
+                      + ("beside the trainer (the longer of the two" + (f"; the trainer waits {wait:.0%} of it)" if wait
+                                                                         else "; the trainer does not wait)")
+                         if gpus else "on the same cores (added)"))
 
 
 def _reference_drafter(draft_vocab_size: int):
@@ -606,7 +677,8 @@ def make_plan(recipe: Recipe, folder: RunFolder | None = None, *, target: str | 
         else "default (2, L//2, L-3)",
         "hidden": {"mode": recipe.train.hidden, "store_dtype": store_dtype, "states_per_token": n_states,
                    "bytes_per_token": per_token, "record_bytes_per_token": TOKEN_BYTES,
-                   "disk_bytes": hidden_bytes if not online else 0,
+                   "disk_bytes": (0 if online else recipe.train.served_scratch_bytes
+                                  if recipe.train.hidden == "served" else hidden_bytes),
                    "disk_bytes_if_disk": hidden_bytes,
                    # Shards already extracted take no more free disk than they have.
                    "on_disk_bytes": _tree_bytes(folder.hidden) if folder is not None else 0},
@@ -621,6 +693,8 @@ def make_plan(recipe: Recipe, folder: RunFolder | None = None, *, target: str | 
         "machine": mach,
         "calibration": cal.to_dict() if cal is not None else None,
     }
+    if recipe.train.hidden == "served":
+        plan["served"] = served_bill(recipe, spec, tokens, mach, fit_batch_tokens, mem["total"])
     plan["checks"], plan["recommendations"] = _check(plan, recipe, spec, tokens, memory, fit_batch_tokens)
     return plan
 
@@ -641,6 +715,11 @@ def _check_disk(plan: dict, recipe: Recipe, spec: TargetSpec, tokens: dict) -> t
                    "text": f"hidden states still to write {human_bytes(need)} vs {human_bytes(usable)} usable of {human_bytes(free)} free "
                            f"on {mach['disk_path']} ({DISK_HEADROOM:.0%})"})
     if need > usable:
+        recs.append({"do": "--set train.hidden=served",
+                     "why": f"writes no hidden/: a vLLM server computes the states as the trainer needs them, "
+                            f"through a scratch folder of train.served_scratch_bytes "
+                            f"({human_bytes(recipe.train.served_scratch_bytes)}); it recomputes them every epoch "
+                            f"({recipe.train.epochs} epochs) unless train.served_cache keeps them"})
         recs.append({"do": "--set train.hidden=online",
                      "why": f"writes nothing: saves {human_bytes(need)}; the target ({human_bytes(spec.weight_bytes())} "
                             f"of weights) runs beside the trainer and repeats its forward every epoch "
@@ -690,6 +769,79 @@ def _check_memory(plan: dict, memory, fit_batch_tokens, recs: list) -> dict:
             recs.append({"do": f"--batch-tokens {fit}",
                          "why": f"the largest batch whose training memory fits {human_bytes(limit)}"})
     return check
+
+
+def _tensor_parallel(vllm_args: list[str], gpus: int) -> int:
+    """The states server's tensor parallelism: extract.vllm_args' --tensor-parallel-size (-tp), else 1."""
+    for i, arg in enumerate(vllm_args):
+        if arg in ("--tensor-parallel-size", "-tp") and i + 1 < len(vllm_args):
+            return int(vllm_args[i + 1])
+        if arg.startswith("--tensor-parallel-size="):
+            return int(arg.split("=", 1)[1])
+    return 1
+
+
+def served_bill(recipe: Recipe, spec: TargetSpec, tokens: dict, mach: dict, fit_batch_tokens,
+                train_bytes: int) -> dict:
+    """What train.hidden = "served" costs besides time: the scratch disk, the trainer's host memory for
+    the states it holds, and where the states server and the trainer fit on the GPUs."""
+    cfg = recipe.train
+    n_states = len(spec.target.aux_layer_ids) + 1
+    longest = min(recipe.render.max_length, max(1, round(tokens["tokens_per_sample"])))
+    file_bytes = state_file_bytes(longest, n_states, spec.hidden_size, recipe.extract.dtype
+                                  if recipe.extract.dtype in ("bfloat16", "float16", "float32") else "bfloat16")
+    ahead = max(1, cfg.served_ahead) * max(1, len(cfg.served_endpoints))
+    out = {"scratch_cap_bytes": cfg.served_scratch_bytes, "sample_file_bytes": file_bytes,
+           "scratch_ok": file_bytes <= cfg.served_scratch_bytes,
+           "in_flight_at_cap": min(ahead, cfg.served_scratch_bytes // max(1, file_bytes)),
+           "cache": cfg.served_cache, "cache_bytes": cfg.served_cache_bytes if cfg.served_cache == "memory" else 0,
+           "host_memory_bytes": ahead * memory_bytes(longest, n_states, spec.hidden_size)
+           + (cfg.served_cache_bytes if cfg.served_cache == "memory" else 0),
+           "passes": round(served_passes(recipe, tokens, spec.hidden_size, n_states), 3),
+           "endpoints": cfg.served_endpoints or ["started by train on loopback"]}
+    gpus, gpu_bytes = mach["gpus"], mach["gpu_memory_bytes"]
+    if gpus and gpu_bytes:
+        out["topology"] = _topology(recipe, spec, gpus, gpu_bytes, ahead * longest * n_states * spec.hidden_size * 2,
+                                    fit_batch_tokens, train_bytes)
+    return out
+
+
+def _topology(recipe: Recipe, spec: TargetSpec, gpus: int, gpu_bytes: int, state_cache_bytes: int,
+              fit_batch_tokens, train_bytes: int) -> dict:
+    """Where the states server (tensor parallel over `tp` GPUs, the target's weights split over them, plus
+    the hidden-state cache of the requests in flight) and the trainer go on `gpus` GPUs: beside each other
+    on the same GPUs, or the trainer on GPUs of its own; which fits, and by how much."""
+    tp = _tensor_parallel(recipe.extract.vllm_args, gpus)
+    usable = int(gpu_bytes * MEMORY_HEADROOM)
+    server = spec.weight_bytes() // tp + state_cache_bytes // tp
+    left = usable - server
+    beside_fits = left >= train_bytes
+    topo = {"tensor_parallel": tp, "server_per_gpu_bytes": server, "left_per_gpu_bytes": left,
+            "trainer_per_gpu_bytes": train_bytes, "beside_fits": beside_fits,
+            "beside_batch_tokens": fit_batch_tokens(left) if left > 0 else 0,
+            "own_gpus": gpus - tp, "own_fits": gpus > tp and usable >= train_bytes}
+    what = (f"vLLM holds the target with TP = {tp}: {human_bytes(server)} per GPU (weights {human_bytes(spec.weight_bytes() // tp)} "
+            f"+ the in-flight states' cache), {human_bytes(left)} left of {human_bytes(usable)} usable")
+    if beside_fits:
+        verdict = (f"the trainer fits beside it on the same GPUs ({human_bytes(train_bytes)} per GPU, "
+                   f"{human_bytes(left - train_bytes)} to spare): start vLLM with --gpu-memory-utilization "
+                   f"{math.floor(100 * (usable - train_bytes) / gpu_bytes) / 100:.2f} (in extract.vllm_args), "
+                   f"the rest of each GPU left to the trainer")
+    elif topo["beside_batch_tokens"]:
+        verdict = (f"the trainer needs {human_bytes(train_bytes)} per GPU at train.batch_tokens = "
+                   f"{recipe.train.batch_tokens:,}: {human_bytes(train_bytes - left)} over; beside vLLM it fits at "
+                   f"--batch-tokens {topo['beside_batch_tokens']:,}")
+    else:
+        verdict = f"the trainer does not fit beside it ({human_bytes(train_bytes)} per GPU needed)"
+    if topo["own_gpus"] > 0:
+        own = (f"on its own {topo['own_gpus']} GPU(s) it " + ("fits" if topo["own_fits"] else "does not fit")
+               + " (FSDP then spans those GPUs only)")
+    else:
+        own = (f"no GPU is left for a trainer of its own: TP = {tp} takes all {gpus} "
+               + (f"(TP = {tp // 2} would need {human_bytes(spec.weight_bytes() // (tp // 2))} of weights per GPU: "
+                  + ("fits" if spec.weight_bytes() // (tp // 2) <= usable else "does not fit") + ")" if tp > 1 else ""))
+    topo["text"] = f"{what}; {verdict}; {own}"
+    return topo
 
 
 def _tree_bytes(path: Path) -> int:

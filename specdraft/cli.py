@@ -11,9 +11,12 @@ fields are flags (`--epochs`), any field of any stage can be set with `--set sec
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import os
+import signal
 import sys
+import threading
 import time
 import typing
 from urllib.parse import urlsplit
@@ -157,11 +160,20 @@ def _open(args):
 
 
 def _run_stage(name: str, recipe, folder) -> dict:
+    """Run a stage: first the temporaries a killed run of it left (rank 0 of a torchrun alone, the one
+    process that writes the run); its record, its outputs and the run's recipe change only when it
+    succeeds (RunFolder.record); a failure is recorded beside the last good record."""
     module = importlib.import_module(STAGES[name].module)
+    writer = os.environ.get("RANK", "0") == "0"
+    if writer:
+        folder.clear_temporaries(name)
     try:
         return module.run(recipe, folder)
     except BaseException as e:
-        folder.record(name, state="failed", extra={"error": f"{type(e).__name__}: {e}"})
+        folder.record(name, state="failed", extra={"error": f"{type(e).__name__}: {e}".strip().rstrip(":")})
+        if writer:
+            with contextlib.suppress(OSError):  # never in place of the stage's own error
+                folder.clear_temporaries(name)
         raise
     finally:
         from specdraft.stages.status import after_stage
@@ -195,7 +207,7 @@ def size_demo(recipe, folder):
           + (f"sized to fit {choice['budget_seconds']:,} s: {changed} (planned {choice['sized_seconds']:,} s"
              + ("" if choice["fits"] else ", still over: the floors keep enough data to learn") + ")"
              if choice["changed"] else f"fits the {choice['budget_seconds']:,} s budget as it is"), flush=True)
-    folder.init(sized)
+    folder.runs_with(sized)  # the run's recipe once gen succeeds
     m = folder.manifest()
     m["demo_sizing"] = choice
     folder.save_manifest(m)
@@ -227,56 +239,93 @@ def demo(recipe, folder) -> None:
         print(f"\nnext: serve the drafter with {engines.get(fmt, fmt)}:\n  {command}")
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (or SIGHUP), raised like Ctrl-C's KeyboardInterrupt so every `with` and `finally` runs:
+    the servers specdraft started are stopped and the stage records itself before the process ends."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _terminate(signum, frame):
+    raise Terminated(signum)
+
+
+@contextlib.contextmanager
+def _signals_raise():
+    """SIGTERM and SIGHUP raise Terminated for the length of a command (SIGINT already raises
+    KeyboardInterrupt) where they would otherwise end the process at once (a signal ignored, as under
+    nohup, stays ignored); the handlers before are put back after, as main() also runs inside other programs."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = {s: signal.signal(s, _terminate) for s in (signal.SIGTERM, signal.SIGHUP)
+              if signal.getsignal(s) is signal.SIG_DFL}
+    try:
+        yield
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, handler)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     environment.reuse_freed_memory()  # large tensors come and go every step; page faults cost more
-    try:
-        if args.command == "doctor":
-            from specdraft.stages.doctor import run_doctor
+    with _signals_raise():
+        try:
+            return _command(args)
+        except KeyboardInterrupt as e:
+            signum = getattr(e, "signum", signal.SIGINT)
+            print(f"specdraft: interrupted ({signal.Signals(signum).name}): the servers it started are stopped; "
+                  "rerun the same command to resume", file=sys.stderr)
+            return 128 + signum
+        except (ValueError, OSError, RuntimeError) as e:
+            # Expected failures (bad input, missing files, stages out of order) are one line, no traceback.
+            if os.environ.get("SPECDRAFT_DEBUG"):
+                raise
+            print(f"specdraft: error: {e}", file=sys.stderr)
+            return 2
 
-            return run_doctor(args.folder, args.target, args.run, measured=not args.no_measure)
-        if args.command == "import":
-            from specdraft.stages.import_drafter import run_import
 
-            if args.target:
-                args.set.append(f"target.model={args.target}")
-            if args.out:
-                if args.run:
-                    raise ValueError("import: give --run or --out, not both")
-                recipe = apply_sets(load_recipe(args.recipe or DEFAULT_RECIPE), args.set)
-                run_import(args.folder, recipe, out=args.out)
-            else:
-                run_import(args.folder, *_open(args))
-            return 0
-        if args.command == "plan":
-            from specdraft.stages.plan import run_plan
+def _command(args) -> int:
+    if args.command == "doctor":
+        from specdraft.stages.doctor import run_doctor
 
-            return run_plan(args.spec, overrides=args.set, json_out=args.json, target=args.target,
-                            tokens_per_sample=args.tokens_per_sample, gpus=args.gpus,
-                            gpu_memory_gib=args.gpu_memory_gib,
-                            calibration="cached" if args.no_calibrate else "measure")
-        if args.command == "status":
-            from specdraft.stages.status import run_status
+        return run_doctor(args.folder, args.target, args.run, measured=not args.no_measure)
+    if args.command == "import":
+        from specdraft.stages.import_drafter import run_import
 
-            return run_status(args.run, json_out=args.json)
-        if args.command == "bench":
-            from specdraft.stages.bench import run_bench
-
-            return run_bench(args)
-        recipe, folder = _open(args)
-        if args.command == "demo":
-            demo(recipe, folder)
+        if args.target:
+            args.set.append(f"target.model={args.target}")
+        if args.out:
+            if args.run:
+                raise ValueError("import: give --run or --out, not both")
+            recipe = apply_sets(load_recipe(args.recipe or DEFAULT_RECIPE), args.set)
+            run_import(args.folder, recipe, out=args.out)
         else:
-            _run_stage(args.command, recipe, folder)
-    except KeyboardInterrupt:
-        print("specdraft: interrupted; rerun the same command to resume", file=sys.stderr)
-        return 130
-    except (ValueError, OSError, RuntimeError) as e:
-        # Expected failures (bad input, missing files, stages out of order) are one line, no traceback.
-        if os.environ.get("SPECDRAFT_DEBUG"):
-            raise
-        print(f"specdraft: error: {e}", file=sys.stderr)
-        return 2
+            run_import(args.folder, *_open(args))
+        return 0
+    if args.command == "plan":
+        from specdraft.stages.plan import run_plan
+
+        return run_plan(args.spec, overrides=args.set, json_out=args.json, target=args.target,
+                        tokens_per_sample=args.tokens_per_sample, gpus=args.gpus,
+                        gpu_memory_gib=args.gpu_memory_gib,
+                        calibration="cached" if args.no_calibrate else "measure")
+    if args.command == "status":
+        from specdraft.stages.status import run_status
+
+        return run_status(args.run, json_out=args.json)
+    if args.command == "bench":
+        from specdraft.stages.bench import run_bench
+
+        return run_bench(args)
+    recipe, folder = _open(args)
+    if args.command == "demo":
+        demo(recipe, folder)
+    else:
+        _run_stage(args.command, recipe, folder)
     return 0
 
 

@@ -371,9 +371,25 @@ class TrainConfig:
     # bfloat16 where the device multiplies it in hardware (targets.resolve_dtype), else float32.
     autocast_dtype: Literal["auto", "bfloat16", "float32"] = "auto"
     log_every: PosInt = 10
-    # Where the target's hidden states come from: "disk" reads the extract stage's shards; "online" runs
-    # the target beside the trainer, batch by batch, and writes nothing.
-    hidden: Literal["disk", "online"] = "disk"
+    # Where the target's hidden states come from (docs/hidden-states.md): "disk" reads the extract stage's
+    # shards; "online" runs the target in the trainer's process (transformers), batch by batch; "served"
+    # streams them from a vLLM server's extract_hidden_states method. Neither of the last two writes hidden/.
+    hidden: Literal["disk", "online", "served"] = "disk"
+    # "served": the states servers' base URLs (vLLM with extract_hidden_states and the recipe's aux layers,
+    # on this machine: their files are read where they write them); none = specdraft starts one on
+    # loopback with extract.dtype and extract.vllm_args, and restarts it if it dies.
+    served_endpoints: list[Url] = field(default_factory=list)
+    # Samples requested ahead of the trainer, per endpoint (in flight or arrived and not yet trained on).
+    served_ahead: PosInt = 8
+    # The most bytes of state files the requests in flight may leave in the server's folder at once.
+    served_scratch_bytes: Annotated[int, Range(low=1, note="at least one sample's states, checked when training starts")] = (
+        256 * 2**20)
+    # Epochs after the first: "none" asks the server again; "memory" keeps up to served_cache_bytes of
+    # states in the trainer's memory and asks again only for the samples beyond it.
+    served_cache: Literal["none", "memory"] = "none"
+    served_cache_bytes: NonNegInt = 0
+    # Tries of a failed request beyond the first (a restarted or another endpoint takes it).
+    served_max_retries: NonNegInt = 5
     # Loss against the target's distribution: "soft_ce" (EAGLE-3), "kl", or "lk" (-log of the
     # speculative-sampling acceptance probability, acceptance-oriented).
     loss: Literal["soft_ce", "kl", "lk"] = "soft_ce"

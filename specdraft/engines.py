@@ -7,6 +7,7 @@ process group, which holds vLLM's engine workers), whatever happened in between.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -26,6 +27,17 @@ VLLM_PYTHON = Path(os.environ.get("SPECDRAFT_VLLM_PYTHON",
 # The CPU backend's KV cache in GiB: 2 holds 2,048-token contexts for dozens of concurrent requests.
 CPU_KVCACHE_GIB = 2
 READY_TIMEOUT_S = 900.0
+# How long a stopped server gets to exit on SIGTERM before its process group is killed; one still
+# starting up (which may not answer SIGTERM until it serves) has nothing to finish and gets less.
+STOP_TIMEOUT_S = 60.0
+STARTING_STOP_TIMEOUT_S = 5.0
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass  # the group is gone (PermissionError: macOS's answer for a group of zombies only)
 
 
 class ServerError(RuntimeError):
@@ -80,6 +92,7 @@ class VllmServer:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = Path(log_path)
         self.process: subprocess.Popen | None = None
+        self.stopped = False
         self.ready_seconds: float | None = None
         self.env = dict(env or {})  # set in the server's environment, over ours
         self.api_key = api_key
@@ -89,8 +102,6 @@ class VllmServer:
         return self.log_path.read_text(errors="replace")[-chars:] if self.log_path.exists() else ""
 
     def start(self) -> Self:
-        import httpx
-
         if not self.python.exists():
             raise ServerError(f"no vLLM interpreter at {self.python} (bash scripts/install_vllm.sh)")
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -102,36 +113,54 @@ class VllmServer:
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", str(CPU_KVCACHE_GIB)),
                **self.env}
         t0 = time.time()
+        self.stopped = False
         with open(self.log_path, "w") as log:
             # A session of its own, so stop() can end vLLM's worker processes with it.
             self.process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
                                             start_new_session=True)
+        try:
+            self._wait_ready(t0)
+        except BaseException:
+            # Not ready, or interrupted (Ctrl-C, SIGTERM) while waiting: `with` never reaches __exit__
+            # when __enter__ raises, so the server is stopped here.
+            self.stop(grace=STARTING_STOP_TIMEOUT_S)
+            raise
+        self.ready_seconds = time.time() - t0
+        return self
+
+    def _wait_ready(self, t0: float) -> None:
+        import httpx
+
         while True:
             if self.process.poll() is not None:
                 raise ServerError(f"vLLM exited with {self.process.returncode}:\n{self.log_tail()}")
             try:
                 if httpx.get(f"{self.url}/v1/models", timeout=5, headers=self.headers).status_code == 200:
-                    break
+                    return
             except httpx.HTTPError:
                 pass
             if time.time() - t0 > READY_TIMEOUT_S:
-                self.stop()
                 raise ServerError(f"vLLM not ready after {READY_TIMEOUT_S:.0f} s:\n{self.log_tail()}")
             time.sleep(2)
-        self.ready_seconds = time.time() - t0
-        return self
 
-    def stop(self) -> None:
-        if self.process is None or self.process.poll() is not None:
+    def stop(self, grace: float = STOP_TIMEOUT_S) -> None:
+        """SIGTERM to the server's process group; after `grace` seconds, or at once when interrupted again
+        while waiting, SIGKILL; then SIGKILL to whatever of the group outlived its leader (engine workers)."""
+        if self.process is None or self.stopped:
             return
+        pgid = self.process.pid  # the group start_new_session made: its id is the leader's pid
         try:
-            os.killpg(self.process.pid, signal.SIGTERM)
-            self.process.wait(timeout=60)
+            if self.process.poll() is None:
+                _signal_group(pgid, signal.SIGTERM)
+                self.process.wait(timeout=grace)
         except subprocess.TimeoutExpired:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait(timeout=30)
-        except ProcessLookupError:
-            pass
+            pass  # killed below (a server still starting up may not answer SIGTERM)
+        finally:
+            # Whatever happened, interrupted again included: the group killed, the leader reaped.
+            _signal_group(pgid, signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.process.wait(timeout=30)
+            self.stopped = True  # once: the group's id may be another's after this
 
     def metrics_text(self) -> str:
         import httpx

@@ -6,6 +6,7 @@ between stages) and lists the stages in their order.
       conversations.jsonl    gen (+ gen_errors.jsonl, gen_in_flight.jsonl)
       tokens/                render
       hidden/                extract
+      served/                train with hidden = "served": the states server's log and scratch folder
       checkpoints/           train: latest/, best/, final/ (+ train_log.jsonl, tensorboard/, curves.png)
       export/vllm/ export/sglang/   export
       eval/                  eval: report.json, report.md, plots
@@ -13,7 +14,13 @@ between stages) and lists the stages in their order.
       calibration.json       plan: this machine's timed steps of the stages' work (specdraft.calibrate)
 
 Every file a stage produces is written under a temporary name and renamed into place, so an
-interrupted stage leaves either the old file or the new one, never half of one.
+interrupted stage leaves either the old file or the new one, never half of one; files written as a set
+(eval's report.json + report.md + plot, export's folders) are renamed together at the stage's end.
+
+A failed or interrupted stage leaves the run as it was: a command's `--set` values and flags reach the
+recorded recipe only with a stage's `done` record, and a stage's last good record stays until a new run
+of it succeeds (the failure is kept beside it, as its `attempt`). The temporaries a killed stage left in
+its own outputs are removed when it starts again; specdraft writes only into folders it made.
 """
 
 from __future__ import annotations
@@ -21,6 +28,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
+import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -75,6 +84,104 @@ def write_json(path: Path, obj) -> None:
     write_text(path, json.dumps(obj, indent=2, sort_keys=False) + "\n")
 
 
+@contextlib.contextmanager
+def staged_files(*paths: Path):
+    """Temporary paths for files that belong together (a report and its plots): all renamed into place
+    when the block ends without an error, none of them otherwise, so a failure midway never leaves half
+    an old set and half a new one."""
+    with contextlib.ExitStack() as stack:
+        yield [stack.enter_context(atomic_path(Path(p))) for p in paths]
+
+
+def scratch_paths(path: Path) -> tuple[Path, Path]:
+    """The siblings a folder written whole uses: the new folder is written in the first, the one it
+    replaces moved to the second while the new one is renamed in (remove_stale_temporaries knows both)."""
+    path = Path(path)
+    return path.with_name(f".{path.name}.tmp"), path.with_name(f".{path.name}.old")
+
+
+@contextlib.contextmanager
+def staged_folders(*paths: Path):
+    """Fresh, empty temporary folders for `paths`, each swapped in for its folder (the old one removed)
+    when the block ends without an error; on any error they are removed and `paths` are left as they were."""
+    scratch = [scratch_paths(p) for p in paths]
+    try:
+        for tmp, _ in scratch:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        yield [tmp for tmp, _ in scratch]
+    except BaseException:
+        for tmp, _ in scratch:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    for path, (tmp, old) in zip(paths, scratch):
+        shutil.rmtree(old, ignore_errors=True)
+        if Path(path).exists():
+            Path(path).rename(old)
+        tmp.rename(path)
+        shutil.rmtree(old, ignore_errors=True)
+
+
+# The temporaries specdraft's writers leave when killed: atomic_path's `.NAME.tmp-PID`, the `.tmpXXXXXX`
+# safetensors writes and renames (Rust's tempfile names), and a folder swap's `.NAME.tmp` / `.NAME.old`.
+_ATOMIC_TMP = re.compile(r"^\..+\.tmp-(\d+)$")
+_SAFETENSORS_TMP = re.compile(r"^\.tmp[A-Za-z0-9]{6}$")
+_SWAP_SCRATCH = re.compile(r"^\.(.+)\.(tmp|old)$")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _clear_entry(entry: Path, removed: list[Path], every_tmp: bool) -> None:
+    """Remove `entry` if it is a temporary a killed writer left (see above); a folder swap cut off
+    between its renames gets its old folder back first."""
+    name = entry.name
+    atomic = _ATOMIC_TMP.match(name)
+    if atomic and not entry.is_dir():
+        if not _alive(int(atomic[1])):
+            entry.unlink(missing_ok=True)
+            removed.append(entry)
+    elif _SAFETENSORS_TMP.match(name) and entry.is_file() and not entry.is_symlink():
+        if every_tmp:
+            entry.unlink(missing_ok=True)
+            removed.append(entry)
+    elif (swap := _SWAP_SCRATCH.match(name)) and entry.is_dir() and not entry.is_symlink():
+        home = entry.with_name(swap[1])
+        if swap[2] == "old" and not home.exists():
+            entry.rename(home)  # cut off between the swap's two renames: the old folder is the good one
+            return
+        shutil.rmtree(entry, ignore_errors=True)
+        removed.append(entry)
+
+
+def remove_stale_temporaries(outputs: list[Path], *, every_tmp: bool = True) -> list[Path]:
+    """The temporaries killed writers left beside and inside `outputs` (a stage's own files and folders):
+    atomic_path's of processes no longer running, safetensors' `.tmpXXXXXX` (`every_tmp`: no writer of
+    these outputs is running), and folder swaps' scratch. A symlinked output is another run's (share_data)
+    and is left alone. Returns what was removed."""
+    removed: list[Path] = []
+    for out in map(Path, outputs):
+        if out.parent.is_dir():
+            for entry in list(out.parent.iterdir()):
+                if entry.name.startswith(f".{out.name}."):
+                    _clear_entry(entry, removed, every_tmp)
+        if out.is_dir() and not out.is_symlink():
+            for root, dirs, names in os.walk(out):
+                for name in [*dirs, *names]:
+                    entry = Path(root) / name
+                    if name.startswith("."):
+                        _clear_entry(entry, removed, every_tmp)
+                dirs[:] = [d for d in dirs if (Path(root) / d).is_dir()]
+    return removed
+
+
 # What to do with a manifest.json specdraft cannot read: it is only ever replaced whole, so a damaged one
 # was written by something else; its stages' files are still there.
 MANIFEST_FIX = "restore it from a copy or fix that entry by hand (specdraft writes it whole: something else changed it)"
@@ -100,8 +207,11 @@ def check_manifest(m: dict, path: Path) -> dict:
 class RunFolder:
     """A run folder `runs/<name>/`: the paths of its artifacts and its manifest.json."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, recipe: Recipe | None = None):
         self.path = Path(path)
+        # The recipe this command runs with (open_run's: the run's, with the command's --set values and
+        # flags on top): written into the manifest with a stage's done record, never before.
+        self.command_recipe = recipe
 
     # --- layout: every artifact of a run, named here and nowhere else ---------------------------
     @property
@@ -129,8 +239,19 @@ class RunFolder:
         return self.path / "hidden"
 
     @property
+    def served(self) -> Path:
+        """The states server specdraft starts for train.hidden = "served": its log, and the scratch folder
+        its connector writes each request's states to (deleted as read, bounded by served_scratch_bytes)."""
+        return self.path / "served"
+
+    @property
     def checkpoints(self) -> Path:
         return self.path / "checkpoints"
+
+    @property
+    def previous_checkpoints(self) -> Path:
+        """Where a new training that starts over moves the last good one's checkpoints until it succeeds."""
+        return self.path / "checkpoints.previous"
 
     def checkpoint(self, name: CheckpointName) -> Path:
         return self.checkpoints / name
@@ -191,7 +312,8 @@ class RunFolder:
         return recipe_from_dict(m["recipe"], str(self.manifest_path))
 
     def init(self, recipe: Recipe) -> None:
-        """Create the folder, or update the recorded recipe when flags changed it."""
+        """Create the folder and record `recipe` as the run's (set-up code and tests; commands go through
+        open_run, which records a command's recipe only when its stage succeeds)."""
         self.path.mkdir(parents=True, exist_ok=True)
         m = self.manifest()
         m.setdefault("created", time.strftime("%Y-%m-%dT%H:%M:%S%z"))
@@ -200,9 +322,23 @@ class RunFolder:
         m.setdefault("stages", {})
         self.save_manifest(m)
 
+    def create(self, recipe: Recipe) -> None:
+        """A new run: the folder and its manifest with `recipe`, which a stage run alone reads (and a
+        rerun of a failed first stage resumes with). An existing run is left as it is."""
+        if not self.exists():
+            self.init(recipe)
+
+    def runs_with(self, recipe: Recipe) -> None:
+        """The recipe this command runs with, recorded with its stage's done record."""
+        self.command_recipe = recipe
+
     def record(self, stage: str, *, state: str, config=None, counts=None, metrics=None,
                seconds: float | None = None, extra: dict | None = None) -> dict:
-        """Record a stage's state (done / partial / failed) with what it counted and measured."""
+        """Record a stage's state (done / partial / failed) with what it counted and measured.
+
+        `done` replaces the stage's record and writes the command's recipe (its --set values) as the run's.
+        Anything else, where the stage has a good (done) record, is kept beside it as its `attempt`: the
+        good record, which later stages and STATUS.md read, stays until a new run of the stage succeeds."""
         m = self.manifest()
         entry = {
             "state": state,
@@ -215,9 +351,31 @@ class RunFolder:
         }
         if extra:
             entry.update(extra)
-        m.setdefault("stages", {})[stage] = entry
+        stages = m.setdefault("stages", {})
+        good = stages.get(stage)
+        if state == "done":
+            stages[stage] = entry
+            if self.command_recipe is not None:
+                m["name"] = self.command_recipe.name
+                m["recipe"] = to_dict(self.command_recipe)
+        else:
+            unrecorded = self.unrecorded_changes(m)
+            if unrecorded:
+                entry["recipe_not_recorded"] = unrecorded
+            if good is not None and good.get("state") == "done":
+                good["attempt"] = entry
+            else:
+                stages[stage] = entry
         self.save_manifest(m)
         return entry
+
+    def unrecorded_changes(self, manifest: dict | None = None) -> dict:
+        """The fields where this command's recipe differs from the run's recorded one ("section.field":
+        [recorded, this command's]): what a failed stage's --set values would have changed."""
+        if self.command_recipe is None:
+            return {}
+        recorded = (manifest if manifest is not None else self.manifest()).get("recipe") or {}
+        return _differences(recorded, to_dict(self.command_recipe))
 
     def stage(self, stage: str) -> dict | None:
         return self.manifest().get("stages", {}).get(stage)
@@ -243,11 +401,101 @@ class RunFolder:
         self.save_manifest(manifest)
 
     def require(self, stage: str) -> dict:
+        """The stage's good record; refused (one line) when it has none, or when a later run of it that
+        did not finish rewrote its outputs in place (extract's shards)."""
         entry = self.stage(stage)
         if entry is None or entry["state"] != "done":
             state = "missing" if entry is None else entry["state"]
             raise RuntimeError(f"stage {stage!r} is {state} in {self.path}; run `specdraft {stage}` first")
+        known = STAGES.get(stage)
+        if entry.get("attempt") and known is not None and known.intact is not None and not known.intact(self):
+            attempt = entry["attempt"]
+            why = f" ({attempt['error']})" if attempt.get("error") else ""
+            raise RuntimeError(f"stage {stage!r} was run again in {self.path} and did not finish{why}, leaving "
+                               f"its outputs part rewritten; rerun `specdraft {stage}` to finish it")
         return entry
+
+    def set_aside_checkpoints(self) -> None:
+        """Before a training that starts over: the last good one's checkpoints moved to
+        checkpoints.previous/ (its record pointed there) so that a retraining that fails leaves the
+        trained drafter; removed once a new training succeeds (drop_previous_checkpoints). Without a good
+        training on disk, the checkpoints are cleared."""
+        m = self.manifest()
+        entry = m.get("stages", {}).get("train") or {}
+        kept = entry.get("checkpoint", "checkpoints/final")
+        if (entry.get("state") == "done" and kept.startswith(f"{self.checkpoints.name}/")
+                and (self.path / kept).exists()):
+            shutil.rmtree(self.previous_checkpoints, ignore_errors=True)
+            self.checkpoints.rename(self.previous_checkpoints)
+            entry["checkpoint"] = f"{self.previous_checkpoints.name}/{kept.split('/', 1)[1]}"
+            self.save_manifest(m)
+        else:
+            shutil.rmtree(self.checkpoints, ignore_errors=True)
+
+    def drop_previous_checkpoints(self) -> None:
+        """checkpoints.previous/, once the train record no longer points into it."""
+        entry = self.stage("train") or {}
+        if not entry.get("checkpoint", "").startswith(f"{self.previous_checkpoints.name}/"):
+            shutil.rmtree(self.previous_checkpoints, ignore_errors=True)
+
+    def clear_temporaries(self, stage: str) -> list[Path]:
+        """What a killed run of `stage` left in its own outputs (remove_stale_temporaries), and the run's
+        own manifest / STATUS.md temporaries; for train, a checkpoints.previous/ no record points to, or
+        the record of one a kill cut off while it was being moved there."""
+        outputs = [getattr(self, name) for name in STAGES[stage].outputs] if stage in STAGES else []
+        removed = remove_stale_temporaries([self.manifest_path, self.status])
+        removed += remove_stale_temporaries(outputs)
+        if stage == "train" and self.exists():
+            self._finish_set_aside()
+            self.drop_previous_checkpoints()
+        return removed
+
+    def _finish_set_aside(self) -> None:
+        """A kill between set_aside_checkpoints' rename and its manifest write: point the record there."""
+        m = self.manifest()
+        entry = m.get("stages", {}).get("train") or {}
+        kept = entry.get("checkpoint", "checkpoints/final")
+        moved = self.previous_checkpoints / kept.split("/", 1)[-1]
+        if (entry.get("state") == "done" and kept.startswith(f"{self.checkpoints.name}/")
+                and not (self.path / kept).exists() and moved.exists()):
+            entry["checkpoint"] = str(moved.relative_to(self.path))
+            self.save_manifest(m)
+
+
+def _differences(recorded: dict, new: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in new.items():
+        old = recorded.get(key) if isinstance(recorded, dict) else None
+        if isinstance(value, dict) and isinstance(old, dict):
+            out.update(_differences(old, value, f"{prefix}{key}."))
+        elif value != old:
+            out[f"{prefix}{key}"] = [old, value]
+    return out
+
+
+def is_run_folder(path: Path) -> bool:
+    """Whether `path` holds a specdraft run's manifest.json (a manifest.json that is JSON but not a run's,
+    such as a web app's, is not one; one that does not parse is left to the manifest's reader)."""
+    manifest = Path(path) / MANIFEST
+    if not manifest.is_file():
+        return False
+    try:
+        doc = json.loads(manifest.read_text())
+    except (OSError, ValueError):
+        return True
+    return isinstance(doc, dict) and isinstance(doc.get("stages"), dict)
+
+
+def check_new_or_ours(path: Path, ours: Callable[[Path], bool], what: str, fix: str) -> None:
+    """Refuse, before anything is written, a folder specdraft would write into that holds files it did
+    not write: `path` must be new, an empty folder, or one `ours` recognises. `what` names the option;
+    `fix` says what to give instead."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"{what} {path} is a file, not a folder; {fix}")
+    # specdraft's own temporaries do not count: another process of a torchrun may be creating the run.
+    if path.is_dir() and any(not _ATOMIC_TMP.match(p.name) for p in path.iterdir()) and not ours(path):
+        raise ValueError(f"{what} {path} holds files specdraft did not write; {fix}")
 
 
 # --- how far along a stage is that has not recorded itself done --------------------------------
@@ -288,6 +536,13 @@ def _extract_progress(folder: RunFolder, recipe: dict) -> dict | None:
             "source": "hidden/index.json and the shard files present"}
 
 
+def _extract_intact(folder: RunFolder) -> bool:
+    """extract rewrites its shards in place (the hidden states are too big to keep twice): a later
+    extract that did not finish leaves hidden/index.json partial."""
+    progress = _extract_progress(folder, {})
+    return progress is None or progress["index_state"] == "done"
+
+
 def _train_progress(folder: RunFolder, recipe: dict) -> dict | None:
     config = folder.checkpoint("latest") / "config.json"
     if not (folder.checkpoint("latest") / "COMPLETE").exists() or not config.exists():
@@ -305,12 +560,15 @@ class Stage:
     section: str  # the recipe section whose fields become the subcommand's flags
     outputs: tuple[str, ...]  # RunFolder attributes it writes; the first is what a later run can share
     progress: Callable[[RunFolder, dict], dict | None] | None = None  # None: it writes its outputs whole
+    # Whether its outputs are still its last good run's after a later run that did not finish (None: a
+    # run writes them whole at its end, or only adds to them, so they are).
+    intact: Callable[[RunFolder], bool] | None = None
 
 
 PIPELINE = (
-    Stage("gen", "specdraft.stages.gen", "gen", ("conversations", "gen_errors"), _gen_progress),
+    Stage("gen", "specdraft.stages.gen", "gen", ("conversations", "gen_errors", "gen_in_flight"), _gen_progress),
     Stage("render", "specdraft.stages.render", "render", ("tokens",)),
-    Stage("extract", "specdraft.stages.extract", "extract", ("hidden",), _extract_progress),
+    Stage("extract", "specdraft.stages.extract", "extract", ("hidden",), _extract_progress, _extract_intact),
     Stage("train", "specdraft.stages.train", "train", ("checkpoints",), _train_progress),
     Stage("export", "specdraft.stages.export", "export", ("exports",)),
     Stage("eval", "specdraft.stages.eval", "eval", ("eval",)),
@@ -318,14 +576,25 @@ PIPELINE = (
 STAGES = {s.name: s for s in PIPELINE}
 
 
+def check_run_folder(path: Path) -> None:
+    """Refuse a --run folder that is not a specdraft run's and not new or empty: specdraft would write
+    its manifest and stage outputs among the user's files."""
+    check_new_or_ours(path, is_run_folder, "--run",
+                      "a run's manifest and outputs would be written among them: give a new or empty folder, "
+                      "or a run folder specdraft made (it holds manifest.json)")
+
+
 def open_run(recipe_name: str | None, run_dir: str | None, sets: list[str], flags: dict | None = None,
              check: Callable[[Recipe], None] | None = None) -> tuple[Recipe, RunFolder]:
     """The recipe and run folder a command works on: the run's recorded recipe when no recipe is named
     and the run exists, else the named (or default) recipe; then `--set` items and stage flags
-    (`{"train.epochs": "3"}`) on top. The folder is created, with the recipe recorded, once `check` (the
-    command's own refusals, e.g. a key variable that is not set) has passed: a refused value is not written."""
+    (`{"train.epochs": "3"}`) on top. Once `check` (the command's own refusals, e.g. a key variable that
+    is not set) has passed, a new run is created with that recipe recorded; an existing run's recorded
+    recipe changes only when the command's stage succeeds (RunFolder.record). Every process of a
+    torchrun calls this."""
     recipe = load_recipe(recipe_name or DEFAULT_RECIPE)
     folder = RunFolder(Path(run_dir) if run_dir else Path("runs") / recipe.name)
+    check_run_folder(folder.path)
     if not recipe_name and folder.exists():
         recipe = folder.recipe()
     apply_sets(recipe, sets, check=False)
@@ -335,5 +604,6 @@ def open_run(recipe_name: str | None, run_dir: str | None, sets: list[str], flag
     check_recipe(recipe)  # the checks across fields, once every --set and flag is in
     if check is not None:
         check(recipe)
-    folder.init(recipe)
+    folder.create(recipe)
+    folder.runs_with(recipe)
     return recipe, folder

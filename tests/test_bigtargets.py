@@ -172,7 +172,7 @@ def test_kimi_recipe_loads_and_names_the_published_drafter_layout(full_size):
     from specdraft.methods.eagle3.drafter import DrafterConfig, Eagle3Drafter
 
     recipe = load_recipe(str(Path(__file__).parents[1] / "recipes" / "kimi-k2.5-8gpu.toml"))
-    assert recipe.data.num_train == 10000 and recipe.train.hidden in ("disk", "online")
+    assert recipe.data.num_train == 10000 and recipe.train.hidden in ("disk", "online", "served")
     kimi = Target(str(full_size["kimi-k2.5"].path), recipe.target.aux_layer_ids)
     assert kimi.aux_layer_ids == kimi.default_aux_layer_ids() == [2, 30, 58]
     with torch.device("meta"):

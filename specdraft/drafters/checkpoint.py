@@ -17,7 +17,6 @@ lose: tuples ({"__tuple__": [...]}) and dicts with keys other than plain strings
 from __future__ import annotations
 
 import random
-import shutil
 from pathlib import Path
 
 import torch
@@ -31,7 +30,8 @@ from specdraft.files import (
     safetensors_bytes,
     save_safetensors,
 )
-from specdraft.run import write_json
+from specdraft.run import scratch_paths as run_scratch_paths
+from specdraft.run import staged_folders, write_json
 
 COMPLETE = "COMPLETE"  # written last into a checkpoint folder: a folder without it is ignored
 TRAINER_TENSORS = "trainer.safetensors"
@@ -171,40 +171,32 @@ def drafter_config(meta: dict, path: Path, config_cls):
 
 
 def scratch_paths(path: Path) -> tuple[Path, Path]:
-    """The siblings save_checkpoint clears and uses: the new folder is written in the first, the one it
-    replaces moved to the second. Callers that must not lose a folder check these as well as `path`."""
-    return path.with_name(f".{path.name}.tmp"), path.with_name(f".{path.name}.old")
+    """The siblings save_checkpoint clears and uses (run.scratch_paths): the new folder is written in the
+    first, the one it replaces moved to the second. Callers that must not lose a folder check these as
+    well as `path`."""
+    return run_scratch_paths(path)
 
 
 def save_checkpoint(drafter, path: Path, meta: dict, extra: dict | None = None) -> None:
-    """A checkpoint folder, written whole under a temporary name, marked complete, then renamed. The
-    target's own tensors are left out (target_tensors), read from the target on load; config.json
-    names the method. `extra` (optimizer, scheduler, data position, RNG) goes to trainer.safetensors +
-    trainer.json for resuming."""
-    tmp, old = scratch_paths(path)
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    """A checkpoint folder, written whole under a temporary name, marked complete, then renamed
+    (run.staged_folders): a failure (a full disk, a kill's KeyboardInterrupt) removes the temporary
+    folder and leaves the last whole checkpoint at `path` untouched. The target's own tensors are left
+    out (target_tensors), read from the target on load; config.json names the method. `extra`
+    (optimizer, scheduler, data position, RNG) goes to trainer.safetensors + trainer.json for resuming."""
     shared = target_tensors(drafter.config)
     state = {k: v.detach().cpu().contiguous() for k, v in drafter.state_dict().items() if k not in shared}
     try:
-        save_safetensors(state, tmp / "model.safetensors")
-        write_json(tmp / "config.json", {"drafter": drafter.config.to_dict(), **meta, "method": drafter.METHOD})
-        if extra is not None:
-            save_trainer_state(tmp, extra)
-        (tmp / COMPLETE).write_text("")
-    except BaseException as e:
-        # Nothing half-written stays behind (a full disk, a kill's KeyboardInterrupt); the last whole
-        # checkpoint at `path` is untouched.
-        shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(e, OSError) and e.errno in FULL:
-            needed = safetensors_bytes(state) + (safetensors_bytes(flatten_state(extra)[0]) if extra else 0)
-            raise DiskFull(path, needed) from None
-        raise
-    shutil.rmtree(old, ignore_errors=True)
-    if path.exists():
-        path.rename(old)
-    tmp.rename(path)
-    shutil.rmtree(old, ignore_errors=True)
+        with staged_folders(path) as (tmp,):
+            save_safetensors(state, tmp / "model.safetensors")
+            write_json(tmp / "config.json", {"drafter": drafter.config.to_dict(), **meta, "method": drafter.METHOD})
+            if extra is not None:
+                save_trainer_state(tmp, extra)
+            (tmp / COMPLETE).write_text("")
+    except OSError as e:
+        if e.errno not in FULL:
+            raise
+        needed = safetensors_bytes(state) + (safetensors_bytes(flatten_state(extra)[0]) if extra else 0)
+        raise DiskFull(path, needed) from None
 
 
 def rng_state() -> dict:

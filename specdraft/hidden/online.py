@@ -1,5 +1,5 @@
-"""The trainer's source of hidden states: the extracted shards, or the target computing them beside the
-trainer batch by batch (nothing written).
+"""The trainer's source of hidden states: the extracted shards, the target computing them in the trainer's
+process batch by batch (nothing written), or a vLLM server streaming them (hidden/served.py).
 """
 
 from __future__ import annotations
@@ -67,11 +67,16 @@ class OnlineHidden:
         return read_ahead(self.batch, batches, prefetch)
 
 
-def open_hidden(recipe: Recipe, folder: RunFolder):
-    """The trainer's source of hidden states, chosen by `train.hidden`: the extracted shards ("disk") or
-    the target running beside the trainer ("online"). Both give the same interface as HiddenStore."""
+def open_hidden(recipe: Recipe, folder: RunFolder, servers: list | None = None):
+    """The trainer's source of hidden states, chosen by `train.hidden`: the extracted shards ("disk"), the
+    target running in the trainer's process ("online"), or states servers ("served", hidden/served.py:
+    `servers` are started ones handed over). All give the same interface as HiddenStore."""
     if recipe.train.hidden == "disk":
         return HiddenStore(folder.hidden)
     if recipe.train.hidden == "online":
         return OnlineHidden(recipe, folder)
-    raise ValueError(f"train.hidden = {recipe.train.hidden!r}: expected 'disk' or 'online'")
+    if recipe.train.hidden == "served":
+        from specdraft.hidden.served import ServedHidden
+
+        return ServedHidden(recipe, folder, servers)
+    raise ValueError(f"train.hidden = {recipe.train.hidden!r}: expected 'disk', 'online' or 'served'")

@@ -27,6 +27,7 @@ from specdraft import environment
 from specdraft.data.client import REFUSED, Auth, ServerRefused
 from specdraft.data.prompts import select_prompts
 from specdraft.engines import (
+    ServerError,
     VllmServer,
     acceptance,
     metrics_text,
@@ -35,8 +36,8 @@ from specdraft.engines import (
     spec_decode_counters,
     spec_lines,
 )
-from specdraft.methods import METHODS
-from specdraft.run import atomic_path, open_run, write_json, write_text
+from specdraft.methods import METHODS as DRAFTER_METHODS
+from specdraft.run import atomic_path, check_new_or_ours, open_run, remove_stale_temporaries, write_json, write_text
 from specdraft.targets import Target
 
 PERCENTILES = (50, 90, 99)
@@ -150,16 +151,26 @@ def sweep(url: str, prompts: list[list[dict]], concurrencies: list[int], *, num_
           max_seconds: float, max_tokens: int, temperature: float = 0.0, model: str | None = None,
           auth: Auth | None = None) -> list[dict]:
     """One row per concurrency: latency and throughput figures, and acceptance from counter deltas.
-    `auth`: the key and headers every request carries (none by default)."""
+    `auth`: the key and headers every request carries (none by default). A server that does not answer
+    (nothing listening, gone mid-sweep) is a ServerError naming `url`."""
+    import httpx
     from tqdm import tqdm
 
-    model = model or served_model(url, auth)
+    try:
+        model = model or served_model(url, auth)
+    except httpx.TransportError as e:
+        raise ServerError(f"bench: nothing answers at {url} ({type(e).__name__}: {e}); start the server "
+                          "first, or check the URL and port") from None
     rows = []
     for c in tqdm(concurrencies, desc="bench", unit="level"):
-        before = metrics_text(url, auth)
-        row = asyncio.run(_level(url, model, prompts, c, max(num_requests, c), max_seconds, max_tokens,
-                                 temperature, auth))
-        after = settled_metrics_text(url, auth)
+        try:
+            before = metrics_text(url, auth)
+            row = asyncio.run(_level(url, model, prompts, c, max(num_requests, c), max_seconds, max_tokens,
+                                     temperature, auth))
+            after = settled_metrics_text(url, auth)
+        except httpx.TransportError as e:
+            raise ServerError(f"bench: {url} stopped answering at concurrency {c} ({type(e).__name__}: {e})"
+                              ) from None
         counters = (spec_decode_counters(before), spec_decode_counters(after))
         row["acceptance"] = acceptance(*counters)
         row["generation_tokens_counted"] = counters[1]["generation_tokens"] - counters[0]["generation_tokens"]
@@ -168,25 +179,56 @@ def sweep(url: str, prompts: list[list[dict]], concurrencies: list[int], *, num_
     return rows
 
 
+# What `--compare` takes: K is a whole number of speculative tokens, 1 or more (vLLM refuses 0).
+CONFIGURATIONS = ("none", "ngram", *DRAFTER_METHODS)
+DEFAULT_K = 3
+
+
+def parse_compare(spec: str) -> list[tuple[str, str, int | None]]:
+    """`--compare` ("none,ngram:3,<method>:1,<method>:3") -> (name, method, K) each, checked before
+    anything starts: a known method (none, ngram or a drafter method's name), K a whole number of at least
+    1 (none takes no K), no configuration twice."""
+    out, seen = [], set()
+    for name in (n.strip() for n in spec.split(",")):
+        method, colon, k = name.partition(":")
+        if method not in CONFIGURATIONS:
+            drafters = " or ".join(f"{m}[:K]" for m in DRAFTER_METHODS)
+            raise ValueError(f"bench --compare {spec!r}: {name!r} is not a configuration; expected none, "
+                             f"ngram[:K] or {drafters} (K speculative tokens, 1 or more), comma-separated")
+        if method == "none":
+            if colon:
+                raise ValueError(f"bench --compare {spec!r}: {name!r}: none takes no K; write none")
+            count = None
+        elif not colon:
+            count = DEFAULT_K
+        elif not k.isdigit() or int(k) < 1:
+            raise ValueError(f"bench --compare {spec!r}: {name!r}: K must be a whole number of speculative "
+                             f"tokens, 1 or more, got {k!r}")
+        else:
+            count = int(k)
+        key = (method, count)
+        if key in seen:
+            raise ValueError(f"bench --compare {spec!r}: {name!r} is given twice")
+        seen.add(key)
+        out.append((name, method, count))
+    return out
+
+
 def configurations(names: list[str], drafter: str | None) -> list[tuple[str, dict | None]]:
-    """"none", "ngram[:K]", "<method>:K" (a method of specdraft/methods/ serving the drafter folder) ->
-    (name, vLLM speculative config)."""
+    """"none", "ngram[:K]", "<method>[:K]" (a drafter method of specdraft/methods/, serving the drafter
+    folder as it says) -> (name, vLLM speculative config), checked (parse_compare)."""
     out = []
-    for name in names:
-        method, _, k = name.partition(":")
+    for name, method, k in parse_compare(",".join(names)):
         if method == "none":
             out.append((name, None))
         elif method == "ngram":
             # prompt_lookup_max: the longest n-gram matched against the context; 4 is vLLM's usual choice.
-            out.append((name, {"method": "ngram", "num_speculative_tokens": int(k or 3), "prompt_lookup_max": 4,
+            out.append((name, {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4,
                                "prompt_lookup_min": 2}))
-        elif method in METHODS:
+        else:
             if not drafter:
                 raise ValueError(f"{name}: needs a drafter folder (--drafter, or --run with an export)")
-            out.append((name, METHODS[method].serve_config(str(drafter), int(k) if k else None)))
-        else:
-            raise ValueError(f"configuration {name!r}: expected none, ngram[:K] or a method's <name>:K "
-                             f"({', '.join(f'{m}:K' for m in METHODS)})")
+            out.append((name, DRAFTER_METHODS[method].serve_config(str(drafter), k)))
     return out
 
 
@@ -321,9 +363,28 @@ def concurrency_levels(max_concurrency: int) -> list[int]:
     return levels
 
 
+# The files bench writes into its report folder (plots: bench_*.png; server logs: logs/vllm-*.log).
+REPORT = "bench.json"
+
+
+def _earlier_bench(out: Path) -> bool:
+    """Whether `out` is a report folder an earlier bench wrote: its bench.json is a bench report."""
+    try:
+        report = json.loads((out / REPORT).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(report, dict) and "configurations" in report and "tau_vs_k" in report
+
+
 def run_bench(args) -> int:
     """`specdraft bench`: sweep one endpoint, or start vLLM per configuration and compare them."""
 
+    if args.compare:
+        parse_compare(args.compare)  # a malformed configuration is refused before anything starts
+    if args.out:
+        check_new_or_ours(Path(args.out), _earlier_bench, "bench --out",
+                          "its report would be written among them: give a new or empty folder, or one an "
+                          "earlier bench wrote its report in")
     # The served endpoint gets gen's key and headers: their variables are checked before anything is written.
     check = (lambda r: Auth.from_env(r.gen.api_key_env, r.gen.headers)) if args.endpoint else None
     recipe, folder = open_run(args.recipe, args.run, args.set, check=check)
@@ -340,6 +401,7 @@ def run_bench(args) -> int:
     sweep_args = {"num_requests": args.requests, "max_seconds": args.duration, "max_tokens": args.max_tokens,
                   "temperature": args.temperature}
     out = Path(args.out) if args.out else folder.eval
+    remove_stale_temporaries([out], every_tmp=False)
     if args.endpoint:
         # The served endpoint gets gen's key and headers (gen.api_key_env, gen.headers): the same servers.
         auth = Auth.from_env(recipe.gen.api_key_env, recipe.gen.headers)
@@ -348,6 +410,9 @@ def run_bench(args) -> int:
     else:
         drafter = args.drafter or (folder.export("vllm") if (folder.export("vllm")).exists() else None)
         configs = configurations(args.compare.split(","), drafter)
+        if any(spec and "model" in spec for _, spec in configs) and not (Path(drafter) / "config.json").is_file():
+            raise ValueError(f"bench --drafter {drafter} is not a drafter folder (no config.json); give an exported "
+                             "one, e.g. runs/<name>/export/vllm")
         results = compare(str(target.path), configs, messages, levels, out / "logs", **sweep_args)
     report = write_report(results, out, requests_per_level=args.requests, max_seconds=args.duration,
                           max_tokens=args.max_tokens, temperature=args.temperature, prompts=len(messages))

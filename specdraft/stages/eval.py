@@ -30,6 +30,7 @@ decoding.static's preallocated KV caches with CUDA graphs on the GPU. Both decod
 
 from __future__ import annotations
 
+import json
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -50,7 +51,7 @@ from specdraft.decoding.runners import TargetRunner, make_runner, sync
 from specdraft.decoding.tree import decode_capacity
 from specdraft.files import read_jsonl
 from specdraft.methods import for_drafter, load_trained
-from specdraft.run import RunFolder, atomic_path, write_json, write_text
+from specdraft.run import RunFolder, staged_files
 from specdraft.targets import Target, resolve_device
 
 
@@ -101,8 +102,7 @@ def plot_histogram(hists: dict[str, list[int]], path: Path) -> None:
     ax.set_title("Accepted lengths")
     ax.legend()
     fig.tight_layout()
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, format="png", dpi=100)
+    fig.savefig(path, format="png", dpi=100)
     plt.close(fig)
 
 
@@ -220,9 +220,11 @@ def run(recipe: Recipe, folder: RunFolder) -> dict:
         report["sampled"] = sampled_tau(runner, drafter, prompts, cfg, target.eos_token_id, recipe.train.seed)
     report.update({"dtype": cfg.dtype, "device": str(device), "hardware": environment.hardware_line()})
     out = folder.eval
-    write_json(out / "report.json", report)
-    plot_histogram({n: report[n]["accepted_length_histogram"] for n in names}, out / "accepted_lengths.png")
-    write_text(out / "report.md", render_markdown(report))
+    # The three files as one set, renamed in only when all are written: the last good report stays whole.
+    with staged_files(out / "report.json", out / "accepted_lengths.png", out / "report.md") as (js, png, md):
+        js.write_text(json.dumps(report, indent=2) + "\n")
+        plot_histogram({n: report[n]["accepted_length_histogram"] for n in names}, png)
+        md.write_text(render_markdown(report))
     metrics = {k: report[k] for k in ("method", "tau", "per_position_acceptance", "speedup",
                                       "autoregressive_tokens_per_s", "speculative_tokens_per_s",
                                       "draft_to_target_cost", "leviathan_bound")}

@@ -97,8 +97,9 @@ def check_disk(out: Path, need_bytes: int, margin: float, tokens: int, store_dty
 
 
 def extract(target: Target, samples: list[tuple[list[int], list[int]]], out: Path, cfg: ExtractConfig,
-            model=None) -> dict:
-    """Write the hidden states of `samples` as shards under `out` (resuming); return what it did."""
+            model=None, states: VllmStates | None = None) -> dict:
+    """Write the hidden states of `samples` as shards under `out` (resuming); return what it did.
+    `states`: for the vllm backend, a VllmStates of a server already running (else one is started)."""
     cfg = resolved(cfg)
     if cfg.store_dtype not in STORE_DTYPES:
         raise ValueError(f"extract.store_dtype = {cfg.store_dtype!r}: expected one of {list(STORE_DTYPES)}")
@@ -153,7 +154,7 @@ def extract(target: Target, samples: list[tuple[list[int], list[int]]], out: Pat
     if todo:
         with contextlib.ExitStack() as stack:
             if cfg.backend == "vllm":
-                server = stack.enter_context(VllmStates(target, cfg, out / ".vllm", max(lengths)))
+                server = stack.enter_context(states or VllmStates(target, cfg, out / ".vllm", max(lengths)))
                 forward = server.forward
             elif cfg.backend == "transformers":
                 model = model if model is not None else load_target_model(target, cfg)

@@ -15,7 +15,7 @@ from specdraft.drafters.common import REEXPORT
 from specdraft.files import read_json
 from specdraft.methods import for_folder
 from specdraft.hidden.store import INDEX, read_index
-from specdraft.run import RunFolder
+from specdraft.run import RunFolder, check_new_or_ours
 from specdraft.targets import Target
 
 
@@ -65,11 +65,9 @@ def check_out(source: Path, out: Path) -> None:
         if _relation(src, scratch.resolve()):
             raise ValueError(f"import: writing {out} first clears {scratch}, which holds the drafter folder "
                              f"being imported ({source}); give --out another name")
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"import: {out} is a file, not a folder; give --out a new or empty folder")
-    if out.is_dir() and any(out.iterdir()) and not _earlier_import(out):
-        raise ValueError(f"import: {out} holds files that are not an earlier import's checkpoint, which "
-                         "writing there would delete; give --out a new or empty folder, or move them out first")
+    check_new_or_ours(out, _earlier_import, "import: --out",
+                      "writing the checkpoint there would delete them (only an earlier import's checkpoint is "
+                      "replaced): give --out a new or empty folder, or move them out first")
 
 
 def run_import(source: str, recipe, folder: RunFolder | None = None, out: str | None = None) -> dict:
@@ -103,7 +101,7 @@ def run_import(source: str, recipe, folder: RunFolder | None = None, out: str | 
         return info
     # The run's target reads the drafter's layers from now on (extract for fine-tuning, eval).
     recipe.target.aux_layer_ids = list(cfg.aux_layer_ids)
-    folder.init(recipe)
+    folder.runs_with(recipe)  # recorded as the run's recipe with the records below
     rel = str(out_path.relative_to(folder.path))
     entry = folder.record("import", state="done", seconds=time.time() - t0, extra={**info, "checkpoint": rel})
     # Recorded as the run's drafter: eval and export load the train stage's checkpoint.

@@ -25,8 +25,9 @@ def render_text(plan: dict) -> str:
         (f"hidden states: {h['states_per_token']} states x {t['hidden_size']} in {h['store_dtype']} = "
          f"{h['bytes_per_token']:,} bytes/token (+{h['record_bytes_per_token']} for ids and mask)"),
         f"  tokens: {tok['tokens']:,} = {tok['samples']:,} samples x {tok['tokens_per_sample']:,.0f} ({tok['source']})",
-        f"  disk: {human_bytes(h['disk_bytes_if_disk'])}" + (" (not written: train.hidden = online)"
-                                                         if h["mode"] == "online" else ""),
+        f"  disk: {human_bytes(h['disk_bytes_if_disk'])}" + (f" (not written: train.hidden = {h['mode']})"
+                                                         if h["mode"] in ("online", "served") else ""),
+        *_served_lines(plan.get("served")),
         "",
         (f"drafter ({d['method']}): {d['trainable'] / 1e6:,.1f} M trainable, {d['frozen'] / 1e6:,.1f} M frozen, "
          f"{d['total'] / 1e6:,.1f} M total"),
@@ -51,6 +52,20 @@ def render_text(plan: dict) -> str:
         lines += ["", "recommended:"]
         lines += [f"  {r['do']}: {r['why']}" for r in plan["recommendations"]]
     return "\n".join(lines)
+
+
+def _served_lines(sv: dict | None) -> list[str]:
+    """The served source's bill: scratch, host memory, passes, and the GPU topology where GPUs are known."""
+    if not sv:
+        return []
+    lines = [f"  served: scratch {human_bytes(sv['scratch_cap_bytes'])} on disk (train.served_scratch_bytes; one "
+             f"sample's states {human_bytes(sv['sample_file_bytes'])}: "
+             + ("fits" if sv["scratch_ok"] else "DOES NOT FIT, raise the cap") + f", {sv['in_flight_at_cap']} in flight), "
+             f"{human_bytes(sv['host_memory_bytes'])} of the trainer's host memory, {sv['passes']:g} passes of the "
+             f"server (cache: {sv['cache']})"]
+    if sv.get("topology"):
+        lines.append(f"  topology: {sv['topology']['text']}")
+    return lines
 
 
 def run_plan(spec: str, *, overrides: list[str], json_out: bool, target: str | None, tokens_per_sample: int | None,

@@ -44,7 +44,7 @@ from specdraft.data.sources import (
     split_of,
 )
 from specdraft.files import save_safetensors
-from specdraft.run import RunFolder, atomic_path, write_json
+from specdraft.run import RunFolder, staged_files
 from specdraft.targets import Target, tokenizer_thinking_markers
 
 # Fields templates read an assistant turn's reasoning from, probed in this order: Qwen3, DeepSeek and
@@ -478,11 +478,6 @@ class Packed:
         """Write tokens.safetensors and index.json into `out`; returns the index."""
         import torch
 
-        out.mkdir(parents=True, exist_ok=True)
-        with atomic_path(out / "tokens.safetensors") as tmp:
-            save_safetensors({"input_ids": torch.tensor(self.ids, dtype=torch.int32),
-                              "loss_mask": torch.tensor(self.mask, dtype=torch.uint8),
-                              "offsets": torch.tensor(self.offsets, dtype=torch.int64)}, tmp)
         index = {
             "ids": self.names,
             "num_samples": len(self.names),
@@ -492,7 +487,12 @@ class Packed:
             "template": template.describe(),
             "target": target.describe(),
         }
-        write_json(out / "index.json", index)
+        # The tokens and their index renamed in together: the last good pair stays until both are written.
+        with staged_files(out / "tokens.safetensors", out / "index.json") as (tokens, index_json):
+            save_safetensors({"input_ids": torch.tensor(self.ids, dtype=torch.int32),
+                              "loss_mask": torch.tensor(self.mask, dtype=torch.uint8),
+                              "offsets": torch.tensor(self.offsets, dtype=torch.int64)}, tokens)
+            index_json.write_text(json.dumps(index, indent=2) + "\n")
         return index
 
 

@@ -23,7 +23,7 @@ from specdraft.run import PIPELINE, STAGES, RunFolder, write_text
 STAGE_ORDER = [s.name for s in PIPELINE]
 # The plan's time table names phases; render and export are too quick to plan.
 PHASE_OF_STAGE = {"gen": "gen", "extract": "extract", "train": "train", "eval": "eval"}
-ICONS = {"done": "✅", "in progress": "🔄", "not started": "⏳", "failed": "❌"}
+ICONS = {"done": "✅", "in progress": "🔄", "not started": "⏳", "failed": "❌", "not needed": "➖"}
 # Units of the figures stages record (by metric name; other names get one from their suffix).
 UNITS = {
     "tokens_per_s": "tok/s", "autoregressive_tokens_per_s": "tok/s", "speculative_tokens_per_s": "tok/s",
@@ -66,6 +66,12 @@ def _stages(folder: RunFolder, manifest: dict, recipe: dict) -> list[dict]:
         if entry and entry["state"] == "done":
             row.update(state="done", counts=entry.get("counts") or {}, seconds=entry.get("seconds"),
                        finished=entry.get("finished"))
+            if entry.get("attempt"):
+                # A later run that did not succeed, recorded beside the good one, which stays in use.
+                attempt = entry["attempt"]
+                row["attempt"] = {k: attempt[k] for k in ("state", "finished", "error", "recipe_not_recorded")
+                                  if attempt.get(k) is not None}
+                row["attempt"]["source"] = f"stages.{stage}.attempt"
         else:
             progress = STAGES[stage].progress(folder, recipe) if STAGES[stage].progress else None
             if entry and entry.get("counts"):
@@ -79,6 +85,8 @@ def _stages(folder: RunFolder, manifest: dict, recipe: dict) -> list[dict]:
                 row["state"] = "in progress"
             elif entry and entry["state"] == "failed":
                 row["state"] = "failed"
+            elif stage == "extract" and (recipe.get("train") or {}).get("hidden") in ("online", "served"):
+                row["state"] = "not needed"  # the trainer gets its states from the target itself
             else:
                 row["state"] = "not started"
             if progress:
@@ -94,7 +102,11 @@ def _measured(manifest: dict) -> list[dict]:
         entry = manifest.get("stages", {}).get(stage)
         if not entry:
             continue
-        for name, value in (entry.get("metrics") or {}).items():
+        metrics = dict(entry.get("metrics") or {})
+        # The served source's figures (requests, retries, restarts, its rate, the scratch used), one row each.
+        for name, value in (metrics.pop("served", None) or {}).items():
+            metrics[f"served.{name}"] = value
+        for name, value in metrics.items():
             if value is None:
                 continue
             rows.append({"stage": stage, "name": name, "value": value, "unit": _unit(name),
@@ -136,6 +148,8 @@ def _problems(manifest: dict, stages: list[dict]) -> list[dict]:
     for row in stages:
         if row.get("error"):
             out.append({"text": f"{row['stage']} failed: {row['error']}", "source": f"stages.{row['stage']}.error"})
+        if row.get("attempt"):
+            out.append({"text": f"{row['stage']}: {_attempt_text(row['attempt'])}", "source": row["attempt"]["source"]})
     for stage, entry in manifest.get("stages", {}).items():
         for key in ("problems", "warnings"):
             for item in entry.get(key) or []:
@@ -156,7 +170,7 @@ def _problems(manifest: dict, stages: list[dict]) -> list[dict]:
 
 def _next_command(folder: RunFolder, manifest: dict, stages: list[dict]) -> dict:
     for row in stages:
-        if row["state"] != "done":
+        if row["state"] not in ("done", "not needed"):
             cmd = f"specdraft {row['stage']} --run {folder.path}"
             why = {"in progress": "resumes from what is on disk", "failed": "reruns the failed stage"}.get(
                 row["state"], "the next stage")
@@ -177,7 +191,7 @@ def _remaining(manifest: dict, stages: list[dict]) -> dict | None:
     for trow in plan["time"]:
         stage = next((s for s, p in PHASE_OF_STAGE.items() if p == trow["phase"]), None)
         row = state.get(stage)
-        if row is None or row["state"] == "done":
+        if row is None or row["state"] in ("done", "not needed"):
             continue
         # An unknown share done (gen of every conversation) bills the whole phase.
         done = ((row.get("progress") or {}).get("fraction") or 0.0) if row["state"] == "in progress" else 0.0
@@ -238,7 +252,8 @@ def collect(folder: RunFolder) -> dict:
 
 def _goal(recipe: dict) -> dict:
     t, d, g, tr, ex, ev = (recipe[k] for k in ("target", "data", "gen", "train", "export", "eval"))
-    hidden = "on the fly (online)" if tr.get("hidden") == "online" else "extracted to disk"
+    hidden = {"online": "on the fly (online)", "served": "streamed from a vLLM server (served, none stored)"}.get(
+        tr.get("hidden"), "extracted to disk")
     answers = ("with the source's own answers" if g.get("answers") == "source" else
                f"whose answers the target writes itself (up to {g['max_new_tokens']} tokens each)")
     vocab = f"a {tr['draft_vocab_size']}-token draft vocabulary" if tr["draft_vocab_size"] else "the whole vocabulary"
@@ -271,6 +286,18 @@ def _progress_text(p: dict) -> str:
     return f"checkpoint at step {p['latest_checkpoint_step']} (from {p['source']})"
 
 
+def _attempt_text(a: dict) -> str:
+    """A later run of a done stage that did not succeed, as STATUS.md says it."""
+    what = {"failed": f"a later run failed ({a['finished']})" + (f": {a['error']}" if a.get("error") else ""),
+            "partial": f"a later run is in progress or was cut off ({a['finished']}); the same command resumes it"}
+    text = what.get(a["state"], f"a later run is {a['state']} ({a['finished']})")
+    changes = a.get("recipe_not_recorded") or {}
+    if changes:
+        text += "; its settings were not kept (" + ", ".join(f"{k} = {new!r}, the run keeps {old!r}"
+                                                          for k, (old, new) in changes.items()) + ")"
+    return text + "; the last good run's record and files are kept and used"
+
+
 def _md_stages(s: dict) -> list[str]:
     out = ["## Done / in progress / not started", "", "| | stage | state | counts | seconds |", "|---|---|---|---|---|"]
     for r in s["stages"]:
@@ -279,6 +306,8 @@ def _md_stages(s: dict) -> list[str]:
             counts = _progress_text(r["progress"])
         if r.get("error"):
             counts = (counts + "; " if counts else "") + f"last error: {r['error']}"
+        if r.get("attempt"):
+            counts = (counts + "; " if counts else "") + _attempt_text(r["attempt"])
         seconds = _fmt(r["seconds"]) if r.get("seconds") is not None else ""
         out.append(f"| {r['icon']} | {r['stage']} | {r['state']} | {counts} | {seconds} |")
     nxt = s["next"]
@@ -394,7 +423,8 @@ def after_stage(stage: str, recipe, folder: RunFolder) -> None:
     and never fails (or hides the error of) the stage itself."""
 
     try:
-        if (folder.stage(stage) or {}).get("state") == "done":
+        entry = folder.stage(stage) or {}
+        if entry.get("state") == "done" and "attempt" not in entry:  # this run succeeded
             record(folder, make_plan(recipe, folder, calibration="cached"))
         write(folder)
     except Exception as e:  # noqa: BLE001 - the stage's own result matters more than its summary

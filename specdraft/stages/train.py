@@ -19,7 +19,6 @@ import json
 import math
 import os
 import random
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -49,7 +48,7 @@ from specdraft.drafters.common import (
 from specdraft.hidden.online import open_hidden
 from specdraft.methods import Method, named
 from specdraft.files import FULL, DiskFull, FileError, read_json, read_jsonl
-from specdraft.run import RunFolder
+from specdraft.run import RunFolder, write_text
 from specdraft.targets import Target, resolve_dtype
 
 HEAD_INITS = ("random", "target", "target-frozen")
@@ -71,15 +70,36 @@ def target_top_tokens(source, head: torch.Tensor, indices=None, device: torch.de
     from tqdm import tqdm
 
     device = device or torch.device("cpu")
-    # bf16 where the device multiplies it; emulated bf16 (AVX2 CPUs) took 1-2.5 s a sample (issue 24).
-    dtype = getattr(torch, resolve_dtype("auto", device.type))
-    head = head.to(device, dtype)
+    head = top_head(head, device)
     indices = range(len(source)) if indices is None else indices
-    tops = {}
-    for i in tqdm(indices, desc="target top tokens", unit="sample", leave=False):
-        last = source.last(i, device).to(dtype)
-        tops[i] = torch.cat([(rows @ head.T).argmax(-1) for rows in last.split(LOGIT_CHUNK)]).cpu()
-    return tops
+    return {i: top_tokens(source.last(i, device), head)
+            for i in tqdm(indices, desc="target top tokens", unit="sample", leave=False)}
+
+
+def top_head(head: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """The lm_head weight as the top tokens are computed with it: on `device`, in bf16 where the device
+    multiplies it (emulated bf16 on AVX2 CPUs took 1-2.5 s a sample, issue 24)."""
+    return head.to(device, getattr(torch, resolve_dtype("auto", device.type)))
+
+
+@torch.no_grad()
+def top_tokens(last: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
+    """One sample's target top tokens [T] (on the CPU) from its final-norm states [T, H]."""
+    last = last.to(head.device, head.dtype)
+    return torch.cat([(rows @ head.T).argmax(-1) for rows in last.split(LOGIT_CHUNK)]).cpu()
+
+
+class TopsOnArrival:
+    """For a served source: each sample's top tokens computed as its states arrive (in the fetching thread,
+    once per sample), instead of a pass over every sample before training (that pass would be a whole
+    extra epoch of requests to the server)."""
+
+    def __init__(self, head: torch.Tensor, device: torch.device, tops: dict):
+        self.head, self.tops = top_head(head, device), tops
+
+    def __call__(self, i: int, item: dict) -> None:
+        if i not in self.tops:
+            self.tops[i] = top_tokens(item["last"], self.head)
 
 
 def split_holdout(n: int, fraction: float, seed: int) -> tuple[list[int], list[int]]:
@@ -133,7 +153,8 @@ def step_batches(source, tops, train_idx, lengths, cfg: TrainConfig, step: int, 
     step takes `micro_batches` consecutive rows of the epoch's order, this rank every world-th of them.
     One loader serves every epoch left: its workers start once, not once per epoch (a run of many
     one-step epochs otherwise waits for new workers at every step)."""
-    workers = 0 if cfg.hidden == "online" else cfg.loader_workers  # an online target stays in this process
+    # An online target stays in this process, and a served source's requests run ahead in its own threads.
+    workers = 0 if cfg.hidden in ("online", "served") else cfg.loader_workers
     first_epoch = step // steps_per_epoch
     plan = []  # (epoch, this rank's rows of the step) for every step left
     for epoch in range(first_epoch, cfg.epochs):
@@ -143,6 +164,8 @@ def step_batches(source, tops, train_idx, lengths, cfg: TrainConfig, step: int, 
                  for s in range(first, steps_per_epoch)]
     rows_of_mine = PackedRows(source, [row for _, mine in plan for row in mine], tops, cfg.batch_tokens,
                               fixed_shape(cfg, device))
+    if cfg.hidden == "served":  # its requests follow the order the rows will be read in
+        source.expect([i for row in rows_of_mine.rows for i in row])
     # Its own generator: a loader drawing its workers' seed from torch's RNG would move the stream the
     # steps draw from (hidden_noise) by one draw per loader started, and a resumed run starts one.
     loader = torch.utils.data.DataLoader(rows_of_mine, batch_size=None, num_workers=workers,
@@ -326,9 +349,7 @@ def keep_log_until(log_path: Path, step: int) -> None:
         log_path.write_text("")
         return
     kept = [line for line, r in read_log(log_path, torn_tail=True) if r["step"] <= step]
-    tmp = log_path.with_suffix(".tmp")
-    tmp.write_text("".join(line + "\n" for line in kept))
-    tmp.rename(log_path)
+    write_text(log_path, "".join(line + "\n" for line in kept))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -406,9 +427,10 @@ class Trainer:
     its optimizers and resumes from `latest` where a stopped run left one; `train` is the loop. Every
     process of a torchrun makes one; rank 0 alone writes the run folder."""
 
-    def __init__(self, recipe: Recipe, folder: RunFolder):
+    def __init__(self, recipe: Recipe, folder: RunFolder, servers: list | None = None):
         self.t_start = time.time()
         self.recipe, self.folder, self.cfg = recipe, folder, recipe.train
+        self.servers = servers  # states servers handed over for train.hidden = "served" (ServedHidden)
         if self.cfg.hidden == "disk":
             folder.require("extract")
         check_memory(recipe, folder)
@@ -419,22 +441,35 @@ class Trainer:
         self.resuming = self.will_resume()
         torch.manual_seed(self.cfg.seed)
         counts = self.load_samples()
+        try:
+            self.set_up(counts)
+        except BaseException:
+            self.close()
+            raise
+
+    def set_up(self, counts: torch.Tensor) -> None:
+        """The drafter, the target's top tokens, the model and its optimizers, resumed or fresh."""
         head = self.build_drafter(counts)
         # Where a run's wall time goes, printed at its end: the steps are not all of it (bench/ablations.md).
         self.phase = {"start-up": time.time() - self.t_start}
         t_phase = time.time()
-        self.tops = target_top_tokens(self.source, head, self.train_idx + self.held_idx, self.device)
+        if self.cfg.hidden == "served":
+            self.tops = {}
+            self.source.on_arrival = TopsOnArrival(head, self.device, self.tops)
+            self.source.held_out(self.held_idx)
+        else:
+            self.tops = target_top_tokens(self.source, head, self.train_idx + self.held_idx, self.device)
         self.phase["top tokens"] = time.time() - t_phase
         self.build_model(head)
         self.resume_or_start()
-        self.writer = tensorboard(folder.tensorboard, self.rank)
+        self.writer = tensorboard(self.folder.tensorboard, self.rank)
         self.last_eval = None
 
     def load_samples(self) -> torch.Tensor:
         """The hidden states' source, its lengths and train / held-out split; returns the training
         samples' answer-token counts, which choose the draft vocabulary."""
         cfg = self.cfg
-        self.source = open_hidden(self.recipe, self.folder)
+        self.source = self.open_source()
         self.target = Target(self.recipe.target.model, self.source.aux_layer_ids)
         self.target.check_fits(self.recipe)  # before the draft vocabulary is chosen from it
         samples = [self.source.tokens(i) for i in range(len(self.source))]
@@ -443,6 +478,23 @@ class Trainer:
         if cfg.max_samples:
             self.train_idx = self.train_idx[:cfg.max_samples]
         return vocab.token_counts([samples[i] for i in self.train_idx], self.target.vocab_size)
+
+    def open_source(self):
+        """open_hidden; under torchrun a states server that train starts is started once, by rank 0, and the
+        other ranks ask it (each for its own rows of every step)."""
+        if self.cfg.hidden != "served" or self.world == 1 or self.cfg.served_endpoints or self.servers:
+            return open_hidden(self.recipe, self.folder, self.servers)
+        import dataclasses
+
+        import torch.distributed as dist
+
+        source = open_hidden(self.recipe, self.folder) if self.rank == 0 else None
+        url = [source.endpoints[0].url if source is not None else None]
+        dist.broadcast_object_list(url, src=0)
+        if source is not None:
+            return source
+        recipe = dataclasses.replace(self.recipe, train=dataclasses.replace(self.cfg, served_endpoints=url))
+        return open_hidden(recipe, self.folder)
 
     def build_drafter(self, counts: torch.Tensor) -> torch.Tensor:
         """The method's drafter for the target, its draft vocabulary chosen from `counts`; returns the
@@ -473,13 +525,16 @@ class Trainer:
         self.held_rows = pack(self.held_idx, self.lengths, cfg.batch_tokens)
 
     def will_resume(self) -> bool:
-        """Whether this run continues from `latest`: a stopped run left it (its stage not recorded done);
-        else it starts over, and a finished run is retrained. A checkpoint it cannot resume from (another
-        config, a trainer state saved as a pickle) is refused here, before the set-up's long parts."""
+        """Whether this run continues from `latest`: a stopped run left it (its stage not recorded done, or
+        a retraining stopped after it moved the last good one's checkpoints aside, to which the good record
+        then points); else it starts over, and a finished run is retrained. A checkpoint it cannot resume
+        from (another config, a trainer state saved as a pickle) is refused here, before the set-up's long
+        parts."""
         cfg, folder = self.cfg, self.folder
         previous = folder.stage("train")
-        resuming = (cfg.resume and (folder.checkpoint("latest") / COMPLETE).exists()
-                    and (previous is None or previous["state"] != "done"))
+        stopped = (previous is None or previous["state"] != "done"
+                   or previous.get("checkpoint", "").startswith(f"{folder.previous_checkpoints.name}/"))
+        resuming = cfg.resume and (folder.checkpoint("latest") / COMPLETE).exists() and stopped
         if resuming:
             check_resumable(folder.checkpoint("latest"), cfg)
             check_trainer_state(folder.checkpoint("latest"))
@@ -499,7 +554,7 @@ class Trainer:
                                             self.schedulers))
         if self.rank == 0:
             if not resumed:
-                shutil.rmtree(folder.checkpoints, ignore_errors=True)
+                folder.set_aside_checkpoints()  # the last good training's stay until this one succeeds
             folder.checkpoints.mkdir(parents=True, exist_ok=True)
             folder.record("train", state="partial", config=cfg)
             keep_log_until(folder.train_log, self.state["step"])
@@ -648,14 +703,31 @@ class Trainer:
                   "heldout_samples": len(self.held_idx), "trainable_params": self.n_trainable,
                   "processes": self.world}
         phase = {k: round(v, 1) for k, v in self.phase.items()}
+        busy = self.phase["steps"] + self.phase["data wait"]
+        metrics["wait_share"] = round(max(0.0, self.phase["data wait"]) / busy, 4) if busy > 0 else None
+        if self.cfg.hidden == "served":
+            metrics["served"] = self.source.report()
         print(f"train: {time.time() - self.t_start:.0f} s: " + ", ".join(f"{k} {v:.0f} s" for k, v in phase.items()))
         metrics["phase_seconds"] = phase
         print(f"next: specdraft export --run {folder.path}")
-        return folder.record("train", state="done", config=cfg, counts=counts, metrics=metrics,
-                             seconds=time.time() - self.t_start,
-                             extra={"checkpoint": str(folder.checkpoint(chosen).relative_to(folder.path))})
+        entry = folder.record("train", state="done", config=cfg, counts=counts, metrics=metrics,
+                              seconds=time.time() - self.t_start,
+                              extra={"checkpoint": str(folder.checkpoint(chosen).relative_to(folder.path))})
+        folder.drop_previous_checkpoints()
+        return entry
 
 
-def run(recipe: Recipe, folder: RunFolder) -> dict:
+    def close(self) -> None:
+        """Stop what the source started (a states server)."""
+        close = getattr(getattr(self, "source", None), "close", None)
+        if close is not None:
+            close()
+
+
+def run(recipe: Recipe, folder: RunFolder, servers: list | None = None) -> dict:
     check_choices(recipe.train)
-    return Trainer(recipe, folder).train()
+    trainer = Trainer(recipe, folder, servers)
+    try:
+        return trainer.train()
+    finally:
+        trainer.close()

@@ -29,6 +29,7 @@ from specdraft.methods.dflash.decode import speculative_dflash
 from specdraft.methods.dflash.drafter import DFlashConfig, DFlashDrafter, default_mask_token
 from specdraft.methods.dflash.formats import is_dflash, is_speculators, problems, read_dflash, serve_spec, write_dflash
 from specdraft.methods.dflash.objective import DFlashObjective, slot_weights
+from specdraft.run import staged_folders
 
 # Through the target's lm_head (shared, or started from it) DFlash learnt nothing past the unigram at
 # lr 3e-3 with a short warmup, and memorised at 3e-4, or at 1e-3 after 50 warmup steps (bench/RESULTS.md).
@@ -76,7 +77,8 @@ def export(recipe, folder, formats: list[str], drafter, target, embed, t_start: 
         raise ValueError(f"export: a DFlash drafter has vLLM's folder format only, not {formats}; "
                          "use --formats vllm")
     out = folder.export("vllm")
-    write_dflash(drafter, out, target_num_layers=target.num_layers, provenance=provenance(recipe.name))
+    with staged_folders(out) as (staged,):  # the last good folder stays until this one is whole
+        write_dflash(drafter, staged, target_num_layers=target.num_layers, provenance=provenance(recipe.name))
     spec = serve_spec(out.resolve(), drafter.config)
     command = f"vllm serve {target.path} --speculative-config '{json.dumps(spec)}'"
     print(f"export: vLLM DFlash drafter in {out} (block of {drafter.config.block_size}, mask token "

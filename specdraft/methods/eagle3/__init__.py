@@ -38,6 +38,7 @@ from specdraft.methods.eagle3.formats import (
     write_vllm,
 )
 from specdraft.methods.eagle3.objective import TTT
+from specdraft.run import staged_folders
 
 
 def init_from(drafter: Eagle3Drafter, folder: Path, embed: torch.Tensor) -> None:
@@ -120,22 +121,25 @@ def export(recipe, folder, formats: list[str], drafter, target, embed, t_start: 
     # The embedding is frozen at the target's during training, so the engine's shared copy is identical.
     include_embed = not torch.equal(drafter.embed_tokens.weight.detach(), embed.float())
     written, commands = {}, {}
+    # Every format's folder written under a temporary name, all swapped in at the end: a format refused
+    # or failing midway leaves the last good export's folders as they were.
+    with staged_folders(*(folder.export(fmt) for fmt in formats)) as staged:
+        for fmt, tmp in zip(formats, staged):
+            out = folder.export(fmt)
+            if fmt == "vllm":
+                write_vllm(drafter, tmp, verifier=str(target.path),
+                           verifier_architectures=list(target.config.architectures or []),
+                           speculative_tokens=speculative_tokens, include_embed=include_embed,
+                           provenance=provenance(recipe.name))
+                written[fmt] = {"path": str(out.relative_to(folder.path)), "format": "speculators (Eagle3Speculator)"}
+                commands[fmt] = serve_command(str(target.path), out, speculative_tokens)
+            else:
+                write_sglang(drafter, tmp, include_embed=include_embed, provenance=provenance(recipe.name))
+                written[fmt] = {"path": str(out.relative_to(folder.path)), "format": f"flat ({FLAT_ARCHITECTURE})"}
+                commands[fmt] = sglang_serve_command(str(target.path), out, speculative_tokens)
+    engines = {"vllm": "vLLM", "sglang": "SGLang"}
     for fmt in formats:
-        out = folder.export(fmt)
-        if fmt == "vllm":
-            write_vllm(drafter, out, verifier=str(target.path),
-                       verifier_architectures=list(target.config.architectures or []),
-                       speculative_tokens=speculative_tokens, include_embed=include_embed,
-                       provenance=provenance(recipe.name))
-            written[fmt] = {"path": str(out.relative_to(folder.path)), "format": "speculators (Eagle3Speculator)"}
-            commands[fmt] = serve_command(str(target.path), out, speculative_tokens)
-            engine = "vLLM"
-        else:
-            write_sglang(drafter, out, include_embed=include_embed, provenance=provenance(recipe.name))
-            written[fmt] = {"path": str(out.relative_to(folder.path)), "format": f"flat ({FLAT_ARCHITECTURE})"}
-            commands[fmt] = sglang_serve_command(str(target.path), out, speculative_tokens)
-            engine = "SGLang"
-        print(f"export: {engine} drafter in {out}\n  serve it with:\n  {commands[fmt]}")
+        print(f"export: {engines[fmt]} drafter in {folder.export(fmt)}\n  serve it with:\n  {commands[fmt]}")
     print(f"\nnext: specdraft doctor {folder.export(formats[0])}")
     return folder.record("export", state="done", config=cfg, counts={"formats": len(written)},
                       seconds=time.time() - t_start,
