@@ -106,7 +106,7 @@ def run_main(argv: list[str]) -> tuple[int, str]:
     err = io.StringIO()
     with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
         try:
-            code = main(argv)
+            code = main([str(a) for a in argv])  # paths too
         except SystemExit as e:  # argparse exits; anything else escaping is a traceback
             code = e.code
     return code, err.getvalue()

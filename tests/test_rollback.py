@@ -10,7 +10,6 @@ on the memorised drafter where only a finished run can.
 from __future__ import annotations
 
 import contextlib
-import io
 import json
 import os
 import shutil
@@ -23,30 +22,14 @@ from pathlib import Path
 
 import pytest
 from conftest import TINY_RECIPE
+from test_bad_input import assert_one_error_line as one_error_line
+from test_bad_input import run_main
 
 from specdraft.cli import main
 from specdraft.config import load_recipe
 from specdraft.run import PIPELINE, RunFolder, remove_stale_temporaries, staged_files, staged_folders
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def run_main(argv: list[str]) -> tuple[int, str]:
-    err = io.StringIO()
-    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-        try:
-            code = main([str(a) for a in argv])
-        except SystemExit as e:
-            code = e.code
-    return code, err.getvalue()
-
-
-def one_error_line(code: int, stderr: str) -> str:
-    assert code == 2, stderr
-    assert "Traceback" not in stderr, stderr
-    lines = [line for line in stderr.splitlines() if line.startswith("specdraft: error:")]
-    assert len(lines) == 1, stderr
-    return lines[0]
 
 
 def files_of(folder: Path) -> dict[str, bytes]:

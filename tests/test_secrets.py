@@ -8,8 +8,6 @@ refusal must come before anything is written, so the test looks at the files a c
 from __future__ import annotations
 
 import ast
-import contextlib
-import io
 import json
 import shlex
 import shutil
@@ -18,8 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from test_bad_input import assert_one_error_line, run_main
 
-from specdraft.cli import main
 from specdraft.config import ConfigError, apply_sets, load_recipe
 from specdraft.data.client import Auth
 from specdraft.run import RunFolder
@@ -38,22 +36,8 @@ def place(tmp_path, monkeypatch) -> Path:
     return tmp_path
 
 
-def run_main(argv: list[str]) -> tuple[int, str]:
-    err = io.StringIO()
-    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-        try:
-            code = main(argv)
-        except SystemExit as e:
-            code = e.code
-    return code, err.getvalue()
-
-
 def one_error_line(argv: list[str]) -> str:
-    code, stderr = run_main(argv)
-    assert code == 2 and "Traceback" not in stderr, stderr
-    lines = [line for line in stderr.splitlines() if line.startswith("specdraft: error: ")]
-    assert len(lines) == 1, stderr  # after argparse's usage lines, for a flag it refuses itself
-    return lines[0]
+    return assert_one_error_line(*run_main(argv))
 
 
 def files_holding(folder: Path, text: str) -> list[str]:
