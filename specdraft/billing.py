@@ -638,6 +638,9 @@ def make_plan(recipe: Recipe, folder: RunFolder | None = None, *, target: str | 
     # checked against its depth.
     spec = read_target(target or recipe.target.model, recipe.target.aux_layer_ids)
     spec.target.check_fits(recipe)  # the ranges the target sets: plan refuses what the stages would
+    method = named(recipe.train.method)
+    method.check(recipe)
+    method.check_target(recipe, spec.target.vocab_size, spec.target.name)
     aux = spec.target.aux_layer_ids
     store_dtype = recipe.extract.store_dtype  # bf16, or fp8 with a per-row scale
     n_states = len(aux) + 1
@@ -645,7 +648,7 @@ def make_plan(recipe: Recipe, folder: RunFolder | None = None, *, target: str | 
     per_token = bytes_per_token(n_states, spec.hidden_size, store_dtype)
     tokens = expected_tokens(recipe, folder, tokens_per_sample)
     hidden_bytes = tokens["tokens"] * disk_bytes_per_token(n_states, spec.hidden_size, store_dtype)
-    dcfg = named(recipe.train.method).plan_config(spec.target, recipe.train)
+    dcfg = method.plan_config(spec.target, recipe.train)
     params = drafter_parameters(dcfg, frozen_head=recipe.train.lm_head_init == "target-frozen")
     mach = machine(folder.path if folder is not None else None, gpus, gpu_memory_gib)
     n_gpus = mach["gpus"]

@@ -605,61 +605,53 @@ def _in_range(cls, key: str, value, where: str):
     return value
 
 
-def _beyond(field_name: str, value, bound: str, why: str) -> ConfigError:
+def beyond(field_name: str, value, bound: str, why: str) -> ConfigError:
+    """The error of a field outside a range another field (or the target) sets."""
     return ConfigError(f"{field_name}: {value!r} is outside its range: {bound} ({why})")
 
 
 def check_recipe(recipe: Recipe) -> Recipe:
     """The ranges that depend on another field, checked once a recipe is loaded and once all its flags
     are applied (one at a time they may pass through a combination that is not meant). Only real
-    constraints: each would fail a stage, or train on nothing, or spend work a later stage cuts away."""
-    d, g, r, t, e = recipe.data, recipe.gen, recipe.render, recipe.train, recipe.eval
+    constraints: each would fail a stage, or train on nothing, or spend work a later stage cuts away. A
+    drafter method's own ranges are its package's (Method.check), asked by the stages that train it."""
+    d, g, r, e = recipe.data, recipe.gen, recipe.render, recipe.eval
     if d.max_prompt_tokens >= r.max_length:
-        raise _beyond("data.max_prompt_tokens", d.max_prompt_tokens, f"< render.max_length = {r.max_length}",
-                      "render cuts a sample there: the longest prompt kept would leave no answer token to train on")
+        raise beyond("data.max_prompt_tokens", d.max_prompt_tokens, f"< render.max_length = {r.max_length}",
+                     "render cuts a sample there: the longest prompt kept would leave no answer token to train on")
     if g.answers == "target" and g.max_new_tokens > r.max_length:
-        raise _beyond("gen.max_new_tokens", g.max_new_tokens, f"<= render.max_length = {r.max_length}",
-                      "render cuts every sample there: the answer tokens past it are generated for nothing")
+        raise beyond("gen.max_new_tokens", g.max_new_tokens, f"<= render.max_length = {r.max_length}",
+                     "render cuts every sample there: the answer tokens past it are generated for nothing")
     if g.backoff_s > g.backoff_max_s:
-        raise _beyond("gen.backoff_s", g.backoff_s, f"<= gen.backoff_max_s = {g.backoff_max_s!r}",
-                      "the cap of the retries' exponential wait")
-    if t.method == "eagle3" and t.batch_tokens < t.ttt_steps + 2:
-        raise _beyond("train.batch_tokens", t.batch_tokens, f">= train.ttt_steps + 2 = {t.ttt_steps + 2}",
-                      "a packed row must hold a token and the labels of its every training-time-test step")
-    if t.method == "dflash":
-        for name, limit in (("train.batch_tokens", t.batch_tokens), ("render.max_length", r.max_length)):
-            if t.block_size > limit:
-                raise _beyond("train.block_size", t.block_size, f"<= {name} = {limit}",
-                              "a block must fit within a sample and a packed row")
+        raise beyond("gen.backoff_s", g.backoff_s, f"<= gen.backoff_max_s = {g.backoff_max_s!r}",
+                     "the cap of the retries' exponential wait")
     nodes = e.tree_topk + (e.tree_depth - 1) * e.tree_topk ** 2
     if e.tree_tokens > nodes:
-        raise _beyond("eval.tree_tokens", e.tree_tokens, f"<= {nodes}", f"the nodes a tree of eval.tree_topk = "
-                      f"{e.tree_topk} and eval.tree_depth = {e.tree_depth} drafts: no more can be verified")
+        raise beyond("eval.tree_tokens", e.tree_tokens, f"<= {nodes}", f"the nodes a tree of eval.tree_topk = "
+                     f"{e.tree_topk} and eval.tree_depth = {e.tree_depth} drafts: no more can be verified")
     return recipe
 
 
 def check_target_limits(recipe: Recipe, *, vocab_size: int, max_positions: int | None, target: str) -> None:
-    """The ranges set by the target (`target` names it): the draft vocabulary and mask token within its
-    vocabulary, the lengths within its context (None: its config does not say). Checked where a stage or
-    plan reads the target (targets.check_fits), before any work."""
+    """The ranges set by the target (`target` names it): the draft vocabulary within its vocabulary, the
+    lengths within its context (None: its config does not say). Checked where a stage or plan reads the
+    target (targets.check_fits), before any work; a method's own fields by its Method.check_target."""
     t, d = recipe.train, recipe.data
     if t.draft_vocab_size > vocab_size:
-        raise _beyond("train.draft_vocab_size", t.draft_vocab_size, f"<= {vocab_size:,}",
-                      f"the vocabulary of {target}; 0 takes all of it")
-    if t.method == "dflash" and t.mask_token_id >= vocab_size:
-        raise _beyond("train.mask_token_id", t.mask_token_id, f"< {vocab_size:,}", f"the vocabulary of {target}")
+        raise beyond("train.draft_vocab_size", t.draft_vocab_size, f"<= {vocab_size:,}",
+                     f"the vocabulary of {target}; 0 takes all of it")
     if max_positions is None:
         return
     if recipe.render.max_length > max_positions:
-        raise _beyond("render.max_length", recipe.render.max_length, f"<= {max_positions:,}",
-                      f"max_position_embeddings of {target}")
+        raise beyond("render.max_length", recipe.render.max_length, f"<= {max_positions:,}",
+                     f"max_position_embeddings of {target}")
     # A prompt of the longest kept and its answer: the target has no positions past its context.
     answers = [("eval.max_new_tokens", recipe.eval.max_new_tokens)]
     if recipe.gen.answers == "target":
         answers.insert(0, ("gen.max_new_tokens", recipe.gen.max_new_tokens))
     for name, new in answers:
         if d.max_prompt_tokens + new > max_positions:
-            raise _beyond(name, new, f"<= {max_positions - d.max_prompt_tokens:,}", f"max_position_embeddings of "
+            raise beyond(name, new, f"<= {max_positions - d.max_prompt_tokens:,}", f"max_position_embeddings of "
                           f"{target}, {max_positions:,}, less data.max_prompt_tokens, {d.max_prompt_tokens:,}")
 
 

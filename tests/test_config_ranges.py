@@ -63,9 +63,11 @@ def test_every_numeric_field_declares_its_range():
 
 def test_the_shipped_recipes_and_the_defaults_are_in_range():
     from specdraft.config import RECIPES_DIR
+    from specdraft.methods import named
 
     for path in sorted(RECIPES_DIR.glob("*.toml")):
-        load_recipe(str(path))
+        recipe = load_recipe(str(path))
+        named(recipe.train.method).check(recipe)  # its method's own ranges too
     recipe = check_recipe(Recipe())
     for section, cls, name, _, _ in FIELDS:
         value = getattr(getattr(recipe, section) if section else recipe, name)
@@ -176,14 +178,31 @@ def test_a_drawn_number_loads_exactly_or_is_one_line_naming_its_field(section, n
     (["gen.backoff_s=100"], f"gen.backoff_s: 100.0{R}<= gen.backoff_max_s = 60.0"),
     (["render.max_length=256", "data.max_prompt_tokens=256"], f"data.max_prompt_tokens: 256{R}< render.max_length = 256"),
     (["gen.max_new_tokens=100000000"], f"gen.max_new_tokens: 100000000{R}<= render.max_length = 2048"),
-    (["train.batch_tokens=1"], f"train.batch_tokens: 1{R}>= train.ttt_steps + 2 = 9"),
-    (["train.method=dflash", "train.block_size=4096"], f"train.block_size: 4096{R}<= render.max_length"),
     (["eval.tree_topk=1", "eval.tree_depth=2"], f"eval.tree_tokens: 16{R}<= 2"),
 ])
 def test_fields_that_disagree_are_refused_once_every_flag_is_in(sets, named):
     with pytest.raises(ConfigError) as e:
         apply_sets(Recipe(), sets)
     assert named in str(e.value)
+
+
+@pytest.mark.parametrize("sets, named", [
+    (["train.batch_tokens=1"], f"train.batch_tokens: 1{R}>= train.ttt_steps + 2 = "),
+    (["train.method=dflash", "train.block_size=4096"], f"train.block_size: 4096{R}<= "),
+])
+def test_a_methods_own_ranges_are_refused_by_the_stages_that_train_it(sets, named, tmp_path, monkeypatch, capsys):
+    """The drafter method's package checks its fields (Method.check): train before the run is written,
+    plan before its bill; the stages that never train a drafter take the recipe."""
+    from specdraft.methods import named as method_named
+
+    recipe = apply_sets(Recipe(), sets)  # the recipe loads
+    with pytest.raises(ConfigError, match=re.escape(named)):
+        method_named(recipe.train.method).check(recipe)
+    monkeypatch.chdir(tmp_path)
+    for argv in (["train"], ["plan", "smollm2-cpu"]):
+        assert main([*argv, *(a for s in sets for a in ("--set", s))]) == 2
+        assert named in _one_error(capsys)
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_only_the_end_state_of_the_flags_is_checked_across_fields(tmp_path, monkeypatch, capsys):
@@ -204,18 +223,23 @@ def test_only_the_end_state_of_the_flags_is_checked_across_fields(tmp_path, monk
 
 def test_the_target_sets_the_vocabulary_and_the_context():
     from specdraft.drafters.common import within_vocab
+    from specdraft.methods import named as method_named
     from specdraft.targets import Target
 
     smollm2 = Target("smollm2")  # config only: no weights are read
     vocab = smollm2.vocab_size
     smollm2.check_fits(Recipe())
     for sets, named in ((["train.draft_vocab_size=100000"], f"train.draft_vocab_size: 100000{R}<= {vocab:,}"),
-                        (["train.method=dflash", f"train.mask_token_id={vocab}"], f"train.mask_token_id: {vocab} is outside"),
                         (["render.max_length=100000"], f"render.max_length: 100000{R}<= 8,192"),
                         (["eval.max_new_tokens=8000"], f"eval.max_new_tokens: 8000{R}<= 7,680")):
         with pytest.raises(ConfigError) as e:
             smollm2.check_fits(apply_sets(Recipe(), sets))
         assert named in str(e.value), e.value
+    # A method's own fields, by its package, where train and plan read the target.
+    mask = apply_sets(Recipe(), ["train.method=dflash", f"train.mask_token_id={vocab}"])
+    with pytest.raises(ConfigError, match=f"train.mask_token_id: {vocab} is outside"):
+        method_named(mask.train.method).check_target(mask, vocab, smollm2.name)
+    method_named(mask.train.method).check_target(apply_sets(mask, [f"train.mask_token_id={vocab - 1}"]), vocab, "x")
     # No drafter is built past the vocabulary either: refused, not cut to it.
     assert within_vocab(0, vocab) == vocab and within_vocab(512, vocab) == 512
     with pytest.raises(ValueError, match="train.draft_vocab_size: 100000 is outside"):

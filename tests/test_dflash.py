@@ -357,12 +357,12 @@ def test_default_mask_token_is_a_token_the_chat_template_never_writes(target):
 
 def test_train_warns_of_a_learning_rate_that_stalls_through_the_targets_lm_head(capsys):
     from specdraft.config import TrainConfig
-    from specdraft.methods.dflash import check_dflash
+    from specdraft.methods.dflash import warn_of_stalling
 
     for cfg, warned in [(TrainConfig(method="dflash", draft_vocab_size=0, lr=3e-3, warmup_steps=5), True),
                         (TrainConfig(method="dflash", draft_vocab_size=512, lm_head_init="target", lr=3e-3), True),
                         (TrainConfig(method="dflash", draft_vocab_size=0, lr=3e-4, warmup_steps=5), False),
                         (TrainConfig(method="dflash", draft_vocab_size=0, lr=1e-3, warmup_steps=50), False),
                         (TrainConfig(method="dflash", draft_vocab_size=512, lr=3e-3), False)]:  # its own random head
-        check_dflash(cfg)
+        warn_of_stalling(cfg)
         assert ("stalled at the unigram" in capsys.readouterr().out) == warned, cfg

@@ -70,8 +70,13 @@ class Method:
 
     # --- training -----------------------------------------------------------------------------------
 
-    def check(self, cfg) -> None:
-        """Refuse (ValueError) or warn about a train choice the method does not take."""
+    def check(self, recipe) -> None:
+        """Refuse (config.ConfigError) a recipe the method cannot train: a choice it does not take, or a
+        range between fields that only it sets. train asks before the run is written, plan before its bill."""
+
+    def check_target(self, recipe, vocab_size: int, target: str) -> None:
+        """Refuse the ranges the target (`target` names it, of `vocab_size` tokens) sets for the method's
+        own fields; train and plan ask where they read the target (besides targets.check_fits)."""
 
     def build(self, cfg, target, counts: torch.Tensor) -> nn.Module:
         """The drafter for `target` on its frozen embedding, with the draft vocabulary of `counts`."""

@@ -356,8 +356,9 @@ def keep_log_until(log_path: Path, step: int) -> None:
 # Checks before training
 
 
-def check_choices(cfg: TrainConfig) -> None:
-    """The config's choices, checked before anything is loaded."""
+def check_choices(recipe: Recipe) -> None:
+    """The config's choices and its method's ranges, checked before anything is loaded."""
+    cfg = recipe.train
     if cfg.loss not in LOSSES:
         raise ValueError(f"train.loss = {cfg.loss!r}: expected one of {', '.join(LOSSES)}")
     if cfg.lm_head_init not in HEAD_INITS:
@@ -367,7 +368,12 @@ def check_choices(cfg: TrainConfig) -> None:
     if cfg.optimizer == "muon" and cfg.parallel == "fsdp":
         # Muon orthogonalises whole matrices; FSDP holds each rank's shard only.
         raise ValueError("train.optimizer = 'muon' needs whole weight matrices: use train.parallel = 'ddp'")
-    named(cfg.method).check(cfg)
+    named(cfg.method).check(recipe)
+
+
+def preflight(recipe: Recipe) -> None:
+    """Before the run folder is written (cli): what train would refuse of the recipe."""
+    check_choices(recipe)
 
 
 class TrainMemoryError(RuntimeError):
@@ -472,6 +478,7 @@ class Trainer:
         self.source = self.open_source()
         self.target = Target(self.recipe.target.model, self.source.aux_layer_ids)
         self.target.check_fits(self.recipe)  # before the draft vocabulary is chosen from it
+        named(cfg.method).check_target(self.recipe, self.target.vocab_size, self.target.name)
         samples = [self.source.tokens(i) for i in range(len(self.source))]
         self.lengths = [len(ids) for ids, _ in samples]
         self.train_idx, self.held_idx = split_holdout(len(self.source), cfg.holdout, cfg.seed)
@@ -725,7 +732,7 @@ class Trainer:
 
 
 def run(recipe: Recipe, folder: RunFolder, servers: list | None = None) -> dict:
-    check_choices(recipe.train)
+    check_choices(recipe)
     trainer = Trainer(recipe, folder, servers)
     try:
         return trainer.train()

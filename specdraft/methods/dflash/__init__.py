@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from specdraft.config import ConfigError, beyond
 from specdraft.drafters import vocab
 from specdraft.drafters.checkpoint import save_checkpoint
 from specdraft.drafters.common import REEXPORT, provenance
@@ -37,13 +38,23 @@ DFLASH_TARGET_HEAD_MAX_LR = 3e-4
 DFLASH_LONG_WARMUP = 50
 
 
-def check_dflash(cfg) -> None:
+def check_dflash(recipe) -> None:
+    """What DFlash cannot train: a published EAGLE-3 drafter to start from, a block longer than a sample
+    or a packed row."""
+    cfg = recipe.train
     if cfg.init_from:
-        raise ValueError("train.init_from starts from a published EAGLE-3 drafter; with train.method = 'dflash' "
-                         "leave it empty")
+        raise ConfigError("train.init_from starts from a published EAGLE-3 drafter; with train.method = 'dflash' "
+                          "leave it empty")
+    for name, limit in (("train.batch_tokens", cfg.batch_tokens), ("render.max_length", recipe.render.max_length)):
+        if cfg.block_size > limit:
+            raise beyond("train.block_size", cfg.block_size, f"<= {name} = {limit}",
+                         "a block must fit within a sample and a packed row")
+
+
+def warn_of_stalling(cfg) -> None:
+    """A warning, not a refusal: a large data set may well train at such an lr; the small ones measured did not."""
     target_head = cfg.draft_vocab_size == 0 or cfg.lm_head_init != "random"
     if target_head and cfg.lr > DFLASH_TARGET_HEAD_MAX_LR and cfg.warmup_steps < DFLASH_LONG_WARMUP:
-        # A warning, not a refusal: a large data set may well train at it; the small ones measured did not.
         print(f"train: warning: a DFlash drafter reading through the target's lm_head at lr {cfg.lr:g} with "
               f"{cfg.warmup_steps} warmup steps stalled at the unigram when measured; lr <= "
               f"{DFLASH_TARGET_HEAD_MAX_LR:g} or warmup_steps >= {DFLASH_LONG_WARMUP} trained (docs/dflash.md)")
@@ -54,6 +65,7 @@ def build_dflash(cfg, target, counts: torch.Tensor) -> DFlashDrafter:
     both), on the target's frozen embedding. Over the whole vocabulary (draft_vocab_size 0) it shares
     the target's lm_head and final norm, frozen, as vLLM serves it; a smaller draft vocabulary has its
     own lm_head, started as train.lm_head_init says."""
+    warn_of_stalling(cfg)
     mask = cfg.mask_token_id if cfg.mask_token_id >= 0 else default_mask_token(target.tokenizer, target.vocab_size)
     dcfg = DFlashConfig.from_target(target, mask_token_id=mask, block_size=cfg.block_size,
                                     num_layers=cfg.dflash_layers, draft_vocab_size=cfg.draft_vocab_size or None)
@@ -140,8 +152,13 @@ class DFlash(Method):
     resume_fixed = ("block_size", "dflash_layers", "mask_token_id")
     formats = ("vllm",)
 
-    def check(self, cfg) -> None:
-        check_dflash(cfg)
+    def check(self, recipe) -> None:
+        check_dflash(recipe)
+
+    def check_target(self, recipe, vocab_size: int, target: str) -> None:
+        if recipe.train.mask_token_id >= vocab_size:
+            raise beyond("train.mask_token_id", recipe.train.mask_token_id, f"< {vocab_size:,}",
+                         f"the vocabulary of {target}")
 
     def build(self, cfg, target, counts: torch.Tensor) -> DFlashDrafter:
         return build_dflash(cfg, target, counts)

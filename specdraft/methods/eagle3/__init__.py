@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from specdraft.config import beyond
 from specdraft.decoding.tree import TreeShape
 from specdraft.drafters import vocab
 from specdraft.drafters.checkpoint import save_checkpoint
@@ -198,8 +199,12 @@ class Eagle3(Method):
     formats = ("vllm", "sglang")
     samples = True
 
-    def check(self, cfg) -> None:
-        """Every EAGLE-3 choice is a field's Literal, checked when the recipe loads."""
+    def check(self, recipe) -> None:
+        """A packed row holds a token and the labels of its every training-time-test step."""
+        t = recipe.train
+        if t.batch_tokens < t.ttt_steps + 2:
+            raise beyond("train.batch_tokens", t.batch_tokens, f">= train.ttt_steps + 2 = {t.ttt_steps + 2}",
+                         "a packed row must hold a token and the labels of its every training-time-test step")
 
     def build(self, cfg, target, counts: torch.Tensor) -> Eagle3Drafter:
         """The drafter on the target's embedding, with the draft vocabulary of `counts` (or init_from's)
