@@ -792,7 +792,7 @@ def served_bill(recipe: Recipe, spec: TargetSpec, tokens: dict, mach: dict, fit_
     n_states = len(spec.target.aux_layer_ids) + 1
     longest = min(recipe.render.max_length, max(1, round(tokens["tokens_per_sample"])))
     file_bytes = state_file_bytes(longest, n_states, spec.hidden_size, recipe.extract.dtype
-                                  if recipe.extract.dtype in ("bfloat16", "float16", "float32") else "bfloat16")
+                                  if recipe.extract.dtype != "auto" else "bfloat16")
     ahead = max(1, cfg.served_ahead) * max(1, len(cfg.served_endpoints))
     out = {"scratch_cap_bytes": cfg.served_scratch_bytes, "sample_file_bytes": file_bytes,
            "scratch_ok": file_bytes <= cfg.served_scratch_bytes,

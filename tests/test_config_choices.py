@@ -61,22 +61,30 @@ def test_defaults_are_among_the_choices_and_plain_str():
                 assert not allowed or (type(item) is str and item in allowed), (section, f.name, item)
 
 
-def test_the_stages_accept_the_same_choices():
-    from specdraft.decoding.runners import ENGINES
-    from specdraft.drafters.common import LOSSES
-    from specdraft.hidden.store import STORE_DTYPES
+def test_every_allowed_choice_is_declared_once():
+    """A field's Literal is the one declaration of its choices: no module repeats a field's whole set of
+    choices as a tuple, list or set of its own (a stage that needs them derives them, field_choices)."""
+    import ast
+    from pathlib import Path
+
+    import specdraft
     from specdraft.methods import METHODS
     from specdraft.stages.export import FORMATS
-    from specdraft.stages.gen import ANSWERS
-    from specdraft.stages.train import HEAD_INITS, OPTIMIZERS
 
-    assert field_choices(TrainConfig, "loss") == LOSSES
-    assert field_choices(TrainConfig, "lm_head_init") == HEAD_INITS
-    assert field_choices(TrainConfig, "optimizer") == OPTIMIZERS
-    assert field_choices(EvalConfig, "engine") == ENGINES
-    assert field_choices(ExtractConfig, "store_dtype") == STORE_DTYPES
-    assert field_choices(ExportConfig, "formats") == (*FORMATS, "both")
-    assert field_choices(GenConfig, "answers") == ANSWERS
+    declared = {frozenset(field_choices(cls, f.name)): f"{cls.__name__}.{f.name}"
+                for cls in SECTIONS for f in dataclasses.fields(cls) if field_choices(cls, f.name)}
+    root = Path(specdraft.__file__).parent
+    twins = []
+    for path in sorted(root.rglob("*.py")):
+        if path.name == "config.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.Tuple, ast.List, ast.Set)) and len(node.elts) > 1 and all(
+                    isinstance(e, ast.Constant) and isinstance(e.value, str) for e in node.elts):
+                field = declared.get(frozenset(e.value for e in node.elts))
+                if field:
+                    twins.append(f"{path.relative_to(root)}:{node.lineno} repeats {field}'s choices")
+    assert not twins, twins
     assert field_choices(TrainConfig, "method") == tuple(METHODS)
     assert all(set(m.formats) <= set(FORMATS) for m in METHODS.values())
 

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import torch
 
+from specdraft.config import EvalConfig, field_choices
 from specdraft.decoding.static import StaticTargetRunner
 from specdraft.targets import Target, cache_argument, get_attr, tap_hidden_states
 
-ENGINES = ("auto", "eager", "static", "cuda-graphs")
+ENGINES = field_choices(EvalConfig, "engine")
 
 
 def sync(device: torch.device) -> None:

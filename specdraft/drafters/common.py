@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specdraft.config import TrainConfig, field_choices
+
 
 def within_vocab(draft_vocab_size: int, vocab_size: int) -> int:
     """The draft vocabulary's size: 0 is the whole vocabulary; more than it is refused, not cut to it
@@ -152,7 +154,7 @@ def collate(source, rows: list[list[int]], tops: list[torch.Tensor], budget: int
 # Losses and statistics
 
 
-LOSSES = ("soft_ce", "kl", "lk")
+LOSSES = field_choices(TrainConfig, "loss")
 
 
 def shift(x: torch.Tensor, n: int, fill=0) -> torch.Tensor:

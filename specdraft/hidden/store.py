@@ -23,10 +23,11 @@ import struct
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from specdraft.config import ExtractConfig, field_choices
 from specdraft.files import FileError, open_safetensors, read_json
 
 INDEX = "index.json"
-STORE_DTYPES = ("bfloat16", "fp8_e4m3")
+STORE_DTYPES = field_choices(ExtractConfig, "store_dtype")
 # The largest finite float8_e4m3fn value: each row's scale maps its largest magnitude here.
 FP8_E4M3_MAX = 448.0
 # bytes per element of the stored states, and the float32 scale each H-wide row carries in fp8.

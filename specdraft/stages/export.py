@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import time
 
+from specdraft.config import ExportConfig, field_choices
 from specdraft.methods import for_drafter, load_trained
 
-FORMATS = ("vllm", "sglang")
+FORMATS = tuple(f for f in field_choices(ExportConfig, "formats") if f != "both")
 
 
 def resolve_formats(requested: list[str]) -> list[str]:

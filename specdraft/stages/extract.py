@@ -33,7 +33,6 @@ from specdraft.hidden.capture import (
 )
 from specdraft.hidden.store import (
     INDEX,
-    STORE_DTYPES,
     bytes_per_token,
     disk_bytes_per_token,
     encode_states,
@@ -101,8 +100,6 @@ def extract(target: Target, samples: list[tuple[list[int], list[int]]], out: Pat
     """Write the hidden states of `samples` as shards under `out` (resuming); return what it did.
     `states`: for the vllm backend, a VllmStates of a server already running (else one is started)."""
     cfg = resolved(cfg)
-    if cfg.store_dtype not in STORE_DTYPES:
-        raise ValueError(f"extract.store_dtype = {cfg.store_dtype!r}: expected one of {list(STORE_DTYPES)}")
     lengths = [len(ids) for ids, _ in samples]
     n_states = len(target.aux_layer_ids) + 1
     bpt = disk_bytes_per_token(n_states, target.hidden_size, cfg.store_dtype)

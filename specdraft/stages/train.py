@@ -38,7 +38,6 @@ from specdraft.drafters.checkpoint import (
 )
 from specdraft.drafters.common import (
     LOGIT_CHUNK,
-    LOSSES,
     PAD_DOCUMENT,
     STAT_COLUMNS,
     collate,
@@ -50,10 +49,6 @@ from specdraft.methods import Method, named
 from specdraft.files import FULL, DiskFull, FileError, read_json, read_jsonl
 from specdraft.run import RunFolder, write_text
 from specdraft.targets import Target, resolve_dtype
-
-HEAD_INITS = ("random", "target", "target-frozen")
-OPTIMIZERS = ("adamw", "muon")
-
 
 # ---------------------------------------------------------------------------------------------------
 # Data: packing and batches
@@ -357,14 +352,9 @@ def keep_log_until(log_path: Path, step: int) -> None:
 
 
 def check_choices(recipe: Recipe) -> None:
-    """The config's choices and its method's ranges, checked before anything is loaded."""
+    """The choices that rule each other out and the method's ranges, checked before anything is loaded
+    (each field's own choices are its Literal's, checked when the recipe loads)."""
     cfg = recipe.train
-    if cfg.loss not in LOSSES:
-        raise ValueError(f"train.loss = {cfg.loss!r}: expected one of {', '.join(LOSSES)}")
-    if cfg.lm_head_init not in HEAD_INITS:
-        raise ValueError(f"train.lm_head_init = {cfg.lm_head_init!r}: expected one of {', '.join(HEAD_INITS)}")
-    if cfg.optimizer not in OPTIMIZERS:
-        raise ValueError(f"train.optimizer = {cfg.optimizer!r}: expected one of {', '.join(OPTIMIZERS)}")
     if cfg.optimizer == "muon" and cfg.parallel == "fsdp":
         # Muon orthogonalises whole matrices; FSDP holds each rank's shard only.
         raise ValueError("train.optimizer = 'muon' needs whole weight matrices: use train.parallel = 'ddp'")
