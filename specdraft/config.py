@@ -444,13 +444,14 @@ class ExportConfig:
     # "sglang" the flat LlamaForCausalLMEagle3 format (SGLang's; vLLM reads it too) to export/sglang/,
     # "both" means both.
     formats: list[Literal["vllm", "sglang", "both"]] = field(default_factory=lambda: ["vllm"])
-    speculative_tokens: PosInt = 3
 
 
 @dataclass
 class EvalConfig:
     num_prompts: PosInt = 32
     max_new_tokens: PosInt = 64
+    # K, the tokens drafted per round: the reference decoder's chain, the most eval measures, and what
+    # export serves until eval has measured the drafter (then the K of the best expected speedup).
     draft_tokens: PosInt = 3
     # float32 by default: greedy speculation is exact only under identical numerics (FACTS.md). No "auto":
     # the drafter is cast to it as well.
@@ -655,8 +656,28 @@ def check_target_limits(recipe: Recipe, *, vocab_size: int, max_positions: int |
                           f"{target}, {max_positions:,}, less data.max_prompt_tokens, {d.max_prompt_tokens:,}")
 
 
+# Fields declared under another name before, old dotted name -> new: a recipe or a run's recorded recipe
+# naming the old one still loads, its value read as the new field's (docs/configuration.md, "Renamed").
+RENAMED = {"export.speculative_tokens": "eval.draft_tokens"}
+
+
+def _renamed(values: dict, where: str) -> dict:
+    """`values` with each RENAMED field under its new name; the two names given different values refused."""
+    values = {k: dict(v) if isinstance(v, dict) else v for k, v in values.items()}
+    for old, new in RENAMED.items():
+        (old_section, old_key), (new_section, new_key) = old.split("."), new.split(".")
+        if not isinstance(values.get(old_section), dict) or old_key not in values[old_section]:
+            continue
+        value = values[old_section].pop(old_key)
+        given = values.setdefault(new_section, {}).setdefault(new_key, value)
+        if given != value:
+            raise ConfigError(f"{where}: {old} = {value!r} and {new} = {given!r}: {old} is {new} now, one K "
+                              f"for eval and export; remove {old}")
+    return values
+
+
 def recipe_from_dict(values: dict, where: str = "recipe") -> Recipe:
-    recipe = _fill(Recipe, values, where)
+    recipe = _fill(Recipe, _renamed(values, where), where)
     try:
         return check_recipe(recipe)
     except ConfigError as e:
@@ -685,6 +706,7 @@ def load_recipe(name_or_path: str) -> Recipe:
 
 def apply_override(recipe: Recipe, dotted: str, value) -> None:
     """Set `section.field` (or a top-level field) from a flag value."""
+    dotted = RENAMED.get(dotted, dotted)
     parts = dotted.split(".")
     obj = recipe
     for part in parts[:-1]:

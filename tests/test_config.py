@@ -15,6 +15,19 @@ def test_unknown_key_is_an_error_not_ignored():
         recipe_from_dict({"train": {"epochz": 3}})
 
 
+def test_k_is_declared_once_and_the_old_name_still_loads():
+    """export.speculative_tokens was a second K: a recipe or a recorded run naming it loads, as eval.draft_tokens."""
+    from specdraft.config import ExportConfig, Recipe, apply_sets
+
+    assert not hasattr(ExportConfig(), "speculative_tokens")
+    assert recipe_from_dict({"export": {"speculative_tokens": 2}}).eval.draft_tokens == 2
+    same = {"export": {"speculative_tokens": 4, "formats": ["vllm"]}, "eval": {"draft_tokens": 4}}
+    assert recipe_from_dict(same, "m.json").eval.draft_tokens == 4 and same["export"]["speculative_tokens"] == 4
+    with pytest.raises(ConfigError, match=r"^m.json: export.speculative_tokens = 2 and eval.draft_tokens = 3: "):
+        recipe_from_dict({"export": {"speculative_tokens": 2}, "eval": {"draft_tokens": 3}}, "m.json")
+    assert apply_sets(Recipe(), ["export.speculative_tokens=5"]).eval.draft_tokens == 5
+
+
 def test_overrides_are_typed():
     r = load_recipe("smollm2-cpu")
     apply_override(r, "train.epochs", "3")

@@ -343,7 +343,7 @@ def test_export_takes_k_from_an_eval_newer_than_the_drafter(tmp_path, monkeypatc
     # A drafter trained after the eval was not measured by it: the recipe's K, said so.
     run.record("train", state="done", extra={"finished": "2026-12-01T12:00:00+0000"})
     entry = export_stage.run(recipe, run)
-    assert entry["speculative_tokens"]["value"] == recipe.export.speculative_tokens == 3
+    assert entry["speculative_tokens"]["value"] == recipe.eval.draft_tokens == 3
     assert entry["speculative_tokens"]["source"].startswith("recipe")
 
 

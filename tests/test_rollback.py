@@ -116,12 +116,12 @@ def test_a_failed_eval_keeps_the_good_report_and_export_still_takes_k_from_it(me
     assert entry.pop("attempt")["state"] == "failed" and entry == good
     assert folder.manifest()["recipe"] == recipe
 
-    assert main(["export", "--run", str(run), "--formats", "vllm", "--set", "export.speculative_tokens=1"]) == 0
+    assert main(["export", "--run", str(run), "--formats", "vllm", "--set", "eval.draft_tokens=1"]) == 0
     k = folder.stage("export")["speculative_tokens"]
     assert k["source"] == "eval/report.json"
     assert k["per_position_acceptance"] == json.loads(report["report.json"])["per_position_acceptance"]
     assert len(k["expected_speedup"]) == recipe["eval"]["draft_tokens"]  # the good eval's K, not 2
-    assert folder.manifest()["recipe"]["export"]["speculative_tokens"] == 1  # a stage that succeeds records its set
+    assert folder.manifest()["recipe"]["eval"]["draft_tokens"] == 1  # a stage that succeeds records its set
 
 
 def test_files_written_as_a_set_are_all_kept_or_all_replaced(tmp_path):

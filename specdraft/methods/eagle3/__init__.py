@@ -93,7 +93,7 @@ def choose_speculative_tokens(folder, default: int) -> dict:
     train, evaluated = folder.stage("train") or {}, folder.stage("eval") or {}
     if (evaluated.get("state") != "done" or not report_path.exists()
             or evaluated.get("finished", "") < train.get("finished", "")):
-        return {"value": default, "source": "recipe (export.speculative_tokens); run eval, then export again, "
+        return {"value": default, "source": "recipe (eval.draft_tokens); run eval, then export again, "
                                             "to choose it from measured acceptance"}
     fix = "rerun `specdraft eval` to write it again"
     report = read_json(report_path, fix=fix)
@@ -110,8 +110,7 @@ def choose_speculative_tokens(folder, default: int) -> dict:
 
 def export(recipe, folder, formats: list[str], drafter, target, embed, t_start: float) -> dict:
     """The speculators and flat folders, with the K of the best expected speedup once eval measured it."""
-    cfg = recipe.export
-    k = choose_speculative_tokens(folder, cfg.speculative_tokens)
+    k = choose_speculative_tokens(folder, recipe.eval.draft_tokens)
     speculative_tokens = k["value"]
     if "expected_speedup" in k:
         table = ", ".join(f"K={n}: {v:.2f}x" for n, v in k["expected_speedup"].items())
@@ -142,7 +141,7 @@ def export(recipe, folder, formats: list[str], drafter, target, embed, t_start: 
     for fmt in formats:
         print(f"export: {engines[fmt]} drafter in {folder.export(fmt)}\n  serve it with:\n  {commands[fmt]}")
     print(f"\nnext: specdraft doctor {folder.export(formats[0])}")
-    return folder.record("export", state="done", config=cfg, counts={"formats": len(written)},
+    return folder.record("export", state="done", config=recipe.export, counts={"formats": len(written)},
                       seconds=time.time() - t_start,
                       extra={"method": "eagle3", "folders": written, "serve_command": commands[formats[0]],
                              "serve_commands": commands, "embed_included": include_embed,
