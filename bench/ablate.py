@@ -75,7 +75,7 @@ def variants(samples: int) -> list[Variant]:
         # Fewer trainable parameters may want another learning rate or more TTT steps.
         Variant("lr-3e-3", "learning rate", "3e-3", {"train.lr": 3e-3}),
         Variant("ttt-5", "TTT steps", "5", {"train.ttt_steps": 5}),
-        # The rest of the factors, then what speculators does differently.
+        # The rest of the studied factors, then what speculators does differently.
         Variant("norms-off", "EAGLE-3.1 norms", "off",
                 {"train.fc_norm": False, "train.norm_output": False}),
         Variant("source", "answers", "ShareGPT's own (not regenerated)", data="source"),

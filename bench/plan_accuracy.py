@@ -8,7 +8,7 @@ Runs gen -> render -> extract -> train -> export -> eval on the bundled SmolLM2 
 shrunk by --set items (default: 24 samples, 48-token answers, 2 epochs, 4 eval prompts of 32 tokens),
 recording the plan before the first stage as the demo does (calibrated on this machine) and after each
 stage. Per stage: the seconds the last plan before it said, the seconds it took, their ratio. The
-issue 24 bar is every ratio within 0.75..1.25. The CPU, the dtype and the load average are in the line:
+bar is every ratio within 0.75..1.25. The CPU, the dtype and the load average are in the line:
 a shared machine's other jobs move both sides.
 """
 

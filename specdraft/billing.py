@@ -322,7 +322,7 @@ def activation_bytes(cfg, batch_tokens: int, row_tokens: int, queries: float) ->
 
 def row_tokens_for(batch_tokens: int, tokens_per_sample: float) -> int:
     """Keys each query's attention scores span: its own document's, on a GPU (FlexAttention skips other
-    documents' blocks) and on the CPU (one causal product per document, drafter.model.DocumentSpans)."""
+    documents' blocks) and on the CPU (one causal product per document, methods/eagle3/drafter.py DocumentSpans)."""
     return min(batch_tokens, math.ceil(tokens_per_sample))
 
 
@@ -404,7 +404,7 @@ def _trained_tau(stages: dict) -> float | None:
 def mean_prompt_tokens(recipe: Recipe, target: Target) -> float | None:
     """The mean first-turn prompt of the run's train conversations through the target's chat template
     (the prompts over data.max_prompt_tokens, which gen skips, left out); None for sources of several
-    turns. The bound max_prompt_tokens billed ShareGPT's prefills several times over (issue 24)."""
+    turns. The bound max_prompt_tokens billed ShareGPT's prefills several times over."""
     d = recipe.data
     if turns_answered(recipe) != 1 or recipe.gen.answers == "source":
         return None
@@ -902,7 +902,7 @@ class Shrinkable:
 
 
 # What the demo may shrink, all by one factor, each no lower than its floor. Training data and answer
-# length shrink least far: the recipe's 448 answers of 128 tokens gave tau 1.45 (issue 24), and nothing
+# length shrink least far: the recipe's 448 answers of 128 tokens gave tau 1.45, and nothing
 # below half of that has been measured, so half is the floor; eval keeps 16 prompts for a tau worth
 # reading. Epochs and the drafter's shape stay: fewer steps on less data would learn less.
 DEMO_SHRINK = (Shrinkable("data.num_train", 224), Shrinkable("gen.max_new_tokens", 96),

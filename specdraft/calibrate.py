@@ -1,7 +1,7 @@
 """calibrate: a few timed steps of each stage's real work on this machine, for plan's CPU time table.
 
 A FLOP count scaled from another machine's throughput missed the demo's stages by 0.4x to 3.4x on a
-2-core AVX2 CPU (issue 24): the ratio of compute to memory traffic, the dtype the CPU really multiplies
+2-core AVX2 CPU: the ratio of compute to memory traffic, the dtype the CPU really multiplies
 in, and the fixed costs per call differ from machine to machine. So plan times the work itself, with
 the real target at the stages' dtype and the recipe's shapes, for a few seconds:
 

@@ -224,7 +224,7 @@ class DataConfig:
                                           note="0: no eval split; eval then needs eval.prompts_file")] = 0.05
     split_seed: Seed = 0
     # Only conversations whose first turn is the user's are used (the target answers them).
-    # 0 means every usable one of the train split (the issue-10 recipe trains on all of them).
+    # 0 means every usable one of the train split (the smollm2-h200 recipe trains on all of them).
     num_train: Annotated[int, Range(low=0, note="0: every usable one")] = 1000
     # Prompts longer than this (in tokens, after the chat template) are skipped.
     max_prompt_tokens: PosInt = 512
@@ -453,8 +453,8 @@ class EvalConfig:
     # K, the tokens drafted per round: the reference decoder's chain, the most eval measures, and what
     # export serves until eval has measured the drafter (then the K of the best expected speedup).
     draft_tokens: PosInt = 3
-    # float32 by default: greedy speculation is exact only under identical numerics (FACTS.md). No "auto":
-    # the drafter is cast to it as well.
+    # float32 by default: greedy speculation is exact only under identical numerics (docs/engine-facts.md).
+    # No "auto": the drafter is cast to it as well.
     dtype: Literal["bfloat16", "float16", "float32"] = "float32"
     # Divergence from plain greedy at a logit gap below this counts as a numerical tie, not a bug.
     tie_tolerance: NonNegFloat = 1e-4
@@ -467,7 +467,7 @@ class EvalConfig:
     temperature: Annotated[float, Range(low=0, note="0: greedy only")] = 0.0
     # "auto" = CUDA when present, else CPU.
     device: str = "auto"
-    # The decode engine, the same for the autoregressive baseline and speculation (speculate.make_runner):
+    # The decode engine, the same for the autoregressive baseline and speculation (decoding.runners.make_runner):
     # "auto" = "cuda-graphs" on CUDA (a static KV cache, each decode step replayed as a CUDA graph: at
     # batch 1 a small target is otherwise bound by Python and kernel launches, not by the GPU), "eager"
     # elsewhere; "static" is the static cache without graphs (runs on the CPU too).

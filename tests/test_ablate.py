@@ -1,4 +1,4 @@
-"""bench/ablate.py's table: every factor of issue 10 has a variant, and the report bolds the best of each
+"""bench/ablate.py's table: every factor the ablation studies has a variant, and the report bolds the best of each
 factor against the base and says when rows are partial."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ def ablate():
     return module
 
 
-def test_variants_cover_the_issue_factors():
+def test_variants_cover_the_studied_factors():
     variants = ablate().variants(3000)
     names = [v.name for v in variants]
     assert len(names) == len(set(names))

@@ -1,4 +1,4 @@
-"""The data people already have (issue 24): JSONL and JSON, Parquet, Arrow and `datasets` folders (each
+"""The data people already have: JSONL and JSON, Parquet, Arrow and `datasets` folders (each
 file written here by the library that writes it), OpenAI `messages` and ShareGPT `conversations`, column
 names mapped by recipe fields, conversations with tools through the target's own template, and
 pre-rendered rows that go straight to extract. The target is the real bundled SmolLM2."""

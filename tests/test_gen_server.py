@@ -73,7 +73,7 @@ def line_count(path: Path) -> int:
 
 
 def test_faults_kill_and_resume_end_with_exactly_the_target(vllm_target, target, tmp_path):
-    """The issue's bar: >= 10 % faults, one kill -9 mid-run, a resume: exactly 200 saved, no duplicates."""
+    """The bar: >= 10 % faults, one kill -9 mid-run, a resume: exactly 200 saved, no duplicates."""
     with FaultProxy(vllm_target.url, fault_every=7, delay_s=12.0) as proxy:
         recipe = make_recipe(tmp_path, proxy.url, num_samples=200, timeout_s=8.0)
         run_dir = tmp_path / "run"

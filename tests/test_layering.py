@@ -82,3 +82,35 @@ def test_a_stage_naming_a_method_is_found(tmp_path):
     assert METHOD_WORD.search('    if drafter.METHOD == "dflash":')
     assert METHOD_WORD.search("from specdraft.methods.eagle3 import formats")
     assert not METHOD_WORD.search("a DFlashy name, eagle30")
+
+
+# A comparison with a method's name: `== "dflash"`, `"eagle3" !=`, `in ("eagle3", ...)`.
+METHOD_COMPARISON = re.compile(r"""[=!]=\s*["'](eagle3|dflash|peagle)["']|["'](eagle3|dflash|peagle)["']\s*[=!]="""
+                               r"""|\bin\s*[(\[{][^)\]}]*["'](eagle3|dflash|peagle)["']""")
+
+
+def test_no_library_module_compares_a_method_name():
+    """Outside the method packages nothing branches on a method's name (config's Literal of them aside):
+    a method's own checks are its package's."""
+    found = [f"{path.relative_to(ROOT)}:{n}: {line.strip()}"
+             for path in sorted((ROOT / "specdraft").rglob("*.py")) if "methods" not in path.parts
+             for n, line in enumerate(path.read_text().splitlines(), 1) if METHOD_COMPARISON.search(line)]
+    assert not found, "\n".join(found)
+    assert METHOD_COMPARISON.search('if t.method == "dflash" and t.mask_token_id >= vocab_size:')
+    assert METHOD_COMPARISON.search("if method in ('eagle3', 'x'):")
+
+
+def test_the_code_cites_what_exists_and_no_issue_numbers():
+    """A document the code cites (docs/*.md, bench/*.md) exists, and no comment cites an issue's number:
+    the reader has the repository, not the tracker."""
+    cited = re.compile(r"\b((?:docs|bench)/[\w.-]+\.md)\b")
+    issue = re.compile(r"\bissues?[ -]#?\d+|(?<![\w&])#\d{1,4}\b", re.IGNORECASE)
+    dangling, numbered = [], []
+    for path in sorted([*(ROOT / "specdraft").rglob("*.py"), *(ROOT / "tests").glob("*.py")]):
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            where = f"{path.relative_to(ROOT)}:{n}"
+            dangling += [f"{where}: {doc}" for doc in cited.findall(line) if not (ROOT / doc).exists()]
+            if issue.search(line) and path.name != "test_layering.py":
+                numbered.append(f"{where}: {line.strip()}")
+    assert not dangling and not numbered, "\n".join(dangling + numbered)
+    assert issue.search("(issue 24)") and issue.search("see #23") and not issue.search("f'{x:#x}'")

@@ -44,7 +44,7 @@ def test_a_trainer_change_changes_the_key(target, package):
 
 def test_a_change_to_what_the_trainer_imports_changes_the_key(target, package):
     before = key(target, package)
-    append(package / "drafters" / "eagle3.py", "\nDRAFTER_CHANGED = 1\n")
+    append(package / "methods" / "eagle3" / "drafter.py", "\nDRAFTER_CHANGED = 1\n")
     assert key(target, package) != before
 
 

@@ -1,4 +1,4 @@
-"""Nothing lost, nothing silently changed (issue 32): a failed stage leaves the run as it was (its --set
+"""Nothing lost, nothing silently changed: a failed stage leaves the run as it was (its --set
 values unrecorded, the last good record and report kept), specdraft writes into no folder it did not
 make, the temporaries a kill leaves are removed when their stage starts again, SIGTERM and SIGINT stop
 the servers specdraft started, and bench refuses a dead endpoint or a malformed --compare in one line.
@@ -98,7 +98,7 @@ def test_a_new_run_records_its_recipe_when_it_is_created(tmp_path):
 
 
 def test_a_failed_eval_keeps_the_good_report_and_export_still_takes_k_from_it(memorised_run, tmp_path):
-    """The issue's case: a good eval, then an eval that fails with --set values, then export: the good
+    """The case: a good eval, then an eval that fails with --set values, then export: the good
     report, record and recipe are what export reads."""
     run = tmp_path / "run"
     shutil.copytree(memorised_run, run, symlinks=True)

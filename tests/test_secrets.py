@@ -1,4 +1,4 @@
-"""Secrets and trust (issue 32): header values and pasted keys are written nowhere, nothing is unpickled,
+"""Secrets and trust: header values and pasted keys are written nowhere, nothing is unpickled,
 run names stay under runs/, and the vLLM servers specdraft starts stay on 127.0.0.1.
 
 Everything here runs in-process (`main(argv)`) in a scratch folder and stops before any model work: a

@@ -7,7 +7,7 @@ test kills it and expects the trainer to restart it.
 
 Cost (2-core CPU box, 2026-12-07): ~4 min beyond the shared `extracted_run` — the server's start and its
 restart (~40 s each), a start that fails on purpose (~17 s), one extraction through the server and five
-tiny trainings (12-25 s each). Each is what issue 34 asks to see with the real engine: states equal to
+tiny trainings (12-25 s each). Each is what train.hidden = "served" must show with the real engine: states equal to
 extract's, the same loss curve, a retried request, a server killed and a trainer killed, and a server
 that cannot start; the bad-input probes ride on the same server at no extra start.
 """

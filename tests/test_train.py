@@ -182,7 +182,7 @@ def test_init_from_names_what_does_not_fit(tmp_path):
 
 
 def test_kimi_k25_drafter_size_on_meta():
-    """The Kimi-K2.5 drafter (FACTS.md): 1190.9 M trainable, a 1174.4 M frozen embedding, and 2594.7 M in
+    """The Kimi-K2.5 drafter (bench/RESULTS.md): 1190.9 M trainable, a 1174.4 M frozen embedding, and 2594.7 M in
     all with the frozen verifier head restricted to the draft vocabulary (what the trainer holds)."""
     cfg = DrafterConfig(hidden_size=7168, num_attention_heads=64, num_key_value_heads=64, head_dim=128,
                         intermediate_size=18432, vocab_size=163840, draft_vocab_size=32000,

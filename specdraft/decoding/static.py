@@ -1,7 +1,7 @@
 """The static decode engine: preallocated KV caches for the target and the drafter, and on CUDA
 every fixed-shape decode step captured once as a CUDA graph and replayed after.
 
-Why: at batch 1 a small target is bound by Python and kernel launches, not by the GPU (FACTS.md: eager
+Why: at batch 1 a small target is bound by Python and kernel launches, not by the GPU (bench/RESULTS.md: eager
 HF decoding ran at 12 tok/s on an H200, 265 tok/s with a static cache, compiled), so a speedup measured
 on the eager engine measures launch overhead more than the algorithm. The autoregressive baseline and
 speculative decoding both run here, with the same caches and the same graphs, so their ratio is fair.

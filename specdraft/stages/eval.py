@@ -14,10 +14,10 @@ tokens the target itself picks is kept, plus the target's own next token; the ca
 path. A chain of K tokens is the tree with top-k 1, depth K and K tokens, so both run the same code.
 
 Greedy output is checked token for token against the target's plain greedy decoding with the same
-engine; a divergence at a logit gap below `tie_tolerance` is reported as a numerical tie (FACTS.md:
-greedy exactness needs identical numerics), any other one is an error. Sampled decoding (temperature
-> 0) drafts a chain by sampling and accepts with exact rejection sampling (Leviathan et al. 2023), so
-its output distribution is the target's.
+engine; a divergence at a logit gap below `tie_tolerance` is reported as a numerical tie (greedy
+exactness needs identical numerics: docs/engine-facts.md), any other one is an error. Sampled decoding
+(temperature > 0) drafts a chain by sampling and accepts with exact rejection sampling (Leviathan et al.
+2023), so its output distribution is the target's.
 
 Figures: tau (tokens per target forward), the histogram of accepted lengths, per-position acceptance
 (share of rounds whose draft at depth i was accepted, as vLLM counts it), decode speed with and

@@ -14,7 +14,7 @@ Record (one JSON line per finished conversation; render reads it):
      "token_ids"}], "finish_reason", "prompt_tokens", "generator": {"kind", ...}}
 `token_ids` are the ids the target produced for that turn (reasoning included, eos included when it
 stopped; absent when a server gave none): re-tokenizing generated text changes the tokens of ~15 % of
-answers (FACTS.md), and render trains on these ids. Lines are appended and flushed one by one (in-process,
+answers (docs/engine-facts.md), and render trains on these ids. Lines are appended and flushed one by one (in-process,
 after every `generate` call, fsynced); a rerun skips the ids already written and drops a line torn by
 `kill -9`. Failures go to gen_errors.jsonl. A server that refuses the key (401/403; gen.api_key_env names
 the environment variable it is read from) stops the run at once.
@@ -108,7 +108,7 @@ def split_reasoning(message: dict, markers: tuple[str, str] | None) -> tuple[str
     """(answer, reasoning, where the reasoning was) from a chat response message, whatever the server calls it.
 
     A client that read only `reasoning_content` while vLLM filled `reasoning` saved 388 answers without
-    their reasoning (FACTS.md); both fields are read, then `<think>…</think>` left inline in the content.
+    their reasoning (docs/engine-facts.md); both fields are read, then `<think>…</think>` left inline in the content.
     An answer that starts inside the reasoning (the template opened the marker in the generation prompt)
     has only the end marker.
     """

@@ -443,7 +443,8 @@ class Tally:
         c = self.counts
         with_ids = c["turns_with_token_ids"]
         return {
-            # FACTS.md: re-tokenizing SmolLM2's own answers changes 15 % of them; the ids avoid it.
+            # Re-tokenizing SmolLM2's own answers changes 12 to 19 % of them (docs/engine-facts.md); the
+            # ids avoid it.
             "retokenized_differs_share": round(c["retokenized_differs"] / with_ids, 4) if with_ids else None,
             "template_mismatch_share": round(c["template_mismatches"] / c["turns"], 4) if c["turns"] else None,
             "vllm_mismatch_share": (round(c["vllm_mismatches"] / c["vllm_checked"], 4)

@@ -73,7 +73,7 @@ def target_top_tokens(source, head: torch.Tensor, indices=None, device: torch.de
 
 def top_head(head: torch.Tensor, device: torch.device) -> torch.Tensor:
     """The lm_head weight as the top tokens are computed with it: on `device`, in bf16 where the device
-    multiplies it (emulated bf16 on AVX2 CPUs took 1-2.5 s a sample, issue 24)."""
+    multiplies it (emulated bf16 on AVX2 CPUs took 1-2.5 s a sample)."""
     return head.to(device, getattr(torch, resolve_dtype("auto", device.type)))
 
 
