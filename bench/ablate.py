@@ -169,7 +169,8 @@ class Scorer:
     def __init__(self, base_run: Path, device, decode_prompts: int = 0):
         from specdraft.hidden.store import HiddenStore
         from specdraft.targets import Target
-        from specdraft.stages.train import pack, split_holdout, target_top_tokens
+        from specdraft.drafters.common import pack
+        from specdraft.training import split_holdout, target_top_tokens
 
         recipe = RunFolder(base_run).recipe()
         self.cfg = recipe.train
@@ -216,7 +217,8 @@ class Scorer:
     def __call__(self, v: Variant, folder: Path) -> dict:
         import math
 
-        from specdraft.stages.train import TTT, autocast_for, evaluate
+        from specdraft.methods.eagle3.objective import TTT
+        from specdraft.training import autocast_for, evaluate
         from specdraft.methods import load_checkpoint
 
         run = RunFolder(folder)
@@ -232,7 +234,7 @@ class Scorer:
                     cfg.loss).to(self.device)
         cfg_eval = dataclasses.replace(self.cfg, ttt_steps=EVAL_STEPS)
         _, autocast = autocast_for(cfg, self.device)
-        s = evaluate(model, self.source, self.rows, self.tops, cfg_eval, self.device, autocast)
+        s = evaluate(model, self.source, self.rows, self.tops, cfg_eval, self.device, autocast, EVAL_STEPS)
         alpha = s["cond_accept"]
 
         def tau(k: int) -> float:  # chain drafting of k tokens: 1 + sum over depths of P(accepted through it)

@@ -22,11 +22,11 @@ import torch
 from specdraft import environment
 from specdraft.config import TrainConfig
 from specdraft.drafters import vocab
-from specdraft.drafters.common import summarize
+from specdraft.drafters.common import collate, pack, summarize
 from specdraft.hidden.store import HiddenStore
 from specdraft.methods import METHODS
-from specdraft.stages.train import collate, pack, target_top_tokens
 from specdraft.targets import Target
+from specdraft.training import target_top_tokens
 
 BATCH_TOKENS = 4096
 

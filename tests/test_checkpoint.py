@@ -87,7 +87,7 @@ def trainer(seed: int, optimizer: str = "adamw"):
     import dataclasses
 
     from specdraft.config import TrainConfig
-    from specdraft.stages.train import make_optimizers
+    from specdraft.training import make_optimizers
 
     torch.manual_seed(seed)
     model = TTT(Eagle3Drafter(CFG), torch.randn(50, 32), 3, 0.8)

@@ -295,7 +295,7 @@ def test_jsonl_reader_names_line_and_skips_only_a_torn_tail(tmp_path):
 
 
 def test_a_damaged_training_log_is_named_by_line(tmp_path):
-    from specdraft.stages.train import keep_log_until
+    from specdraft.training import keep_log_until
 
     log = tmp_path / "train_log.jsonl"
     log.write_text('{"kind": "train", "step": 1}\n{"kind": "train"}\n')

@@ -170,7 +170,7 @@ def test_the_static_engine_drafts_blocks_as_the_eager_one(dflash_run):
 
 def test_training_curves_name_block_slots(dflash_run, tmp_path):
     from specdraft.methods import METHODS
-    from specdraft.stages.train import plot_curves
+    from specdraft.training import plot_curves
 
     folder = RunFolder(dflash_run)
     assert folder.curves.exists()

@@ -284,7 +284,7 @@ def test_every_epoch_has_its_steps_when_packing_differs():
     import dataclasses
 
     from specdraft.config import TrainConfig
-    from specdraft.stages.train import epoch_rows, epoch_steps, step_batches
+    from specdraft.training import epoch_rows, epoch_steps, step_batches
 
     lengths = [int(n) for n in torch.randint(20, 200, (300,), generator=torch.Generator().manual_seed(1))]
     cfg = dataclasses.replace(TrainConfig(), batch_tokens=512, epochs=20, loader_workers=0, micro_batches=1)
@@ -308,7 +308,7 @@ def test_muon_trains_the_matrices_and_resumes(extracted_run, tmp_path, capsys):
     import dataclasses
 
     from specdraft.config import TrainConfig
-    from specdraft.stages.train import make_optimizers
+    from specdraft.training import make_optimizers
 
     drafter = Eagle3Drafter(DrafterConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
                                           intermediate_size=64, vocab_size=100, draft_vocab_size=50,
