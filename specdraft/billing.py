@@ -629,45 +629,96 @@ def machine(run_path: Path | None, gpus: int | None, gpu_memory_gib: float | Non
             "disk_path": str(run_path or Path.cwd())}
 
 
+@dataclass(frozen=True)
+class MemoryModel:
+    """What the training-memory bill is computed from: the target, the drafter's config and parameters,
+    the expected tokens, the machine; `memory(fsdp, batch_tokens)` bills one device's training memory."""
+    spec: TargetSpec
+    recipe: Recipe
+    tokens: dict
+    dcfg: object  # the method's drafter config
+    params: dict
+    mach: dict
+    sharded: bool  # billed sharded: the recipe shards (FSDP) over several GPUs
+
+    def memory(self, fsdp: bool, batch_tokens: int | None = None) -> dict:
+        train = self.recipe.train
+        batch_tokens = train.batch_tokens if batch_tokens is None else batch_tokens
+        return training_memory(self.dcfg, self.params, replace(train, batch_tokens=batch_tokens),
+                               row_tokens_for(batch_tokens, self.tokens["tokens_per_sample"]),
+                               max(1, self.mach["gpus"]), fsdp,
+                               self.spec.weight_bytes() if train.hidden == "online" else 0, self.spec.params["head"])
+
+    def fit_batch_tokens(self, limit: int) -> int:
+        """The largest batch whose bill (the resident target of online hidden states included) fits `limit`."""
+        return fitting_batch_tokens(lambda bt: self.memory(self.sharded, bt)["total"],
+                                    self.recipe.train.batch_tokens, limit)
+
+
+def memory_model(recipe: Recipe, folder: RunFolder | None = None, *, target: str | None = None,
+                 tokens_per_sample: int | None = None, gpus: int | None = None,
+                 gpu_memory_gib: float | None = None) -> MemoryModel:
+    """The target as every stage reads it (its aux layers: the recipe's, sorted, or its family's default,
+    checked against its depth), the recipe's ranges it and the method set refused as the stages would,
+    and the drafter and machine the memory is billed for."""
+    spec = read_target(target or recipe.target.model, recipe.target.aux_layer_ids)
+    spec.target.check_fits(recipe)
+    method = named(recipe.train.method)
+    method.check(recipe)
+    method.check_target(recipe, spec.target.vocab_size, spec.target.name)
+    dcfg = method.plan_config(spec.target, recipe.train)
+    mach = machine(folder.path if folder is not None else None, gpus, gpu_memory_gib)
+    return MemoryModel(spec, recipe, expected_tokens(recipe, folder, tokens_per_sample), dcfg,
+                       drafter_parameters(dcfg, frozen_head=recipe.train.lm_head_init == "target-frozen"), mach,
+                       sharded=recipe.train.parallel == "fsdp" and mach["gpus"] > 1)
+
+
+@dataclass(frozen=True)
+class TrainMemory:
+    """The trainer's one question to the bill: does training fit the device's memory? `need_bytes` per
+    device at the recipe's batch against `usable_bytes` (the memory less the headroom; None: GPUs of
+    unknown memory); `fixes` what plan recommends to fit (FSDP, a smaller --batch-tokens)."""
+    need_bytes: int
+    usable_bytes: int | None
+    text: str
+    fixes: tuple[str, ...]
+
+    @property
+    def fits(self) -> bool:
+        return self.usable_bytes is None or self.need_bytes <= self.usable_bytes
+
+    @property
+    def beyond_device(self) -> bool:
+        """Over the device's whole memory, not only the headroom the estimate keeps."""
+        return not self.fits and self.need_bytes > self.usable_bytes / MEMORY_HEADROOM
+
+
+def train_memory(recipe: Recipe, folder: RunFolder | None = None, **where) -> TrainMemory:
+    """plan's training-memory check of `recipe` on this machine (or `where`: memory_model's target,
+    tokens_per_sample, gpus, gpu_memory_gib), without the rest of the plan."""
+    check, fixes = _check_memory(memory_model(recipe, folder, **where))
+    return TrainMemory(check["need_bytes"], check["usable_bytes"], check["text"], tuple(r["do"] for r in fixes))
+
+
 def make_plan(recipe: Recipe, folder: RunFolder | None = None, *, target: str | None = None,
               tokens_per_sample: int | None = None, gpus: int | None = None,
               gpu_memory_gib: float | None = None, calibration: str = "off") -> dict:
     """The bill. `calibration`: "measure" times the work on this CPU where the target's weights are here
     (cached), "cached" uses a calibration already cached, "off" bills by FLOPs alone."""
-    # The target as every stage reads it: its aux layers (the recipe's, sorted, or its family's default)
-    # checked against its depth.
-    spec = read_target(target or recipe.target.model, recipe.target.aux_layer_ids)
-    spec.target.check_fits(recipe)  # the ranges the target sets: plan refuses what the stages would
-    method = named(recipe.train.method)
-    method.check(recipe)
-    method.check_target(recipe, spec.target.vocab_size, spec.target.name)
+    model = memory_model(recipe, folder, target=target, tokens_per_sample=tokens_per_sample, gpus=gpus,
+                         gpu_memory_gib=gpu_memory_gib)
+    spec, tokens, dcfg, params, mach = model.spec, model.tokens, model.dcfg, model.params, model.mach
     aux = spec.target.aux_layer_ids
     store_dtype = recipe.extract.store_dtype  # bf16, or fp8 with a per-row scale
     n_states = len(aux) + 1
     # extract's own bytes: the states, and (on disk) each token's id and loss mask
     per_token = bytes_per_token(n_states, spec.hidden_size, store_dtype)
-    tokens = expected_tokens(recipe, folder, tokens_per_sample)
     hidden_bytes = tokens["tokens"] * disk_bytes_per_token(n_states, spec.hidden_size, store_dtype)
-    dcfg = method.plan_config(spec.target, recipe.train)
-    params = drafter_parameters(dcfg, frozen_head=recipe.train.lm_head_init == "target-frozen")
-    mach = machine(folder.path if folder is not None else None, gpus, gpu_memory_gib)
     n_gpus = mach["gpus"]
     row_tokens = row_tokens_for(recipe.train.batch_tokens, tokens["tokens_per_sample"])
     online = recipe.train.hidden == "online"
-
-    def memory(fsdp: bool, batch_tokens: int = recipe.train.batch_tokens) -> dict:
-        return training_memory(dcfg, params, replace(recipe.train, batch_tokens=batch_tokens),
-                               row_tokens_for(batch_tokens, tokens["tokens_per_sample"]), max(1, n_gpus), fsdp,
-                               spec.weight_bytes() if online else 0, spec.params["head"])
-
     # A recipe that shards over several GPUs is billed sharded; one that does not is told what sharding saves.
-    sharded = recipe.train.parallel == "fsdp" and n_gpus > 1
-
-    def fit_batch_tokens(limit: int) -> int:
-        # The same bill as the plan's own, the resident target of online hidden states included.
-        return fitting_batch_tokens(lambda bt: memory(sharded, bt)["total"], recipe.train.batch_tokens, limit)
-
-    mem = memory(fsdp=sharded)
+    mem = model.memory(fsdp=model.sharded)
     stages = folder.manifest().get("stages", {}) if folder is not None else {}
     cal = machine_calibration(recipe, spec.target, folder, calibration) if not n_gpus else None
     times = time_table(recipe, spec, tokens, params["parts"], stages, n_gpus, cal)
@@ -690,22 +741,18 @@ def make_plan(recipe: Recipe, folder: RunFolder | None = None, *, target: str | 
         "train_memory": {"per_gpu": mem, "row_tokens": row_tokens,
                          "activation": activation_bytes(dcfg, recipe.train.batch_tokens, row_tokens,
                                                         named(recipe.train.method).queries(recipe.train)),
-                         "device": "gpu" if n_gpus else "cpu", "fsdp": sharded},
+                         "device": "gpu" if n_gpus else "cpu", "fsdp": model.sharded},
         "time": times,
         "total_seconds": round(sum(r["seconds"] for r in times), 1),
         "machine": mach,
         "calibration": cal.to_dict() if cal is not None else None,
     }
     if recipe.train.hidden == "served":
-        plan["served"] = served_bill(recipe, spec, tokens, mach, fit_batch_tokens, mem["total"])
-    plan["checks"], plan["recommendations"] = _check(plan, recipe, spec, tokens, memory, fit_batch_tokens)
-    return plan
-
-
-def _check(plan: dict, recipe: Recipe, spec: TargetSpec, tokens: dict, memory, fit_batch_tokens) -> tuple:
+        plan["served"] = served_bill(recipe, spec, tokens, mach, model.fit_batch_tokens, mem["total"])
     checks, recs = _check_disk(plan, recipe, spec, tokens)
-    checks.append(_check_memory(plan, memory, fit_batch_tokens, recs))
-    return checks, recs
+    memory_check, fixes = _check_memory(model)
+    plan["checks"], plan["recommendations"] = [*checks, memory_check], recs + fixes
+    return plan
 
 
 def _check_disk(plan: dict, recipe: Recipe, spec: TargetSpec, tokens: dict) -> tuple[list, list]:
@@ -742,16 +789,16 @@ def _check_disk(plan: dict, recipe: Recipe, spec: TargetSpec, tokens: dict) -> t
     return checks, recs
 
 
-def _check_memory(plan: dict, memory, fit_batch_tokens, recs: list) -> dict:
-    """The training-memory check (recommending FSDP or a smaller batch into `recs` where it fails)."""
-    mach = plan["machine"]
+def _check_memory(model: MemoryModel) -> tuple[dict, list]:
+    """The training-memory check and what fits where it fails (FSDP, a smaller batch)."""
+    mach, recs = model.mach, []
     n_gpus = mach["gpus"]
-    mem = plan["train_memory"]["per_gpu"]
+    mem = model.memory(model.sharded)
     if n_gpus and mach["gpu_memory_bytes"] is None:
         # --gpus on a machine without (that many) GPUs: nothing to read their memory from.
         return {"check": "train memory", "ok": None, "need_bytes": mem["total"], "usable_bytes": None,
                 "text": f"training {human_bytes(mem['total'])} per device over {n_gpus} GPU(s) of unknown memory "
-                        f"(none detected here): give --gpu-memory-gib (141 for an H200) to check it"}
+                        f"(none detected here): give --gpu-memory-gib (141 for an H200) to check it"}, recs
     if n_gpus:
         limit = int(mach["gpu_memory_bytes"] * MEMORY_HEADROOM)
         where = f"{n_gpus} GPU(s) of {human_bytes(mach['gpu_memory_bytes'])}"
@@ -760,18 +807,18 @@ def _check_memory(plan: dict, memory, fit_batch_tokens, recs: list) -> dict:
         where = f"CPU RAM {human_bytes(mach['ram_bytes'] or 0)}"
     check = {"check": "train memory", "ok": mem["total"] <= limit, "need_bytes": mem["total"], "usable_bytes": limit,
              "text": f"training {human_bytes(mem['total'])} per device vs {human_bytes(limit)} usable ({where})"}
-    if mem["total"] > limit and n_gpus > 1 and not plan["train_memory"]["fsdp"]:
-        sharded = memory(fsdp=True)
+    if mem["total"] > limit and n_gpus > 1 and not model.sharded:
+        sharded = model.memory(fsdp=True)
         recs.append({"do": f"FSDP over {n_gpus} GPUs (torchrun)",
                      "why": f"weights, grads and AdamW states sharded: {human_bytes(sharded['total'])} per GPU "
                             f"({'fits' if sharded['total'] <= limit else 'still over'} {human_bytes(limit)})",
                      "per_gpu_bytes": sharded["total"]})
     if mem["total"] > limit:
-        fit = fit_batch_tokens(limit)
+        fit = model.fit_batch_tokens(limit)
         if fit:
             recs.append({"do": f"--batch-tokens {fit}",
                          "why": f"the largest batch whose training memory fits {human_bytes(limit)}"})
-    return check
+    return check, recs
 
 
 def _tensor_parallel(vllm_args: list[str], gpus: int) -> int:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from specdraft.billing import make_plan, read_target
+from specdraft.billing import make_plan, read_target, train_memory
 from specdraft.cli import main
 from specdraft.config import load_recipe
 from specdraft.targets import TargetError
@@ -28,6 +28,24 @@ def _recipe(num_train=10_000, draft_vocab=32_000, **train):
     for k, v in train.items():
         setattr(recipe.train, k, v)
     return recipe
+
+
+def test_the_trainers_memory_question_is_plans_check():
+    """train asks billing.train_memory, not the whole plan: the same check and the same fixes; over the
+    device's whole memory is refused, within it but past the headroom only warned of."""
+    recipe = _recipe(batch_tokens=8192)
+    where = {"target": str(CONFIGS / "kimi-k2.5.json"), "tokens_per_sample": 4096, "gpus": 2, "gpu_memory_gib": 80}
+    plan, memory = make_plan(recipe, **where), train_memory(recipe, **where)
+    check = next(c for c in plan["checks"] if c["check"] == "train memory")
+    assert (memory.need_bytes, memory.usable_bytes, memory.text) == (check["need_bytes"], check["usable_bytes"],
+                                                                     check["text"])
+    assert memory.fixes == ("FSDP over 2 GPUs (torchrun)", "--batch-tokens 5120")
+    assert set(memory.fixes) <= {r["do"] for r in plan["recommendations"]}  # with the disk's, on this machine
+    assert not memory.fits and memory.beyond_device
+    tight = train_memory(recipe, **{**where, "gpu_memory_gib": 105})  # 99.4 GiB: over 90 % of it, within it
+    assert not tight.fits and not tight.beyond_device
+    roomy = train_memory(recipe, **{**where, "gpu_memory_gib": 1000})
+    assert roomy.fits and roomy.fixes == ()
 
 
 def test_kimi_k25_reference_figures():

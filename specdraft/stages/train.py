@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from specdraft.billing import MEMORY_HEADROOM, make_plan
+from specdraft.billing import train_memory
 from specdraft.config import ConfigError, Recipe, TrainConfig, to_dict
 from specdraft.drafters import vocab
 from specdraft.drafters.checkpoint import (
@@ -82,19 +82,17 @@ def check_memory(recipe: Recipe, folder: RunFolder) -> None:
     name no cause. Over the plan's headroom but within the memory, only a warning: the model is an
     estimate. Either way the message names the batch that fits."""
     try:
-        plan = make_plan(recipe, folder)
+        memory = train_memory(recipe, folder)
     except ConfigError:
-        raise  # a range the target sets (targets.check_fits): refused here as plan refuses it
+        raise  # a range the target or the method sets: refused here as plan refuses it
     except Exception as e:  # noqa: BLE001 - a target the plan cannot read still trains, unchecked
         print(f"train: warning: memory not checked ({type(e).__name__}: {e})", file=sys.stderr)
         return
-    check = next(c for c in plan["checks"] if c["check"] == "train memory")
-    if check["ok"]:
+    if memory.fits:
         return
-    fixes = [r["do"] for r in plan["recommendations"] if r["do"].startswith(("--batch-tokens", "FSDP"))]
-    text = (f"{check['text']} at train.batch_tokens = {recipe.train.batch_tokens:,}; "
-            + (f"fits with: {' or '.join(fixes)}" if fixes else "no batch size fits (specdraft plan)"))
-    if check["need_bytes"] > check["usable_bytes"] / MEMORY_HEADROOM:
+    text = (f"{memory.text} at train.batch_tokens = {recipe.train.batch_tokens:,}; "
+            + (f"fits with: {' or '.join(memory.fixes)}" if memory.fixes else "no batch size fits (specdraft plan)"))
+    if memory.beyond_device:
         raise TrainMemoryError(f"train: {text}")
     print(f"train: warning: {text}", file=sys.stderr)
 
