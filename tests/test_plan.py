@@ -161,11 +161,11 @@ def test_a_dflash_plan_bills_the_drafter_the_trainer_builds(target, draft_vocab_
     import torch
 
     from specdraft.config import apply_sets
-    from specdraft.methods.dflash import build_dflash
+    from specdraft.methods import named
 
     recipe = apply_sets(load_recipe("smollm2-cpu"), ["train.method=dflash", f"train.draft_vocab_size={draft_vocab_size}"])
     plan = make_plan(recipe)
-    real = build_dflash(recipe.train, target, torch.ones(target.vocab_size))
+    real = named("dflash").build(recipe.train, target, torch.ones(target.vocab_size))
     assert plan["drafter"]["method"] == "dflash"
     assert plan["drafter"]["trainable"] == sum(p.numel() for p in real.parameters() if p.requires_grad)
     assert plan["drafter"]["frozen"] - plan["drafter"]["parts"]["teacher_head"]["frozen"] == sum(

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from specdraft import training
 from specdraft.billing import train_memory
 from specdraft.config import ConfigError, Recipe, TrainConfig, to_dict
 from specdraft.drafters import vocab
@@ -32,25 +33,6 @@ from specdraft.hidden.online import open_hidden
 from specdraft.methods import named
 from specdraft.run import RunFolder
 from specdraft.targets import Target
-from specdraft.training import (
-    TopsOnArrival,
-    all_sum,
-    append_record,
-    autocast_for,
-    distributed,
-    epoch_steps,
-    evaluate,
-    keep_log_until,
-    lr_factor,
-    make_optimizers,
-    plot_curves,
-    split_holdout,
-    step_batches,
-    target_top_tokens,
-    tensorboard,
-    to_device,
-    wrap,
-)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -134,7 +116,7 @@ class Trainer:
         if self.cfg.hidden == "disk":
             folder.require("extract")
         check_memory(recipe, folder)
-        self.rank, self.world, self.device = distributed()
+        self.rank, self.world, self.device = training.distributed()
         if self.cfg.micro_batches % self.world:
             raise ValueError(f"train.micro_batches = {self.cfg.micro_batches} must be a multiple of the "
                              f"{self.world} torchrun processes")
@@ -155,14 +137,14 @@ class Trainer:
         t_phase = time.time()
         if self.cfg.hidden == "served":
             self.tops = {}
-            self.source.on_arrival = TopsOnArrival(head, self.device, self.tops)
+            self.source.on_arrival = training.TopsOnArrival(head, self.device, self.tops)
             self.source.held_out(self.held_idx)
         else:
-            self.tops = target_top_tokens(self.source, head, self.train_idx + self.held_idx, self.device)
+            self.tops = training.target_top_tokens(self.source, head, self.train_idx + self.held_idx, self.device)
         self.phase["top tokens"] = time.time() - t_phase
         self.build_model(head)
         self.resume_or_start()
-        self.writer = tensorboard(self.folder.tensorboard, self.rank)
+        self.writer = training.tensorboard(self.folder.tensorboard, self.rank)
         self.last_eval = None
 
     def load_samples(self) -> torch.Tensor:
@@ -175,7 +157,7 @@ class Trainer:
         named(cfg.method).check_target(self.recipe, self.target.vocab_size, self.target.name)
         samples = [self.source.tokens(i) for i in range(len(self.source))]
         self.lengths = [len(ids) for ids, _ in samples]
-        self.train_idx, self.held_idx = split_holdout(len(self.source), cfg.holdout, cfg.seed)
+        self.train_idx, self.held_idx = training.split_holdout(len(self.source), cfg.holdout, cfg.seed)
         if cfg.max_samples:
             self.train_idx = self.train_idx[:cfg.max_samples]
         return vocab.token_counts([samples[i] for i in self.train_idx], self.target.vocab_size)
@@ -214,15 +196,15 @@ class Trainer:
         self.model = self.method.objective(self.drafter, head[self.t2d].float(), cfg).to(self.device)
         if cfg.compile:
             self.model.drafter.compile()
-        self.wrapped = wrap(self.model, cfg.parallel, self.world, self.device)
+        self.wrapped = training.wrap(self.model, cfg.parallel, self.world, self.device)
         self.params = [p for p in self.wrapped.parameters() if p.requires_grad]
         self.n_trainable = sum(p.numel() for p in self.drafter.parameters() if p.requires_grad)
-        self.optimizers = make_optimizers(self.wrapped, cfg)
-        self.steps_per_epoch = epoch_steps(self.train_idx, self.lengths, cfg)
+        self.optimizers = training.make_optimizers(self.wrapped, cfg)
+        self.steps_per_epoch = training.epoch_steps(self.train_idx, self.lengths, cfg)
         total_steps = self.total_steps = cfg.epochs * self.steps_per_epoch
-        self.schedulers = [torch.optim.lr_scheduler.LambdaLR(o, lambda s: lr_factor(s, total_steps, cfg))
+        self.schedulers = [torch.optim.lr_scheduler.LambdaLR(o, lambda s: training.lr_factor(s, total_steps, cfg))
                            for o in self.optimizers]
-        self.autocast_dtype, self.autocast = autocast_for(cfg, self.device)
+        self.autocast_dtype, self.autocast = training.autocast_for(cfg, self.device)
         self.held_rows = pack(self.held_idx, self.lengths, cfg.batch_tokens)
 
     def will_resume(self) -> bool:
@@ -258,7 +240,7 @@ class Trainer:
                 folder.set_aside_checkpoints()  # the last good training's stay until this one succeeds
             folder.checkpoints.mkdir(parents=True, exist_ok=True)
             folder.record("train", state="partial", config=cfg)
-            keep_log_until(folder.train_log, self.state["step"])
+            training.keep_log_until(folder.train_log, self.state["step"])
             print(f"train: {cfg.method} drafter, {len(self.train_idx)} samples (+{len(self.held_idx)} held out), "
                   f"draft vocab {self.dcfg.draft_vocab_size} (covers {self.coverage:.1%} of answer tokens), "
                   f"{self.n_trainable / 1e6:.2f} M trainable parameters, {self.total_steps} steps on "
@@ -280,8 +262,9 @@ class Trainer:
                         disable=self.rank != 0)
         self.phase.update({"steps": 0.0, "held-out": 0.0, "checkpoints": 0.0})
         t_loop, seconds_before = time.time(), state["seconds"]  # state["seconds"] sums the steps (from resume)
-        for epoch, micro in step_batches(self.source, self.tops, self.train_idx, self.lengths, cfg, state["step"],
-                                         self.steps_per_epoch, self.rank, self.world, self.device):
+        batches = training.step_batches(self.source, self.tops, self.train_idx, self.lengths, cfg, state["step"],
+                                        self.steps_per_epoch, self.rank, self.world, self.device)
+        for epoch, micro in batches:
             stats = self.train_step(micro)
             self.log(epoch, stats)
             done = state["step"] == self.total_steps
@@ -312,7 +295,7 @@ class Trainer:
         tokens = 0
         for m, batch in enumerate(micro):
             tokens += int((batch["documents"] != PAD_DOCUMENT).sum())
-            batch = to_device(batch, device)
+            batch = training.to_device(batch, device)
             # DDP reduces the gradients once, at the step's last batch.
             sync = m == len(micro) - 1
             with wrapped.no_sync() if (not sync and hasattr(wrapped, "no_sync")) else contextlib.nullcontext():
@@ -325,8 +308,8 @@ class Trainer:
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
-        step_tokens = all_sum(torch.tensor(float(tokens), device=device), self.world)
-        all_sum(step_stats, self.world)
+        step_tokens = training.all_sum(torch.tensor(float(tokens), device=device), self.world)
+        training.all_sum(step_stats, self.world)
         self.state["step"] += 1
         self.state["tokens"] += int(step_tokens.item())
         self.state["seconds"] += time.time() - t0
@@ -343,7 +326,7 @@ class Trainer:
         weighted = sum(w * x for w, x in zip(self.method.loss_weights(cfg), s["loss"]))
         record = {"kind": "train", "step": step, "epoch": epoch, "lr": self.schedulers[0].get_last_lr()[0],
                   "weighted_loss": round(weighted, 6), **s}
-        append_record(self.folder.train_log, record)
+        training.append_record(self.folder.train_log, record)
         if writer and step % cfg.log_every == 0:
             writer.add_scalar("train/loss", weighted, step)
             for i in range(self.positions):
@@ -361,11 +344,11 @@ class Trainer:
 
         step = self.state["step"]
         # `model` is the unwrapped module under DDP (no gradient hooks needed) and the sharded one under FSDP.
-        self.last_eval = evaluate(self.model, self.source, self.held_rows, self.tops, self.cfg, self.device,
-                                  self.autocast, self.positions)
+        self.last_eval = training.evaluate(self.model, self.source, self.held_rows, self.tops, self.cfg, self.device,
+                                           self.autocast, self.positions)
         if self.rank != 0:
             return
-        append_record(self.folder.train_log, {"kind": "eval", "step": step, **self.last_eval})
+        training.append_record(self.folder.train_log, {"kind": "eval", "step": step, **self.last_eval})
         if self.writer:
             self.writer.add_scalar("heldout/tau", self.last_eval["tau"], step)
             for i, a in enumerate(self.last_eval["cond_accept"]):
@@ -394,7 +377,7 @@ class Trainer:
         if self.rank != 0:
             return {}
         if folder.train_log.exists() and folder.train_log.stat().st_size:
-            plot_curves(folder.train_log, folder.curves, self.method)
+            training.plot_curves(folder.train_log, folder.curves, self.method)
         # The export stage reads `best` when held-out data chose one, else the final weights.
         chosen = "best" if (folder.checkpoint("best") / COMPLETE).exists() else "final"
         metrics = {"tokens_per_s": round(state["tokens"] / state["seconds"], 1) if state["seconds"] else None,

@@ -38,19 +38,6 @@ DFLASH_TARGET_HEAD_MAX_LR = 3e-4
 DFLASH_LONG_WARMUP = 50
 
 
-def check_dflash(recipe) -> None:
-    """What DFlash cannot train: a published EAGLE-3 drafter to start from, a block longer than a sample
-    or a packed row."""
-    cfg = recipe.train
-    if cfg.init_from:
-        raise ConfigError("train.init_from starts from a published EAGLE-3 drafter; with train.method = 'dflash' "
-                          "leave it empty")
-    for name, limit in (("train.batch_tokens", cfg.batch_tokens), ("render.max_length", recipe.render.max_length)):
-        if cfg.block_size > limit:
-            raise beyond("train.block_size", cfg.block_size, f"<= {name} = {limit}",
-                         "a block must fit within a sample and a packed row")
-
-
 def warn_of_stalling(cfg) -> None:
     """A warning, not a refusal: a large data set may well train at such an lr; the small ones measured did not."""
     target_head = cfg.draft_vocab_size == 0 or cfg.lm_head_init != "random"
@@ -60,86 +47,10 @@ def warn_of_stalling(cfg) -> None:
               f"{DFLASH_TARGET_HEAD_MAX_LR:g} or warmup_steps >= {DFLASH_LONG_WARMUP} trained (docs/dflash.md)")
 
 
-def build_dflash(cfg, target, counts: torch.Tensor) -> DFlashDrafter:
-    """A drafter as wide as the target, reading the same aux layers as EAGLE-3 (so one extract serves
-    both), on the target's frozen embedding. Over the whole vocabulary (draft_vocab_size 0) it shares
-    the target's lm_head and final norm, frozen, as vLLM serves it; a smaller draft vocabulary has its
-    own lm_head, started as train.lm_head_init says."""
-    warn_of_stalling(cfg)
-    mask = cfg.mask_token_id if cfg.mask_token_id >= 0 else default_mask_token(target.tokenizer, target.vocab_size)
-    dcfg = DFlashConfig.from_target(target, mask_token_id=mask, block_size=cfg.block_size,
-                                    num_layers=cfg.dflash_layers, draft_vocab_size=cfg.draft_vocab_size or None)
-    drafter = DFlashDrafter(dcfg)
-    drafter.embed_tokens.weight.data.copy_(target.embed_weight().float())
-    if not dcfg.shares_lm_head:
-        d2t, t2d = vocab.build(counts, dcfg.draft_vocab_size)
-        drafter.d2t.copy_(d2t)
-        drafter.t2d.copy_(t2d)
-    if dcfg.shares_lm_head or cfg.lm_head_init.startswith("target"):
-        drafter.lm_head.weight.data.copy_(target.head_weight()[drafter.t2d].float())
-        drafter.norm.weight.data.copy_(target.final_norm_weight())
-        drafter.lm_head.weight.requires_grad_(not dcfg.shares_lm_head and cfg.lm_head_init == "target")
-    return drafter
-
-
-def export(recipe, folder, formats: list[str], drafter, target, embed, t_start: float) -> dict:
-    """vLLM's DFlash folder and its serve command; refused before anything is written where vLLM would
-    not load it or would serve it as another network (formats.problems)."""
-    if formats != ["vllm"]:
-        raise ValueError(f"export: a DFlash drafter has vLLM's folder format only, not {formats}; "
-                         "use --formats vllm")
-    out = folder.export("vllm")
-    with staged_folders(out) as (staged,):  # the last good folder stays until this one is whole
-        write_dflash(drafter, staged, target_num_layers=target.num_layers, provenance=provenance(recipe.name))
-    spec = serve_spec(out.resolve(), drafter.config)
-    command = f"vllm serve {target.path} --speculative-config '{json.dumps(spec)}'"
-    print(f"export: vLLM DFlash drafter in {out} (block of {drafter.config.block_size}, mask token "
-          f"{drafter.config.mask_token_id})\n  serve it with:\n  {command}\n\nnext: specdraft doctor {out}")
-    k = {"value": spec["num_speculative_tokens"], "source": "block_size - 1 (the block the drafter was trained on)"}
-    return folder.record("export", state="done", config=recipe.export, counts={"formats": 1},
-                         seconds=time.time() - t_start,
-                         extra={"method": "dflash", "serve_command": command, "serve_commands": {"vllm": command},
-                                "folders": {"vllm": {"path": str(out.relative_to(folder.path)),
-                                                     "format": "DFlash (DFlashDraftModel)"}},
-                                "embed_included": False, "speculative_tokens": k})
-
-
 @dataclass
 class DFlashRead:
     layout: str
     notes: list[str]  # how it was read: vLLM's defaults taken, an embedding of its own
-
-
-def import_folder(folder: Path, target, out: Path,
-                  extracted_aux_layer_ids: list[int] | None = None) -> tuple[DFlashDrafter, DFlashRead]:
-    """A DFlash folder -> a specdraft checkpoint at `out`, after checking it against `target` as vLLM
-    would serve it (the target's embedding and, over the whole vocabulary, its lm_head)."""
-    if (Path(folder) / "mask_embedding.pt").exists():
-        # vLLM feeds the mask slots that tensor instead of an embedding row, which our drafter has no place for.
-        raise ValueError(f"import: {folder} ships mask_embedding.pt (a mask embedding apart from the vocabulary), "
-                         "which specdraft's DFlash drafter does not model")
-    notes: list[str] = []
-    drafter = read_dflash(folder, target.embed_weight(), target.head_weight(), notes)
-    cfg = drafter.config
-    found = problems(cfg, target.num_layers)
-    if cfg.vocab_size != target.vocab_size:
-        found.append(f"vocab_size: drafter {cfg.vocab_size}, target {target.vocab_size} (another tokenizer)")
-    if cfg.target_hidden_size != target.hidden_size:
-        found.append(f"target_hidden_size: drafter {cfg.target_hidden_size}, target hidden_size {target.hidden_size}")
-    if extracted_aux_layer_ids is not None and list(extracted_aux_layer_ids) != cfg.aux_layer_ids:
-        found.append(f"aux layer ids: drafter {cfg.aux_layer_ids}, the run's hidden states "
-                     f"{list(extracted_aux_layer_ids)} (fine-tuning would feed it other layers)")
-    if found:
-        raise ValueError(f"import: {folder} does not fit the target {target.path}:\n  " + "\n  ".join(found))
-    if not torch.equal(drafter.embed_tokens.weight, target.embed_weight().float()):
-        notes.append("embed_tokens: the folder's own, differing from the target's (vLLM keeps it); kept")
-    config = read_json(Path(folder) / "config.json", fix=REEXPORT, kind=None)  # read_dflash has checked it
-    published = DFlashRead("speculators (dflash)" if is_speculators(config) else "dflash", notes)
-    aux_ids = list(cfg.aux_layer_ids)
-    meta = {"aux_layer_ids": aux_ids, "target": type(target)(target.name, aux_ids).describe(),
-            "imported_from": {"folder": str(Path(folder).resolve()), "layout": published.layout, "notes": notes}}
-    save_checkpoint(drafter, Path(out), meta)
-    return drafter, published
 
 
 class DFlash(Method):
@@ -153,16 +64,41 @@ class DFlash(Method):
     formats = ("vllm",)
 
     def check(self, recipe) -> None:
-        check_dflash(recipe)
-
+        """What DFlash cannot train: a published EAGLE-3 drafter to start from, a block longer than a sample
+        or a packed row."""
+        cfg = recipe.train
+        if cfg.init_from:
+            raise ConfigError("train.init_from starts from a published EAGLE-3 drafter; with train.method = 'dflash' "
+                              "leave it empty")
+        for name, limit in (("train.batch_tokens", cfg.batch_tokens), ("render.max_length", recipe.render.max_length)):
+            if cfg.block_size > limit:
+                raise beyond("train.block_size", cfg.block_size, f"<= {name} = {limit}",
+                             "a block must fit within a sample and a packed row")
     def check_target(self, recipe, vocab_size: int, target: str) -> None:
         if recipe.train.mask_token_id >= vocab_size:
             raise beyond("train.mask_token_id", recipe.train.mask_token_id, f"< {vocab_size:,}",
                          f"the vocabulary of {target}")
 
     def build(self, cfg, target, counts: torch.Tensor) -> DFlashDrafter:
-        return build_dflash(cfg, target, counts)
-
+        """A drafter as wide as the target, reading the same aux layers as EAGLE-3 (so one extract serves
+        both), on the target's frozen embedding. Over the whole vocabulary (draft_vocab_size 0) it shares
+        the target's lm_head and final norm, frozen, as vLLM serves it; a smaller draft vocabulary has its
+        own lm_head, started as train.lm_head_init says."""
+        warn_of_stalling(cfg)
+        mask = cfg.mask_token_id if cfg.mask_token_id >= 0 else default_mask_token(target.tokenizer, target.vocab_size)
+        dcfg = DFlashConfig.from_target(target, mask_token_id=mask, block_size=cfg.block_size,
+                                        num_layers=cfg.dflash_layers, draft_vocab_size=cfg.draft_vocab_size or None)
+        drafter = DFlashDrafter(dcfg)
+        drafter.embed_tokens.weight.data.copy_(target.embed_weight().float())
+        if not dcfg.shares_lm_head:
+            d2t, t2d = vocab.build(counts, dcfg.draft_vocab_size)
+            drafter.d2t.copy_(d2t)
+            drafter.t2d.copy_(t2d)
+        if dcfg.shares_lm_head or cfg.lm_head_init.startswith("target"):
+            drafter.lm_head.weight.data.copy_(target.head_weight()[drafter.t2d].float())
+            drafter.norm.weight.data.copy_(target.final_norm_weight())
+            drafter.lm_head.weight.requires_grad_(not dcfg.shares_lm_head and cfg.lm_head_init == "target")
+        return drafter
     def objective(self, drafter: DFlashDrafter, draft_head: torch.Tensor, cfg) -> nn.Module:
         return DFlashObjective(drafter, draft_head, cfg.dflash_gamma, cfg.dflash_anchors, cfg.loss)
 
@@ -177,7 +113,7 @@ class DFlash(Method):
                 f"{train['epochs']} epochs with {vocab}, exported for vLLM"), train["block_size"] - 1
 
     def plan_config(self, target, cfg) -> DFlashConfig:
-        """The drafter build_dflash makes, without reading the tokenizer: the mask token's id does not
+        """The drafter `build` makes, without reading the tokenizer: the mask token's id does not
         change the bill."""
         return DFlashConfig.from_target(target, mask_token_id=max(0, cfg.mask_token_id), block_size=cfg.block_size,
                                         num_layers=cfg.dflash_layers, draft_vocab_size=cfg.draft_vocab_size or None)
@@ -205,11 +141,55 @@ class DFlash(Method):
         return {"method": "dflash", "model": str(folder), "num_speculative_tokens": K}
 
     def export(self, recipe, folder, formats, drafter, target, embed, t_start) -> dict:
-        return export(recipe, folder, formats, drafter, target, embed, t_start)
-
-    def import_folder(self, folder, target, out, extracted_aux_layer_ids):
-        return import_folder(folder, target, out, extracted_aux_layer_ids)
-
+        """vLLM's DFlash folder and its serve command; refused before anything is written where vLLM would
+        not load it or would serve it as another network (formats.problems)."""
+        if formats != ["vllm"]:
+            raise ValueError(f"export: a DFlash drafter has vLLM's folder format only, not {formats}; "
+                             "use --formats vllm")
+        out = folder.export("vllm")
+        with staged_folders(out) as (staged,):  # the last good folder stays until this one is whole
+            write_dflash(drafter, staged, target_num_layers=target.num_layers, provenance=provenance(recipe.name))
+        spec = serve_spec(out.resolve(), drafter.config)
+        command = f"vllm serve {target.path} --speculative-config '{json.dumps(spec)}'"
+        print(f"export: vLLM DFlash drafter in {out} (block of {drafter.config.block_size}, mask token "
+              f"{drafter.config.mask_token_id})\n  serve it with:\n  {command}\n\nnext: specdraft doctor {out}")
+        k = {"value": spec["num_speculative_tokens"], "source": "block_size - 1 (the block the drafter was trained on)"}
+        return folder.record("export", state="done", config=recipe.export, counts={"formats": 1},
+                             seconds=time.time() - t_start,
+                             extra={"method": "dflash", "serve_command": command, "serve_commands": {"vllm": command},
+                                    "folders": {"vllm": {"path": str(out.relative_to(folder.path)),
+                                                         "format": "DFlash (DFlashDraftModel)"}},
+                                    "embed_included": False, "speculative_tokens": k})
+    def import_folder(self, folder, target, out, extracted_aux_layer_ids=None) -> tuple[DFlashDrafter, DFlashRead]:
+        """A DFlash folder -> a specdraft checkpoint at `out`, after checking it against `target` as vLLM
+        would serve it (the target's embedding and, over the whole vocabulary, its lm_head)."""
+        if (Path(folder) / "mask_embedding.pt").exists():
+            # vLLM feeds the mask slots that tensor instead of an embedding row, which our drafter has no place for.
+            raise ValueError(f"import: {folder} ships mask_embedding.pt (a mask embedding apart from the vocabulary), "
+                             "which specdraft's DFlash drafter does not model")
+        notes: list[str] = []
+        drafter = read_dflash(folder, target.embed_weight(), target.head_weight(), notes)
+        cfg = drafter.config
+        found = problems(cfg, target.num_layers)
+        if cfg.vocab_size != target.vocab_size:
+            found.append(f"vocab_size: drafter {cfg.vocab_size}, target {target.vocab_size} (another tokenizer)")
+        if cfg.target_hidden_size != target.hidden_size:
+            found.append(f"target_hidden_size: drafter {cfg.target_hidden_size}, target hidden_size "
+                         f"{target.hidden_size}")
+        if extracted_aux_layer_ids is not None and list(extracted_aux_layer_ids) != cfg.aux_layer_ids:
+            found.append(f"aux layer ids: drafter {cfg.aux_layer_ids}, the run's hidden states "
+                         f"{list(extracted_aux_layer_ids)} (fine-tuning would feed it other layers)")
+        if found:
+            raise ValueError(f"import: {folder} does not fit the target {target.path}:\n  " + "\n  ".join(found))
+        if not torch.equal(drafter.embed_tokens.weight, target.embed_weight().float()):
+            notes.append("embed_tokens: the folder's own, differing from the target's (vLLM keeps it); kept")
+        config = read_json(Path(folder) / "config.json", fix=REEXPORT, kind=None)  # read_dflash has checked it
+        published = DFlashRead("speculators (dflash)" if is_speculators(config) else "dflash", notes)
+        aux_ids = list(cfg.aux_layer_ids)
+        meta = {"aux_layer_ids": aux_ids, "target": type(target)(target.name, aux_ids).describe(),
+                "imported_from": {"folder": str(Path(folder).resolve()), "layout": published.layout, "notes": notes}}
+        save_checkpoint(drafter, Path(out), meta)
+        return drafter, published
     def describe(self, drafter) -> str:
         cfg = drafter.config
         return (f"DFlash, {cfg.num_layers} layer(s), hidden {cfg.hidden_size}, {cfg.num_attention_heads} heads x "

@@ -103,79 +103,9 @@ def choose_speculative_tokens(folder, default: int) -> dict:
         raise FileError(f"{report_path}: no per_position_acceptance list and draft_to_target_cost; {fix}")
     speedups = expected_speedups(acceptance, cost)
     best = max(speedups, key=speedups.get)
-    return {"value": best, "source": "eval/report.json", "expected_speedup": {k: round(v, 3) for k, v in speedups.items()},
-            "per_position_acceptance": report["per_position_acceptance"], "draft_to_target_cost": report["draft_to_target_cost"],
-            "measured_up_to": len(speedups)}
-
-
-def export(recipe, folder, formats: list[str], drafter, target, embed, t_start: float) -> dict:
-    """The speculators and flat folders, with the K of the best expected speedup once eval measured it."""
-    k = choose_speculative_tokens(folder, recipe.eval.draft_tokens)
-    speculative_tokens = k["value"]
-    if "expected_speedup" in k:
-        table = ", ".join(f"K={n}: {v:.2f}x" for n, v in k["expected_speedup"].items())
-        print(f"export: {speculative_tokens} speculative tokens, the best expected speedup from the eval report "
-              f"({table}; draft/target cost {k['draft_to_target_cost']})")
-    else:
-        print(f"export: {speculative_tokens} speculative tokens from the {k['source']}")
-    # The embedding is frozen at the target's during training, so the engine's shared copy is identical.
-    include_embed = not torch.equal(drafter.embed_tokens.weight.detach(), embed.float())
-    written, commands = {}, {}
-    # Every format's folder written under a temporary name, all swapped in at the end: a format refused
-    # or failing midway leaves the last good export's folders as they were.
-    with staged_folders(*(folder.export(fmt) for fmt in formats)) as staged:
-        for fmt, tmp in zip(formats, staged):
-            out = folder.export(fmt)
-            if fmt == "vllm":
-                write_vllm(drafter, tmp, verifier=str(target.path),
-                           verifier_architectures=list(target.config.architectures or []),
-                           speculative_tokens=speculative_tokens, include_embed=include_embed,
-                           provenance=provenance(recipe.name))
-                written[fmt] = {"path": str(out.relative_to(folder.path)), "format": "speculators (Eagle3Speculator)"}
-                commands[fmt] = serve_command(str(target.path), out, speculative_tokens)
-            else:
-                write_sglang(drafter, tmp, include_embed=include_embed, provenance=provenance(recipe.name))
-                written[fmt] = {"path": str(out.relative_to(folder.path)), "format": f"flat ({FLAT_ARCHITECTURE})"}
-                commands[fmt] = sglang_serve_command(str(target.path), out, speculative_tokens)
-    engines = {"vllm": "vLLM", "sglang": "SGLang"}
-    for fmt in formats:
-        print(f"export: {engines[fmt]} drafter in {folder.export(fmt)}\n  serve it with:\n  {commands[fmt]}")
-    print(f"\nnext: specdraft doctor {folder.export(formats[0])}")
-    return folder.record("export", state="done", config=recipe.export, counts={"formats": len(written)},
-                      seconds=time.time() - t_start,
-                      extra={"method": "eagle3", "folders": written, "serve_command": commands[formats[0]],
-                             "serve_commands": commands, "embed_included": include_embed,
-                             "speculative_tokens": k})
-
-
-# ---------------------------------------------------------------------------------------------------
-# Import
-
-
-def import_folder(folder: Path, target, out: Path, extracted_aux_layer_ids: list[int] | None = None):
-    """A published drafter folder -> a specdraft checkpoint at `out` (the trainer's checkpoint format,
-    which eval, export and fine-tuning read), after checking it against `target` (and against the
-    layers a run's hidden states hold, when given). Any misfit is an error that lists every one."""
-
-    folder = Path(folder)
-    published = read_published(folder, target.default_aux_layer_ids())
-    problems = fit_problems(published.config, target, EMBED_KEY[1] in published.tensors)
-    if extracted_aux_layer_ids is not None and list(extracted_aux_layer_ids) != published.config.aux_layer_ids:
-        problems.append(f"aux layer ids: drafter {published.config.aux_layer_ids}, the run's hidden states "
-                        f"{list(extracted_aux_layer_ids)} (fine-tuning would feed it other layers)")
-    if problems:
-        raise ValueError(f"import: {folder} does not fit the target {target.path}:\n  " + "\n  ".join(problems))
-    embed = target.embed_weight()
-    drafter = published.build(embed)
-    if EMBED_KEY[1] in published.tensors and not torch.equal(drafter.embed_tokens.weight, embed.float()):
-        published.notes.append("embed_tokens: differs from the target's; kept in the checkpoint")
-    aux_ids = drafter.config.aux_layer_ids
-    target_for_drafter = type(target)(target.name, aux_ids)
-    meta = {"aux_layer_ids": aux_ids, "target": target_for_drafter.describe(),
-            "imported_from": {"folder": str(folder.resolve()), "layout": published.layout,
-                              "notes": published.notes}}
-    save_checkpoint(drafter, Path(out), meta)
-    return drafter, published
+    return {"value": best, "source": "eval/report.json",
+            "expected_speedup": {k: round(v, 3) for k, v in speedups.items()},
+            "per_position_acceptance": acceptance, "draft_to_target_cost": cost, "measured_up_to": len(speedups)}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -270,11 +200,68 @@ class Eagle3(Method):
         return {"method": "eagle3", "model": str(folder), "num_speculative_tokens": K or 3}
 
     def export(self, recipe, folder, formats, drafter, target, embed, t_start) -> dict:
-        return export(recipe, folder, formats, drafter, target, embed, t_start)
+        """The speculators and flat folders, with the K of the best expected speedup once eval measured it."""
+        k = choose_speculative_tokens(folder, recipe.eval.draft_tokens)
+        speculative_tokens = k["value"]
+        if "expected_speedup" in k:
+            table = ", ".join(f"K={n}: {v:.2f}x" for n, v in k["expected_speedup"].items())
+            print(f"export: {speculative_tokens} speculative tokens, the best expected speedup from the eval report "
+                  f"({table}; draft/target cost {k['draft_to_target_cost']})")
+        else:
+            print(f"export: {speculative_tokens} speculative tokens from the {k['source']}")
+        # The embedding is frozen at the target's during training, so the engine's shared copy is identical.
+        include_embed = not torch.equal(drafter.embed_tokens.weight.detach(), embed.float())
+        written, commands = {}, {}
+        # Every format's folder written under a temporary name, all swapped in at the end: a format refused
+        # or failing midway leaves the last good export's folders as they were.
+        with staged_folders(*(folder.export(fmt) for fmt in formats)) as staged:
+            for fmt, tmp in zip(formats, staged):
+                out = folder.export(fmt)
+                if fmt == "vllm":
+                    write_vllm(drafter, tmp, verifier=str(target.path),
+                               verifier_architectures=list(target.config.architectures or []),
+                               speculative_tokens=speculative_tokens, include_embed=include_embed,
+                               provenance=provenance(recipe.name))
+                    written[fmt] = {"path": str(out.relative_to(folder.path)),
+                                    "format": "speculators (Eagle3Speculator)"}
+                    commands[fmt] = serve_command(str(target.path), out, speculative_tokens)
+                else:
+                    write_sglang(drafter, tmp, include_embed=include_embed, provenance=provenance(recipe.name))
+                    written[fmt] = {"path": str(out.relative_to(folder.path)), "format": f"flat ({FLAT_ARCHITECTURE})"}
+                    commands[fmt] = sglang_serve_command(str(target.path), out, speculative_tokens)
+        engines = {"vllm": "vLLM", "sglang": "SGLang"}
+        for fmt in formats:
+            print(f"export: {engines[fmt]} drafter in {folder.export(fmt)}\n  serve it with:\n  {commands[fmt]}")
+        print(f"\nnext: specdraft doctor {folder.export(formats[0])}")
+        return folder.record("export", state="done", config=recipe.export, counts={"formats": len(written)},
+                          seconds=time.time() - t_start,
+                          extra={"method": "eagle3", "folders": written, "serve_command": commands[formats[0]],
+                                 "serve_commands": commands, "embed_included": include_embed,
+                                 "speculative_tokens": k})
+    def import_folder(self, folder, target, out, extracted_aux_layer_ids=None):
+        """A published drafter folder -> a specdraft checkpoint at `out` (the trainer's checkpoint format,
+        which eval, export and fine-tuning read), after checking it against `target` (and against the
+        layers a run's hidden states hold, when given). Any misfit is an error that lists every one."""
 
-    def import_folder(self, folder, target, out, extracted_aux_layer_ids):
-        return import_folder(folder, target, out, extracted_aux_layer_ids)
-
+        folder = Path(folder)
+        published = read_published(folder, target.default_aux_layer_ids())
+        problems = fit_problems(published.config, target, EMBED_KEY[1] in published.tensors)
+        if extracted_aux_layer_ids is not None and list(extracted_aux_layer_ids) != published.config.aux_layer_ids:
+            problems.append(f"aux layer ids: drafter {published.config.aux_layer_ids}, the run's hidden states "
+                            f"{list(extracted_aux_layer_ids)} (fine-tuning would feed it other layers)")
+        if problems:
+            raise ValueError(f"import: {folder} does not fit the target {target.path}:\n  " + "\n  ".join(problems))
+        embed = target.embed_weight()
+        drafter = published.build(embed)
+        if EMBED_KEY[1] in published.tensors and not torch.equal(drafter.embed_tokens.weight, embed.float()):
+            published.notes.append("embed_tokens: differs from the target's; kept in the checkpoint")
+        aux_ids = drafter.config.aux_layer_ids
+        target_for_drafter = type(target)(target.name, aux_ids)
+        meta = {"aux_layer_ids": aux_ids, "target": target_for_drafter.describe(),
+                "imported_from": {"folder": str(folder.resolve()), "layout": published.layout,
+                                  "notes": published.notes}}
+        save_checkpoint(drafter, Path(out), meta)
+        return drafter, published
     def describe(self, drafter) -> str:
         cfg = drafter.config
         return (f"EAGLE-3, hidden {cfg.hidden_size}, {cfg.num_attention_heads} heads x {cfg.head_dim}, draft vocab "

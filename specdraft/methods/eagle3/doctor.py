@@ -214,7 +214,3 @@ def diagnose(folder: Path, config: dict, target, run_path: Path | None, measured
         checks += _measured_checks(drafter, target, Path(run_path) if run_path is not None else None,
                                    conversations)
     return checks
-
-
-# ---------------------------------------------------------------------------------------------------
-# DFlash folders
