@@ -151,7 +151,7 @@ def train_all(jobs: list[tuple[Variant, Path, list[str]]], parallel: int, deadli
             for v, _, p, _ in running:
                 os.killpg(p.pid, signal.SIGTERM)
                 print(f"ablate: {v.name} cut at the deadline (resumes from latest)", flush=True)
-            for v, _, p, _ in running:
+            for _, _, p, _ in running:
                 try:
                     p.wait(STOP_GRACE_S)
                 except subprocess.TimeoutExpired:
@@ -167,9 +167,9 @@ class Scorer:
     tree on the real decoder (bench/ablations.md)."""
 
     def __init__(self, base_run: Path, device, decode_prompts: int = 0):
+        from specdraft.drafters.common import pack
         from specdraft.hidden.store import HiddenStore
         from specdraft.targets import Target
-        from specdraft.drafters.common import pack
         from specdraft.training import split_holdout, target_top_tokens
 
         recipe = RunFolder(base_run).recipe()
@@ -197,8 +197,8 @@ class Scorer:
         import torch
 
         from specdraft.decoding.rounds import Stats
-        from specdraft.methods.eagle3.decode import speculative
         from specdraft.decoding.tree import TreeShape
+        from specdraft.methods.eagle3.decode import speculative
 
         c = self.eval_cfg
         drafter = drafter.to(self.device, getattr(torch, c.dtype))
@@ -217,9 +217,9 @@ class Scorer:
     def __call__(self, v: Variant, folder: Path) -> dict:
         import math
 
+        from specdraft.methods import load_checkpoint
         from specdraft.methods.eagle3.objective import TTT
         from specdraft.training import autocast_for, evaluate
-        from specdraft.methods import load_checkpoint
 
         run = RunFolder(folder)
         cfg = run.recipe().train

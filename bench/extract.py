@@ -30,9 +30,9 @@ import torch  # noqa: E402
 
 from specdraft import environment  # noqa: E402
 from specdraft.config import ExtractConfig  # noqa: E402
-from specdraft.stages.extract import extract, forward_states, load_target_model, plan_shards
 from specdraft.hidden.capture import input_device, padded_batch
 from specdraft.hidden.store import disk_bytes_per_token, token_batches  # noqa: E402
+from specdraft.stages.extract import extract, forward_states, load_target_model, plan_shards
 from specdraft.targets import Target, get_attr, resolve_device  # noqa: E402
 
 # Batches timed before measuring: kernel selection, allocator warm-up, first-call overheads.
@@ -52,8 +52,8 @@ def _init_worker(model: str) -> None:
 
 
 def _render(args: tuple[dict, int]) -> tuple[list[int], list[int]] | None:
-    from specdraft.stages.render import render_conversation
     from specdraft.data.sources import DataError
+    from specdraft.stages.render import render_conversation
 
     record, max_length = args
     try:

@@ -26,9 +26,9 @@ import httpx
 
 from specdraft import environment
 from specdraft.config import load_recipe
-from specdraft.stages.gen import ServerGen, select_prompts
 from specdraft.engines import VllmServer
 from specdraft.run import RunFolder
+from specdraft.stages.gen import ServerGen, select_prompts
 from specdraft.targets import Target
 
 

@@ -15,8 +15,8 @@ import json
 import time
 
 from specdraft import environment
-from specdraft.stages.render import ChatTemplate, render_conversation
 from specdraft.data.sources import read_sharegpt
+from specdraft.stages.render import ChatTemplate, render_conversation
 from specdraft.targets import Target
 
 # Long enough for real multi-turn chats, as the demo recipe's render.max_length.

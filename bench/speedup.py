@@ -4,8 +4,9 @@
                                       [--engine auto|eager|static|cuda-graphs]
     python bench/speedup.py runs/tiny --prompts 2 --new-tokens 16          # a CPU smoke run
 
-Prints one JSON line: tau of each way the drafter's method drafts (EAGLE-3: chain and tree; DFlash: block), autoregressive and speculative tokens/s, the
-speedup, the draft/target cost ratio c, and Leviathan's bound for the measured α and c. Every
+Prints one JSON line: tau of each way the drafter's method drafts (EAGLE-3: chain and tree; DFlash:
+block), autoregressive and speculative tokens/s, the speedup, the draft/target cost ratio c, and
+Leviathan's bound for the measured α and c. Every
 speculative output is checked against the target's own greedy output (ties counted, not failed).
 The first prompt is decoded once untimed, so one-time costs (kernel selection, allocator growth, the
 capture of every decode step's CUDA graph) are not charged to either side. The engine (eval.engine,

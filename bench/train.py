@@ -24,10 +24,10 @@ import time
 import torch
 
 from specdraft import environment
+from specdraft.drafters.common import PAD_DOCUMENT
 from specdraft.methods.dflash.drafter import DFlashConfig, DFlashDrafter
 from specdraft.methods.dflash.objective import DFlashObjective
 from specdraft.methods.eagle3.drafter import DrafterConfig, Eagle3Drafter
-from specdraft.drafters.common import PAD_DOCUMENT
 from specdraft.methods.eagle3.objective import TTT
 
 # H200 bf16 dense matrix peak (measured 788 TFLOP/s on 8192^3 products on these machines).

@@ -24,8 +24,8 @@ from specdraft import environment
 from specdraft.config import load_recipe
 from specdraft.decoding import rounds, runners, tree
 from specdraft.methods.eagle3.decode import speculative
-from specdraft.stages import eval as eval_stage
 from specdraft.methods.eagle3.formats import read_drafter
+from specdraft.stages import eval as eval_stage
 from specdraft.targets import Target, resolve_device
 
 

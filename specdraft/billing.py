@@ -308,7 +308,7 @@ def activation_bytes(cfg, batch_tokens: int, row_tokens: int, queries: float) ->
     On top, while one step's attention runs: its raw scores and their masked copy (fp32) — measured by
     bench/plan_memory.py as the gap between the saved tensors and the peak on long rows.
     """
-    H, I, V = cfg.hidden_size, cfg.intermediate_size, cfg.draft_vocab_size
+    H, I, V = cfg.hidden_size, cfg.intermediate_size, cfg.draft_vocab_size  # noqa: E741 - the usual names
     q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
     per_step = (2 * H * (FP32 + BF16) + (q + 2 * kv) * BF16 + (q + kv) * FP32 + q * BF16 + H * FP32
                 + H * (FP32 + BF16) + 4 * I * BF16 + V * (BF16 + 3 * FP32))
@@ -435,7 +435,8 @@ def calibrated_rows(recipe: Recipe, spec: TargetSpec, tokens: dict, parts: dict,
         seconds = samples * prompt / cal.forward_tokens_per_s + calls * steps * cal.decode_step_s
         rows.append(_row("gen", samples * steps, "answer tokens (samples x gen.max_new_tokens, an upper bound)",
                          seconds, f"{where}: {calls} generate calls x {steps} steps x {cal.decode_step_s:.3g} s "
-                                  f"(batch {cal.decode_batch}) + prefills of {prompt:,.0f} tokens at {cal.forward_tokens_per_s:,.0f} tok/s"))
+                                  f"(batch {cal.decode_batch}) + prefills of {prompt:,.0f} tokens at "
+                                  f"{cal.forward_tokens_per_s:,.0f} tok/s"))
     rows.append(_row("extract", tokens["tokens"], "tokens", tokens["tokens"] / cal.forward_tokens_per_s,
                      f"{where}: target forward at {cal.forward_tokens_per_s:,.0f} tok/s"))
     rows.append(_train_row(recipe, tokens, cal, where))
@@ -762,8 +763,8 @@ def _check_disk(plan: dict, recipe: Recipe, spec: TargetSpec, tokens: dict) -> t
     need = max(0, plan["hidden"]["disk_bytes"] - plan["hidden"]["on_disk_bytes"])
     usable = int(free * DISK_HEADROOM)
     checks.append({"check": "disk", "ok": need <= usable, "need_bytes": need, "usable_bytes": usable,
-                   "text": f"hidden states still to write {human_bytes(need)} vs {human_bytes(usable)} usable of {human_bytes(free)} free "
-                           f"on {mach['disk_path']} ({DISK_HEADROOM:.0%})"})
+                   "text": f"hidden states still to write {human_bytes(need)} vs {human_bytes(usable)} usable of "
+                           f"{human_bytes(free)} free on {mach['disk_path']} ({DISK_HEADROOM:.0%})"})
     if need > usable:
         recs.append({"do": "--set train.hidden=served",
                      "why": f"writes no hidden/: a vLLM server computes the states as the trainer needs them, "
@@ -870,8 +871,9 @@ def _topology(recipe: Recipe, spec: TargetSpec, gpus: int, gpu_bytes: int, state
             "trainer_per_gpu_bytes": train_bytes, "beside_fits": beside_fits,
             "beside_batch_tokens": fit_batch_tokens(left) if left > 0 else 0,
             "own_gpus": gpus - tp, "own_fits": gpus > tp and usable >= train_bytes}
-    what = (f"vLLM holds the target with TP = {tp}: {human_bytes(server)} per GPU (weights {human_bytes(spec.weight_bytes() // tp)} "
-            f"+ the in-flight states' cache), {human_bytes(left)} left of {human_bytes(usable)} usable")
+    what = (f"vLLM holds the target with TP = {tp}: {human_bytes(server)} per GPU (weights "
+            f"{human_bytes(spec.weight_bytes() // tp)} + the in-flight states' cache), {human_bytes(left)} left of "
+            f"{human_bytes(usable)} usable")
     if beside_fits:
         verdict = (f"the trainer fits beside it on the same GPUs ({human_bytes(train_bytes)} per GPU, "
                    f"{human_bytes(left - train_bytes)} to spare): start vLLM with --gpu-memory-utilization "

@@ -588,7 +588,7 @@ def _ranges(cls) -> dict[str, Range]:
         if typing.get_origin(tp) is list:
             (tp,) = typing.get_args(tp)
         if typing.get_origin(tp) is Annotated:
-            out.update({name: m for m in tp.__metadata__ if isinstance(m, Range)})
+            out.update((name, m) for m in tp.__metadata__ if isinstance(m, Range))
     return out
 
 

@@ -39,7 +39,8 @@ def refuse_pickled_weights(folder: Path) -> None:
 def bin_to_safetensors_command(folder: Path) -> str:
     """A shell command (torch + safetensors, no specdraft) writing `folder`'s pytorch_model*.bin tensors
     to model.safetensors: copies, so tensors that shared storage in the pickle can be saved."""
-    code = ("import glob, torch; from safetensors.torch import save_file; "
+    # % rather than an f-string: the code has braces of its own.
+    code = ("import glob, torch; from safetensors.torch import save_file; "  # noqa: UP031
             "save_file({k: v.contiguous().clone() for f in sorted(glob.glob(%s)) "
             "for k, v in torch.load(f, map_location=\"cpu\", weights_only=True).items()}, %s)"
             % (json.dumps(str(Path(folder) / "pytorch_model*.bin")),

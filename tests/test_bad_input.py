@@ -19,8 +19,8 @@ import pytest
 from specdraft.cli import main
 
 # (subcommand, kind of bad input, argv). doctor's verdict on a folder it can read is its FAIL lines and
-# exit code 1 (tests/test_doctor.py); here only what stops it from looking. "R" is replaced by an existing recipe file, "F" by a drafter
-# folder that holds a config.json only, "J" by a file that is not JSON.
+# exit code 1 (tests/test_doctor.py); here only what stops it from looking. "R" is replaced by an existing
+# recipe file, "F" by a drafter folder that holds a config.json only, "J" by a file that is not JSON.
 MATRIX = [
     ("gen", "malformed --set", ["gen", "--run", "r", "--set", "foo"]),
     ("gen", "malformed --set", ["gen", "--run", "r", "--set", "=3"]),

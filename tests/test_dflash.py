@@ -288,8 +288,8 @@ def fit(d, objective, batch: dict, steps: int) -> dict:
 def test_the_objective_trains_a_drafter_to_draft_the_targets_tokens():
     """A few hundred steps on one batch: the drafter learns the target's tokens, slot by slot (what the
     statistics say is what drafting one block at a time gives)."""
-    from specdraft.methods.dflash.objective import DFlashObjective
     from specdraft.drafters.common import summarize
+    from specdraft.methods.dflash.objective import DFlashObjective
 
     d = tiny()
     d.train()

@@ -136,9 +136,9 @@ def test_the_static_engine_drafts_blocks_as_the_eager_one(dflash_run):
     whole capacity under a mask: what the GPU captures) drafts the eager one's tokens at every anchor,
     decodes the same output with the same accepted lengths, and its steps read nothing on the host."""
     from specdraft.decoding import runners
-    from specdraft.methods.dflash.decode import STATES, speculative_dflash
     from specdraft.decoding.rounds import Stats
     from specdraft.methods import load_trained
+    from specdraft.methods.dflash.decode import STATES, speculative_dflash
     from specdraft.stages.eval import load_prompts
 
     folder = RunFolder(dflash_run)
@@ -188,10 +188,10 @@ def test_block_rounds_of_the_memorised_drafter_are_exact_and_accept_deep(memoris
     drafter memorised (gen ran in bf16): on all 8 prompts it measured tau 1.77, histogram [99, 8, 1, 33]
     (vLLM in bf16 served 2.07), so the floor is low; a drafter whose blocks the loop misaligned would
     accept next to nothing."""
-    from specdraft.methods.dflash.decode import speculative_dflash
     from specdraft.decoding.rounds import Stats, check_exact, greedy
     from specdraft.decoding.runners import make_runner
     from specdraft.methods import load_trained
+    from specdraft.methods.dflash.decode import speculative_dflash
 
     folder = RunFolder(memorised_dflash_run)
     drafter, target, _ = load_trained(folder.recipe(), folder)

@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from specdraft.drafters import vocab
+from specdraft.drafters.checks import held_out_conversations, training_conversations
+from specdraft.drafters.common import provenance
 from specdraft.methods.eagle3.drafter import DrafterConfig, Eagle3Drafter
 from specdraft.methods.eagle3.formats import write_sglang, write_vllm
-from specdraft.drafters.checks import held_out_conversations, training_conversations
 from specdraft.stages.doctor import diagnose
-from specdraft.drafters.common import provenance
 
 pytestmark = pytest.mark.slow  # reads the real target's embedding
 

@@ -3,10 +3,9 @@
 import pytest
 import torch
 
-from specdraft.methods.eagle3.drafter import DrafterConfig, Eagle3Drafter, document_mask
 from specdraft.drafters.common import PAD_DOCUMENT
-from specdraft.methods.eagle3.objective import TTT
-from specdraft.methods.eagle3.objective import unroll
+from specdraft.methods.eagle3.drafter import DrafterConfig, Eagle3Drafter, document_mask
+from specdraft.methods.eagle3.objective import TTT, unroll
 
 
 def small_config(**kw) -> DrafterConfig:

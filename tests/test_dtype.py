@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from specdraft.cli import main
-from specdraft.targets import cpu_has_bf16, resolve_dtype
 from specdraft.run import RunFolder
+from specdraft.targets import cpu_has_bf16, resolve_dtype
 
 
 def _kernel_flags() -> set[str]:

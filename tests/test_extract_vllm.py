@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_extract import bf16_run, rendered  # noqa: F401  (the shared extraction fixtures)
 
 from specdraft.hidden.store import HiddenStore
 from specdraft.stages import extract as ex
@@ -45,6 +46,3 @@ def test_vllm_backend_gives_the_transformers_tensors(bf16_run, target, tmp_path)
     # closely), last 3.1 % (after all 30 layers). A wrong layer or a missing final norm is ~100 %.
     assert worst["aux"] < 0.01 and worst["last"] < 0.05, worst
     assert agree / total > 0.9, agree / total
-
-
-from test_extract import bf16_run, rendered  # noqa: F401  (the shared extraction fixtures)

@@ -9,13 +9,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from specdraft.drafters import vocab
+from specdraft.methods import eagle3 as eagle3_method
+from specdraft.methods.eagle3 import formats, sglang_serve_command
 from specdraft.methods.eagle3.drafter import DrafterConfig, Eagle3Drafter
-from specdraft.methods.eagle3 import formats
+from specdraft.methods.eagle3.formats import read_drafter, read_sglang, read_vllm, write_sglang, write_vllm
 from specdraft.run import write_json
 from specdraft.stages import export as export_stage
-from specdraft.methods.eagle3.formats import read_drafter, read_sglang, read_vllm, write_sglang, write_vllm
-from specdraft.methods import eagle3 as eagle3_method
-from specdraft.methods.eagle3 import sglang_serve_command
 from specdraft.stages.export import resolve_formats
 
 VOCAB, DRAFT_VOCAB, T = 50, 20, 7

@@ -8,8 +8,8 @@ import pytest
 
 from specdraft.cli import build_parser
 from specdraft.config import ConfigError, GenConfig, Recipe, apply_override
-from specdraft.stages.gen import expects_reasoning, finished_ids, split_reasoning
 from specdraft.data.sources import DataError
+from specdraft.stages.gen import expects_reasoning, finished_ids, split_reasoning
 
 
 def test_a_malformed_record_is_named_by_file_and_line(tmp_path):

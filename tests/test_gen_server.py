@@ -18,9 +18,9 @@ import pytest
 from faultproxy import FaultProxy
 
 from specdraft.config import load_recipe
+from specdraft.run import RunFolder
 from specdraft.stages import gen as generate
 from specdraft.stages.gen import GenStopped
-from specdraft.run import RunFolder
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
@@ -177,8 +177,8 @@ def test_multi_turn_is_replayed_on_the_targets_own_answers(vllm_target, tmp_path
     ]
     source.write_text("".join(json.dumps({"id": f"c{i}", "messages": [{"role": r, "content": c} for r, c in conv]})
                               + "\n" for i, conv in enumerate(convs)))
-    # One request at a time, here and when asking again: greedy text is then the same (docs/engine-facts.md: bf16 batches
-    # of other shapes can flip near-ties).
+    # One request at a time, here and when asking again: greedy text is then the same (docs/engine-facts.md:
+    # bf16 batches of other shapes can flip near-ties).
     recipe = make_recipe(tmp_path, vllm_target.url, num_samples=2, max_new_tokens=24, max_turns=0, concurrency=1,
                          data=f'source = "{source}"\neval_fraction = 0.0')
     run = gen_inline(tmp_path, recipe)

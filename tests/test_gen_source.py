@@ -10,11 +10,11 @@ import pytest
 
 from specdraft.cli import main
 from specdraft.config import ConfigError, load_recipe
+from specdraft.data.sources import DataError, read_sharegpt
+from specdraft.data.tokens import load_tokens
+from specdraft.run import RunFolder
 from specdraft.stages import gen as generate
 from specdraft.stages.gen import num_samples, select_prompts
-from specdraft.data.tokens import load_tokens
-from specdraft.data.sources import DataError, read_sharegpt
-from specdraft.run import RunFolder
 
 LONG_PROMPT_WORDS = 200  # far over the small-source recipe's max_prompt_tokens
 

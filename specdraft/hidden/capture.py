@@ -179,7 +179,7 @@ class VllmStates:
         self.url, self.model = url, model
         self.norm = FinalNorm(target, cfg.dtype)
 
-    def __enter__(self) -> "VllmStates":
+    def __enter__(self) -> VllmStates:
         if self.server is not None:
             self.server.start()
             self.url, self.model = self.server.url, self.server.model

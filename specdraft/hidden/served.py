@@ -424,7 +424,7 @@ class _Pipeline:
                     return
                 p = self.submitted
                 size = src.file_bytes(self.order[p])
-                self.cond.wait_for(lambda: self.closed or (
+                self.cond.wait_for(lambda size=size: self.closed or (
                     len(self.futures) < self.ahead and self.inflight_bytes + size <= self.cap))
                 if self.closed:
                     return

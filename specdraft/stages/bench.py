@@ -8,9 +8,9 @@ chunks) percentiles. Acceptance comes from the engine's Prometheus `/metrics`: v
 and `..._num_accepted_tokens_per_pos_total{position="i"}`; the figures of a level are the deltas of
 these counters between a scrape before and one after it.
 
-`compare` starts vLLM once per configuration (no speculation, n-gram, the drafter with K = 1…7, served as its method says) through
-`VllmServer` and sweeps each, so one report shows them side by side: speedup over no speculation at
-each concurrency, acceptance per position, tau against K.
+`compare` starts vLLM once per configuration (no speculation, n-gram, the drafter with K = 1…7, served
+as its method says) through `VllmServer` and sweeps each, so one report shows them side by side:
+speedup over no speculation at each concurrency, acceptance per position, tau against K.
 """
 
 from __future__ import annotations

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from specdraft.config import ExtractConfig, Recipe
 from specdraft.data.tokens import load_tokens
+from specdraft.files import save_safetensors
 from specdraft.hidden.capture import (
     VllmStates,
     forward_states,
@@ -40,7 +41,6 @@ from specdraft.hidden.store import (
     shard_name,
     token_batches,
 )
-from specdraft.files import save_safetensors
 from specdraft.run import RunFolder, atomic_path, write_json
 from specdraft.targets import Target
 

@@ -13,8 +13,8 @@ from pathlib import Path
 from specdraft.drafters.checkpoint import COMPLETE, scratch_paths
 from specdraft.drafters.common import REEXPORT
 from specdraft.files import read_json
-from specdraft.methods import for_folder
 from specdraft.hidden.store import INDEX, read_index
+from specdraft.methods import for_folder
 from specdraft.run import RunFolder, check_new_or_ours
 from specdraft.targets import Target
 
@@ -107,5 +107,6 @@ def run_import(source: str, recipe, folder: RunFolder | None = None, out: str | 
     # Recorded as the run's drafter: eval and export load the train stage's checkpoint.
     folder.record("train", state="done", extra={"checkpoint": rel, "imported_from": info["folder"]})
     formats = "both" if len(method.formats) > 1 else method.formats[0]
-    print(f"\nnext: specdraft eval --run {folder.path}    (then: specdraft export --run {folder.path} --formats {formats})")
+    print(f"\nnext: specdraft eval --run {folder.path}    "
+          f"(then: specdraft export --run {folder.path} --formats {formats})")
     return entry

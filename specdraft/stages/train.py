@@ -34,7 +34,6 @@ from specdraft.methods import named
 from specdraft.run import RunFolder
 from specdraft.targets import Target
 
-
 # ---------------------------------------------------------------------------------------------------
 # Checks before training
 

@@ -1,10 +1,10 @@
 """DFlash rounds in the reference decoder's one round loop (rounds.decode): a round drafts a whole block
 in one drafter forward, and the target verifies it in one forward as it verifies an EAGLE-3 chain.
 
-The block context (BlockContext on the eager engine, StaticBlockContext on preallocated buffers, below) is the drafter's state
-across rounds: its context is the keys and values every drafter layer makes of the target's aux states,
-one per accepted position, appended as rounds accept them (vLLM writes the same into its drafter KV
-cache), and the next round's anchor. A round whose last token x_n (the anchor: produced by the
+The block context (BlockContext on the eager engine, StaticBlockContext on preallocated buffers, below)
+is the drafter's state across rounds: its context is the keys and values every drafter layer makes of
+the target's aux states, one per accepted position, appended as rounds accept them (vLLM writes the
+same into its drafter KV cache), and the next round's anchor. A round whose last token x_n (the anchor: produced by the
 target, not yet fed to it) sits at position n drafts positions n + 1 .. n + K from the context of the
 positions < n and the block [x_n, mask, ..., mask]; the target is then fed x_n and the K drafts at
 positions n .. n + K, and GreedyBlock keeps the longest drafted prefix the target itself picks, plus the

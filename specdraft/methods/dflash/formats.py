@@ -36,10 +36,10 @@ from pathlib import Path
 
 import torch
 
-from specdraft.methods.dflash.drafter import DEFAULT_BLOCK_SIZE, DFlashConfig, DFlashDrafter
 from specdraft.drafters.common import REEXPORT
 from specdraft.drafters.vocab import checked_t2d
 from specdraft.files import load_safetensors, read_json, save_safetensors
+from specdraft.methods.dflash.drafter import DEFAULT_BLOCK_SIZE, DFlashConfig, DFlashDrafter
 from specdraft.run import atomic_path, write_json
 
 WEIGHTS = "model.safetensors"

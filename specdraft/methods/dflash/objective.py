@@ -21,8 +21,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from specdraft.methods.dflash.drafter import DFlashDrafter
 from specdraft.drafters.common import PAD_DOCUMENT, position_loss
+from specdraft.methods.dflash.drafter import DFlashDrafter
 
 # The paper's and SpecForge's weighting for blocks of 16: slot 16 weighs exp(-14 / 7) = 0.14 of slot 1.
 DEFAULT_GAMMA = 7.0

@@ -15,8 +15,8 @@ of steps 1..i at t) and drafting at inference (the drafter's cache plus the chai
 Training packs several documents into one row: the base keys are then limited to the query's own
 document (`documents`, a [B, T] id per position), so packing is exact. The base part runs as one
 attention call per row on CUDA (FlexAttention with a block-sparse document mask) and as one causal
-product per document on the CPU, each returning its log-sum-exp; the diagonal keys are merged into it exactly through that
-log-sum-exp, so no [T, steps*T] score matrix is ever formed.
+product per document on the CPU, each returning its log-sum-exp; the diagonal keys are merged into it
+exactly through that log-sum-exp, so no [T, steps*T] score matrix is ever formed.
 """
 
 from __future__ import annotations

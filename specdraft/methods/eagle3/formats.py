@@ -36,10 +36,10 @@ from pathlib import Path
 
 import torch
 
-from specdraft.methods.eagle3.drafter import DrafterConfig, Eagle3Drafter
-from specdraft.files import load_safetensors, read_json, save_safetensors
 from specdraft.drafters.common import REEXPORT
 from specdraft.drafters.vocab import checked_t2d
+from specdraft.files import load_safetensors, read_json, save_safetensors
+from specdraft.methods.eagle3.drafter import DrafterConfig, Eagle3Drafter
 from specdraft.run import atomic_path, write_json
 from specdraft.targets import refuse_pickled_weights
 

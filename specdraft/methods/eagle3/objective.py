@@ -15,8 +15,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from specdraft.drafters.common import NO_DOCUMENT, STAT_COLUMNS, position_loss, shift
+from specdraft.drafters.common import NO_DOCUMENT, position_loss, shift
 from specdraft.methods.eagle3.drafter import Eagle3Drafter, document_mask
+
 
 def unroll(drafter: Eagle3Drafter, aux, ids, documents, positions, steps: int, checkpointing: bool = False,
            mask=None):
