@@ -50,10 +50,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def vllm_available(python: Path = VLLM_PYTHON) -> bool:
-    return Path(python).exists()
-
-
 def serve_args(model: str | Path, *, max_model_len: int = 2048, dtype: str = "bfloat16",
                speculative: dict | None = None, extra: list[str] | None = None) -> list[str]:
     """The arguments after `vllm serve` (also what we print for users to run themselves). `extra` may not

@@ -88,9 +88,9 @@ VLLM_EAGER = ["--enforce-eager"]
 def need_vllm() -> None:
     """Skip a test that needs the vLLM venv where there is none; where SPECDRAFT_REQUIRE_VLLM=1 (CI sets
     it) a missing venv fails the test instead, so a broken vLLM install cannot pass as a skip."""
-    from specdraft.engines import VLLM_PYTHON, vllm_available
+    from specdraft.engines import VLLM_PYTHON
 
-    if vllm_available():
+    if VLLM_PYTHON.exists():
         return
     why = f"no vLLM venv at {VLLM_PYTHON} (bash scripts/install_vllm.sh)"
     if os.environ.get("SPECDRAFT_REQUIRE_VLLM") == "1":
@@ -250,3 +250,19 @@ def qwen_memorised_run(tmp_path_factory, qwen) -> Path:
     """A Qwen2.5-Coder drafter that memorised its answers to 8 programming prompts, exported for vLLM;
     cached like `memorised_run`."""
     return _memorised(MEMORISED_QWEN_RECIPE, "vllm", tmp_path_factory, qwen)
+
+
+def training_conversations(run_path: Path, n: int = 8, answer_tokens: int = 48) -> list[tuple[list[int], list[int]]]:
+    """(prompt ids, answer ids) of the run's own training samples, for doctor's measured checks: where a
+    drafter that learnt anything must agree with the target (the held-out split tells whether it generalises)."""
+    from specdraft.data.tokens import load_tokens
+
+    _, samples = load_tokens(Path(run_path) / "tokens")
+    out = []
+    for ids, mask in samples[:n]:
+        ids, mask = list(map(int, ids)), list(map(int, mask))
+        start = mask.index(1)
+        out.append((ids[:start], ids[start:start + answer_tokens]))
+    return out
+
+

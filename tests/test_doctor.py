@@ -6,9 +6,10 @@ import json
 
 import pytest
 import torch
+from conftest import training_conversations
 
 from specdraft.drafters import vocab
-from specdraft.drafters.checks import held_out_conversations, training_conversations
+from specdraft.drafters.checks import held_out_conversations
 from specdraft.drafters.common import provenance
 from specdraft.methods.eagle3.drafter import DrafterConfig, Eagle3Drafter
 from specdraft.methods.eagle3.formats import write_sglang, write_vllm

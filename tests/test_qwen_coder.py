@@ -192,9 +192,10 @@ def test_stored_states_are_the_layers_vllm_reads(qwen_memorised_run, qwen):
 
 @pytest.mark.slow
 def test_doctor_passes_the_memorised_drafter_and_fails_it_with_d2t_lost(qwen_memorised_run, qwen, tmp_path):
+    from conftest import training_conversations
     from safetensors.torch import load_file, save_file
 
-    from specdraft.stages.doctor import diagnose, training_conversations
+    from specdraft.stages.doctor import diagnose
 
     learnt = training_conversations(qwen_memorised_run)
     folder = qwen_memorised_run / "export" / "vllm"

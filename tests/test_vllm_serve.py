@@ -127,7 +127,9 @@ def test_doctor_predicts_what_vllm_measures_for_wrong_aux_ids(memorised_run, ser
     exactly the layers its config names, accepts far less."""
     import shutil
 
-    from specdraft.stages.doctor import diagnose, training_conversations
+    from conftest import training_conversations
+
+    from specdraft.stages.doctor import diagnose
 
     broken = tmp_path / "broken"
     shutil.copytree(memorised_run / "export" / "vllm", broken)

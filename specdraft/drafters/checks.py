@@ -140,19 +140,3 @@ def held_out_conversations(target, run_path: Path | None, n: int = AGREEMENT_CON
         if len(out) >= n:
             break
     return out
-
-
-def training_conversations(run_path: Path, n: int = AGREEMENT_CONVERSATIONS,
-                           answer_tokens: int = AGREEMENT_TOKENS) -> list[tuple[list[int], list[int]]]:
-    """(prompt ids, answer ids) of the run's own training samples: where a drafter that learnt anything
-    must agree with the target (the held-out split tells whether it generalises)."""
-
-    _, samples = load_tokens(RunFolder(run_path).tokens)
-    out = []
-    for ids, mask in samples[:n]:
-        ids, mask = list(map(int, ids)), list(map(int, mask))
-        start = mask.index(1)
-        out.append((ids[:start], ids[start:start + answer_tokens]))
-    return out
-
-
