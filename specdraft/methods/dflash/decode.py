@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from specdraft.decoding.clock import host_read
 from specdraft.decoding.rounds import GreedyTree, Stats, decode
 from specdraft.decoding.static import StepGraphs
 from specdraft.decoding.tree import Tree, TreeShape
@@ -50,7 +51,9 @@ class BlockContext:
 
     def draft(self) -> list[int]:
         """The block's K drafts: target ids of positions anchor + 1 .. anchor + K."""
-        return self.drafter.draft(self.kv, self.anchor, self.anchor_position)
+        ids = self.drafter.draft_ids(self.kv, self.anchor, self.anchor_position)
+        with host_read():
+            return ids.tolist()
 
 
 class StaticBlockContext:
@@ -103,7 +106,8 @@ class StaticBlockContext:
         """As BlockContext.draft."""
         ids = self.graphs(("block-draft",), self._draft, torch.tensor([[self.anchor]]),
                           torch.tensor(self.anchor_position))
-        return ids.tolist()
+        with host_read():
+            return ids.tolist()
 
     def _draft(self, token, position):
         """token [1, 1], position [] -> the drafted target ids [block_size - 1]."""
