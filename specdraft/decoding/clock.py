@@ -6,7 +6,7 @@ it sits in.
 
 from __future__ import annotations
 
-import time
+from time import perf_counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -35,13 +35,13 @@ class RoundClock:
     @contextmanager
     def __call__(self, part: str) -> Iterator[None]:
         sync(self.device)
-        t0 = time.perf_counter()
+        t0 = perf_counter()
         self.nested.append(0.0)
         try:
             yield
         finally:
             sync(self.device)
-            took = time.perf_counter() - t0
+            took = perf_counter() - t0
             self.seconds[part] += took - self.nested.pop()
             if self.nested:
                 self.nested[-1] += took
