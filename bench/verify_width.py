@@ -16,8 +16,6 @@ import argparse
 import json
 import time
 
-import torch
-
 from specdraft import environment
 from specdraft.decoding import runners
 from specdraft.decoding.runners import sync

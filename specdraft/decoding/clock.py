@@ -6,10 +6,10 @@ it sits in.
 
 from __future__ import annotations
 
-from time import perf_counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
+from time import perf_counter
 
 import torch
 

@@ -128,8 +128,9 @@ class RoundPolicy(Protocol[Draft, Verdict]):
 
     def verify(self, runner: TargetRunner, root: int, draft: Draft, n: int) -> tuple[Verdict, torch.Tensor]:
         """One target forward over the root (cache position n) and the draft -> what accept reads of its
-        logits, and the aux states [1 + drafted, n_aux*H]. Timed as verification, so what it reads from
-        the logits (a host copy, a softmax) is charged to the target, not the drafter."""
+        logits, and the aux states [1 + drafted, n_aux*H]. Timed as verification, so what it computes on
+        the logits (an argmax, a softmax) is charged to the target; its reads of them on the host go
+        inside clock.host_read(), charged to the host."""
 
     def accept(self, draft: Draft, verdict: Verdict) -> tuple[list[int], list[int]]:
         """-> the accepted drafted nodes (indices into the draft, root to leaf) and the accepted tokens:
