@@ -281,3 +281,23 @@ def test_bad_prompts_file_names_file_and_line(tmp_path, target):
     recipe.eval.prompts_file = str(bad)
     with pytest.raises(ValueError, match=r"bad\.jsonl:2: not valid JSON"):
         eval_stage.load_prompts(recipe, target)
+
+
+def test_round_clock_charges_a_host_read_to_the_host_not_to_the_part_around_it(monkeypatch):
+    """RoundClock (round_cost's parts): a host read marked inside drafting is charged to `host` and taken
+    out of `draft`; outside a decode's timing, host_read times nothing."""
+    from specdraft.decoding import clock as clock_mod
+
+    now = [0.0]
+    monkeypatch.setattr(clock_mod, "perf_counter", lambda: now[0])
+    seconds = dict.fromkeys(clock_mod.ROUND_PARTS, 0.0)
+    clock = clock_mod.RoundClock(torch.device("cpu"), seconds)
+    with clock_mod.host_read():
+        now[0] += 5.0  # no decode running: not charged
+    with clock_mod.timing(clock), clock("draft"):
+        now[0] += 2.0
+        with clock_mod.host_read():
+            now[0] += 3.0
+        now[0] += 1.0
+    assert seconds["draft"] == 3.0 and seconds["host"] == 3.0
+    assert clock_mod._CLOCK.get() is None

@@ -12,6 +12,9 @@ Greedy output is checked against plain greedy decoding on the same engine (check
 at a logit gap below the tolerance is a numerical tie (bf16 verification passes can flip near-ties),
 anything else is a bug. Stats turns the rounds into tau, the accepted-length histogram and
 per-position acceptance; alpha_from_tau and leviathan_bound turn tau into the expected speedup.
+RoundClock splits a round's time into its parts (ROUND_PARTS): the drafter's forwards, the target's
+verification, the host's reads of device results (host_read marks them wherever a policy or a state
+makes one) and its work on them, keeping the cache's accepted slots, and the drafter's advance.
 """
 
 from __future__ import annotations
@@ -23,7 +26,8 @@ from typing import Protocol, TypeVar
 
 import torch
 
-from specdraft.decoding.runners import TargetRunner, sync
+from specdraft.decoding.clock import ROUND_PARTS, RoundClock, host_read, timing
+from specdraft.decoding.runners import TargetRunner
 from specdraft.decoding.tree import Tree, TreeShape, cache_tokens, draft_tree
 
 # Bisection steps to invert tau(α) = (1 − α^(K+1)) / (1 − α): 60 halvings reach float precision.
@@ -49,13 +53,22 @@ class Stats:
     rounds: int = 0
     accepted_hist: list[int] = field(default_factory=list)
     accepted_at: list[int] = field(default_factory=list)
-    draft_seconds: float = 0.0
     draft_steps: int = 0
-    verify_seconds: float = 0.0
+    seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(ROUND_PARTS, 0.0))  # by part
+    round_seconds: float = 0.0  # the rounds' whole time: their parts and the loop's own Python
 
     def __post_init__(self):
         self.accepted_hist = [0] * (self.K + 1)
         self.accepted_at = [0] * self.K
+
+    @property
+    def draft_seconds(self) -> float:
+        """The drafter's time in the rounds: its forwards and its advance, not the host's reads."""
+        return self.seconds["draft"] + self.seconds["advance"]
+
+    @property
+    def verify_seconds(self) -> float:
+        return self.seconds["verify"]
 
     def add(self, accepted: int):
         self.rounds += 1
@@ -75,6 +88,8 @@ class Stats:
             "rounds": self.rounds,
             "draft_step_seconds": round(self.draft_seconds / max(1, self.draft_steps), 6),
             "verify_seconds": round(self.verify_seconds / max(1, self.rounds), 6),
+            "round_seconds": {**{k: round(v / max(1, self.rounds), 6) for k, v in self.seconds.items()},
+                              "round": round(self.round_seconds / max(1, self.rounds), 6)},
         }
 
 
@@ -113,8 +128,9 @@ class RoundPolicy(Protocol[Draft, Verdict]):
 
     def verify(self, runner: TargetRunner, root: int, draft: Draft, n: int) -> tuple[Verdict, torch.Tensor]:
         """One target forward over the root (cache position n) and the draft -> what accept reads of its
-        logits, and the aux states [1 + drafted, n_aux*H]. Timed as verification, so what it reads from
-        the logits (a host copy, a softmax) is charged to the target, not the drafter."""
+        logits, and the aux states [1 + drafted, n_aux*H]. Timed as verification, so what it computes on
+        the logits (an argmax, a softmax) is charged to the target; its reads of them on the host go
+        inside clock.host_read(), charged to the host."""
 
     def accept(self, draft: Draft, verdict: Verdict) -> tuple[list[int], list[int]]:
         """-> the accepted drafted nodes (indices into the draft, root to leaf) and the accepted tokens:
@@ -147,7 +163,9 @@ class GreedyTree:
         else:
             logits, aux = runner.forward([root] + draft.tokens, [n] + [n + dep for dep in draft.depths],
                                          draft.visible())
-        return logits.argmax(-1).tolist(), aux  # the target's token after each fed row (0 = root)
+        choice = logits.argmax(-1)  # the target's token after each fed row (0 = root)
+        with host_read():
+            return choice.tolist(), aux
 
     def accept(self, draft: Tree, choice: list[int]) -> tuple[list[int], list[int]]:
         children = defaultdict(dict)
@@ -183,7 +201,9 @@ class SampledChain:
         return runner.drafter_state(drafter, self.states, self.shape.depth + 1)
 
     def sample(self, probs: torch.Tensor) -> int:
-        return int(torch.multinomial(probs, 1, generator=self.generator))
+        token = torch.multinomial(probs, 1, generator=self.generator)
+        with host_read():
+            return int(token)
 
     def first_token(self, logits: torch.Tensor) -> int:
         self.vocab = logits.shape[-1]
@@ -216,7 +236,8 @@ class SampledChain:
 def decode(runner: TargetRunner, drafter, prompt: list[int], max_new: int, eos: int, policy: RoundPolicy,
            stats: Stats) -> list[int]:
     """Speculative decoding of `prompt`, rounds drafted and accepted by `policy`; returns the generated ids.
-    The device is synced around each timed part, so the timings measure the work and not its launch."""
+    Each part of a round is timed by a RoundClock (the device synced around it, so the timings measure
+    the work and not its launch)."""
     dev = runner.device
     runner.reserve(cache_tokens(len(prompt), max_new, policy.shape))
     runner.reset()
@@ -225,28 +246,27 @@ def decode(runner: TargetRunner, drafter, prompt: list[int], max_new: int, eos: 
     n = len(prompt)  # target cache length; out[-1] is x_n, not yet fed to the target
     state = policy.start(runner, drafter)
     state.advance(aux, prompt[1:] + out[-1:], 0)
-    while out[-1] != eos and len(out) < max_new:
-        sync(dev)
-        t0 = time.perf_counter()
-        draft = policy.draft(state)
-        sync(dev)
-        stats.draft_seconds += time.perf_counter() - t0
-        stats.draft_steps += policy.forwards
-        t0 = time.perf_counter()
-        verdict, aux = policy.verify(runner, out[-1], draft, n)
-        sync(dev)
-        stats.verify_seconds += time.perf_counter() - t0
-        path, accepted = policy.accept(draft, verdict)
-        stats.add(len(path))
-        runner.keep(n + 1, [n + 1 + i for i in path])
-        t0 = time.perf_counter()
-        state.advance(aux[[0] + [1 + i for i in path]], accepted, n)
-        sync(dev)
-        stats.draft_seconds += time.perf_counter() - t0  # the advance is drafting work too
-        n += len(accepted)
-        out += accepted
-        if eos in accepted:
-            break
+    clock = RoundClock(dev, stats.seconds)
+    with timing(clock):
+        while out[-1] != eos and len(out) < max_new:
+            t0 = time.perf_counter()
+            with clock("draft"):
+                draft = policy.draft(state)
+            stats.draft_steps += policy.forwards
+            with clock("verify"):
+                verdict, aux = policy.verify(runner, out[-1], draft, n)
+            with clock("host"):
+                path, accepted = policy.accept(draft, verdict)
+            stats.add(len(path))
+            with clock("keep"):
+                runner.keep(n + 1, [n + 1 + i for i in path])
+            with clock("advance"):  # the advance is drafting work too
+                state.advance(aux[[0] + [1 + i for i in path]], accepted, n)
+            stats.round_seconds += time.perf_counter() - t0
+            n += len(accepted)
+            out += accepted
+            if eos in accepted:
+                break
     if eos in out:
         out = out[: out.index(eos) + 1]
     return out[:max_new]

@@ -57,13 +57,14 @@ class TargetRunner:
         return self.cache.get_seq_length()
 
     @torch.inference_mode()
-    def forward(self, ids: list[int], positions: list[int] | None = None,
+    def forward(self, ids: list[int] | torch.Tensor, positions: list[int] | None = None,
                 visible: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """logits [n, V] and aux states [n, n_aux*H] for `ids` appended to the cache. `visible` [n, n]
+        """logits [n, V] and aux states [n, n_aux*H] for `ids` (a list, or a tensor [n] on the device:
+        drafts the host has not read) appended to the cache. `visible` [n, n]
         says which of the new tokens each new token sees; None (a chain, or plain decoding) is causal and
         goes the model's own way, which also knows sliding windows and attention sinks (gpt-oss) that a
         custom 4-D mask bypasses. `positions` go with `visible`."""
-        x = torch.tensor([ids], device=self.device)
+        x = ids[None] if isinstance(ids, torch.Tensor) else torch.tensor([ids], device=self.device)
         kwargs = {}
         if visible is not None:
             past = self.length
@@ -81,6 +82,11 @@ class TargetRunner:
 
     def keep(self, length: int, extra: list[int]):
         """Keep cache positions [0, length) followed by the positions `extra` (the accepted tree path)."""
+        if extra == list(range(length, length + len(extra))):  # a chain's path: already in place, so cut
+            for layer in self.cache.layers:  # the rest off instead of copying the whole cache every round
+                layer.keys = layer.keys[..., : length + len(extra), :]
+                layer.values = layer.values[..., : length + len(extra), :]
+            return
         idx = torch.cat([torch.arange(length), torch.tensor(extra, dtype=torch.long)]).to(self.device)
         for layer in self.cache.layers:
             layer.keys = layer.keys.index_select(-2, idx)

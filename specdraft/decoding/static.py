@@ -164,7 +164,7 @@ class StaticTargetRunner:
         return kept[1]
 
     @torch.inference_mode()
-    def forward(self, ids: list[int], positions: list[int] | None = None,
+    def forward(self, ids: list[int] | torch.Tensor, positions: list[int] | None = None,
                 visible: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """As TargetRunner.forward; None means causal at the next positions. The returned tensors are
         the graph's outputs on the graph path: read them before the next forward of the same width."""
@@ -176,7 +176,8 @@ class StaticTargetRunner:
             positions = list(range(start, start + n))
         if visible is None:
             visible = torch.ones(n, n, dtype=torch.bool).tril()
-        inputs = (torch.tensor([ids]), torch.tensor([positions]), visible, torch.tensor(start))
+        ids = ids[None] if isinstance(ids, torch.Tensor) else torch.tensor([ids])  # a device tensor stays there
+        inputs = (ids, torch.tensor([positions]), visible, torch.tensor(start))
         if start == 0:  # the prefill: its length differs per prompt, so it is never captured
             out = self._step(*(x.to(self.device) for x in inputs))
         else:
@@ -203,8 +204,9 @@ class StaticTargetRunner:
 
     @torch.inference_mode()
     def keep(self, length: int, extra: list[int]):
-        """Keep slots [0, length) followed by the slots `extra` (the accepted tree path), in place."""
-        if extra:
+        """Keep slots [0, length) followed by the slots `extra` (the accepted tree path), in place. A
+        chain's path is already in place: nothing to copy (and no index tensors sent to the device)."""
+        if extra and extra != list(range(length, length + len(extra))):
             src = torch.tensor(extra, device=self.device)
             dst = torch.arange(length, length + len(extra), device=self.device)
             for buf in (self.cache.keys, self.cache.values):  # [L, B, heads, C, d]; slots are dim 3

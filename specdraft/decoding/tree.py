@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
+from specdraft.decoding.clock import host_read
+
 
 def cache_tokens(prompt_len: int, max_new: int, shape: TreeShape) -> int:
     """Cache slots a decode of `prompt_len` + `max_new` tokens may write: a verification writes the
@@ -94,7 +96,13 @@ def grow_tree(drafter, step, root_hidden: torch.Tensor, root_logits: torch.Tenso
 @torch.inference_mode()
 def draft_tree(state, shape: TreeShape) -> Tree:
     """The round's tree from a drafter state that grows one (state.draft(shape))."""
-    scores, tokens, parents = (t.tolist() for t in state.draft(shape))
+    drafted = state.draft(shape)
+    with host_read():  # the read and the host's selection of the tree's best nodes
+        return select_tree(*(t.tolist() for t in drafted), shape)
+
+
+def select_tree(scores: list[float], tokens: list[int], parents: list[int], shape: TreeShape) -> Tree:
+    """grow_tree's nodes (creation order) -> the best `shape.tokens` of them as a Tree."""
     k = shape.topk
     depths = [1] * k + [depth for depth in range(2, shape.depth + 1) for _ in range(k * k)]
     # The best `tokens` nodes; a child never outscores its parent (log-probs add), and on an exact tie

@@ -106,12 +106,12 @@ def plot_histogram(hists: dict[str, list[int]], path: Path) -> None:
     plt.close(fig)
 
 
-def evaluate(runner: TargetRunner, drafter, prompts: list[dict], cfg, eos: int) -> dict:
-    """Greedy AR and every drafting of the drafter's method (chain and tree, or block) on every prompt
-    with the same engine: exactness and figures."""
+def evaluate(runner: TargetRunner, drafter, prompts: list[dict], cfg, eos: int, ways: int | None = None) -> dict:
+    """Greedy AR and every drafting of the drafter's method (chain and tree, or block), or its first
+    `ways`, on every prompt with the same engine: exactness and figures."""
     from tqdm import tqdm
 
-    shapes = for_drafter(drafter).decodings(runner, drafter, cfg)
+    shapes = dict(list(for_drafter(drafter).decodings(runner, drafter, cfg).items())[:ways])
     stats = {name: Stats(shape.depth) for name, shape in shapes.items()}
     seconds, tokens = dict.fromkeys(("ar", *shapes), 0.0), dict.fromkeys(("ar", *shapes), 0)
     ties = dict.fromkeys(shapes, 0)
@@ -173,17 +173,19 @@ def speed_figures(s: Stats, K: int, speedup: float, ar_step: float, seconds: flo
     ratio. Reported: one drafter forward over one autoregressive target step (`ar_step` seconds). The
     bound's c is a round's drafting cost per drafted position: the same for EAGLE-3 (one forward per
     position), a K-th of the block's forward for a block drafter (rounds.Stats says what is counted). The bound
-    takes a verification to cost one target step; where a round costs what drafting and that do not
-    explain, the round's drafting, verification and whole cost, each in target steps, say where it went
-    (`seconds`: all the speculative decodes, prefills included)."""
+    takes a verification to cost one target step; `round_cost` says where a round's time went, each part
+    in target steps (decoding/clock.py's ROUND_PARTS: drafting, verification, the host's reads and work on
+    them, keeping the cache, the drafter's advance), `round` the rounds' whole time and `whole` the
+    decodes' (`seconds`: all the speculative decodes, prefills included) per round."""
     rounds = max(1, s.rounds)
     c = s.draft_seconds / max(1, s.draft_steps) / ar_step
     c_position = s.draft_seconds / rounds / K / ar_step
     alpha = alpha_from_tau(s.tau, K)
+    bound = leviathan_bound(alpha, K, c_position)
     return {"speedup": round(speedup, 3), "draft_to_target_cost": round(c, 4), "alpha": round(alpha, 4),
-            "leviathan_bound": round(leviathan_bound(alpha, K, c_position), 3),
-            "round_cost": {"draft": round(s.draft_seconds / rounds / ar_step, 3),
-                           "verify": round(s.verify_seconds / rounds / ar_step, 3),
+            "leviathan_bound": round(bound, 3), "share_of_bound": round(speedup / bound, 3),
+            "round_cost": {**{part: round(t / rounds / ar_step, 3) for part, t in s.seconds.items()},
+                           "round": round(s.round_seconds / rounds / ar_step, 3),
                            "whole": round(seconds / rounds / ar_step, 3)}}
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from specdraft.decoding.clock import host_read
 from specdraft.decoding.rounds import GreedyTree, Stats, decode
 from specdraft.decoding.static import StepGraphs
 from specdraft.decoding.tree import Tree, TreeShape
@@ -50,7 +51,11 @@ class BlockContext:
 
     def draft(self) -> list[int]:
         """The block's K drafts: target ids of positions anchor + 1 .. anchor + K."""
-        return self.drafter.draft(self.kv, self.anchor, self.anchor_position)
+        return self.draft_ids().tolist()
+
+    def draft_ids(self) -> torch.Tensor:
+        """As draft, left on the device: [K]."""
+        return self.drafter.draft_ids(self.kv, self.anchor, self.anchor_position)
 
 
 class StaticBlockContext:
@@ -98,12 +103,15 @@ class StaticBlockContext:
             values.index_copy_(2, slots, v)
         return slots
 
-    @torch.inference_mode()
     def draft(self) -> list[int]:
         """As BlockContext.draft."""
-        ids = self.graphs(("block-draft",), self._draft, torch.tensor([[self.anchor]]),
-                          torch.tensor(self.anchor_position))
-        return ids.tolist()
+        return self.draft_ids().tolist()
+
+    @torch.inference_mode()
+    def draft_ids(self) -> torch.Tensor:
+        """As BlockContext.draft_ids: the block-draft graph's own output [K], valid until its next call."""
+        return self.graphs(("block-draft",), self._draft, torch.tensor([[self.anchor]]),
+                           torch.tensor(self.anchor_position))
 
     def _draft(self, token, position):
         """token [1, 1], position [] -> the drafted target ids [block_size - 1]."""
@@ -120,15 +128,31 @@ STATES = DecodeStates(BlockContext, StaticBlockContext)
 
 
 class GreedyBlock(GreedyTree):
-    """Greedy DFlash rounds: one block of K drafts per round, verified and accepted as a chain of K."""
+    """Greedy DFlash rounds: one block of K drafts per round, verified and accepted as a chain of K. The
+    block stays on the device: the target is fed the drafted ids where the drafter left them, and the host
+    reads the drafts and the target's picks together after verification, one wait for the device per
+    round where reading the drafts first made two (and sent them back to the device)."""
 
     forwards = 1  # the whole block is one drafter forward
 
     def __init__(self, K: int):
         super().__init__(TreeShape.chain(K), STATES)
 
-    def draft(self, state) -> Tree:
-        return Tree.chain(state.draft())
+    def draft(self, state) -> torch.Tensor:
+        return state.draft_ids()  # [K] target ids, on the device
+
+    def verify(self, runner, root: int, draft: torch.Tensor, n: int
+               ) -> tuple[tuple[list[int], list[int]], torch.Tensor]:
+        logits, aux = runner.forward(torch.cat([torch.tensor([root], device=draft.device), draft]))
+        read = torch.cat([draft, logits.argmax(-1)])  # the drafts, then the target's token after each fed row
+        with host_read():
+            read = read.tolist()
+        K = draft.shape[0]
+        return (read[:K], read[K:]), aux
+
+    def accept(self, draft: torch.Tensor, verdict: tuple[list[int], list[int]]) -> tuple[list[int], list[int]]:
+        tokens, choice = verdict
+        return super().accept(Tree.chain(tokens), choice)
 
 
 def speculative_dflash(runner, drafter: DFlashDrafter, prompt: list[int], max_new: int, eos: int,

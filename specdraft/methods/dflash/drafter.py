@@ -251,9 +251,14 @@ class DFlashDrafter(nn.Module):
     def draft(self, context: list[KV], anchor_token: int, anchor_position: int) -> list[int]:
         """One block at inference: the target ids of the block_size - 1 tokens after the anchor,
         seeing the whole context (every cached position precedes the anchor)."""
+        return self.draft_ids(context, anchor_token, anchor_position).tolist()
+
+    @torch.no_grad()
+    def draft_ids(self, context: list[KV], anchor_token: int, anchor_position: int) -> torch.Tensor:
+        """As draft, left on the device: [block_size - 1]."""
         bs = self.config.block_size
         dev = context[0][0].device
         ids = self.block_inputs(torch.tensor([[anchor_token]], device=dev))  # [1, bs]
         positions = torch.arange(anchor_position, anchor_position + bs, device=dev)[None]  # [1, bs]
         logits = self(ids, positions, context, None)  # [1, bs, Vd]: the block sees all of the context
-        return self.to_target_ids(logits[0, 1:].argmax(-1)).tolist()
+        return self.to_target_ids(logits[0, 1:].argmax(-1))
