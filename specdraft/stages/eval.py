@@ -242,7 +242,9 @@ def describe_shape(shape: dict) -> str:
     """A drafting's shape as the report's table reads it."""
     if "topk" in shape:
         return f"top-k {shape['topk']}, depth {shape['depth']}, {shape['tokens']} tokens"
-    return f"block of {shape['block_size']}: {shape['drafted']} drafted per forward"
+    if "block_size" in shape:
+        return f"block of {shape['block_size']}: {shape['drafted']} drafted per forward"
+    return ", ".join(f"{k} {v}" for k, v in shape.items())  # a method's own shape, as it names its parts
 
 
 def render_markdown(r: dict) -> str:

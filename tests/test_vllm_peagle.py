@@ -1,0 +1,88 @@
+"""A P-EAGLE drafter we export, served by the real vLLM (CPU build, `{"method": "eagle3", "parallel_drafting":
+true}`): it loads, drafts K tokens per forward from mask slots, and drafts them *well*.
+
+As for EAGLE-3 (tests/test_vllm_serve.py), loading proves little, so the drafter is trained to memorise the
+target's answers to 8 prompts (conftest's MEMORISED_PEAGLE_RECIPE, K = 3) and vLLM is served those
+prompts; its /metrics acceptance must be well above a broken folder's, and near the reference decoder's
+on the same prompts.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from test_vllm_serve import serve_and_measure, training_prompts
+
+pytestmark = [pytest.mark.slow, pytest.mark.vllm]
+
+# The served mean acceptance length the memorised drafter must beat, as the EAGLE-3 and DFlash tests' 1.5:
+# a folder vLLM feeds other target states than trained accepts ~nothing (1.0 plus what the token
+# embeddings alone guess), a sound memorised one accepts far more (measured in the closing note).
+SERVED_FLOOR = 1.5
+
+
+def served_folder(run: Path) -> tuple[Path, str]:
+    printed = json.loads((run / "manifest.json").read_text())["stages"]["export"]["serve_commands"]["vllm"]
+    return run / "export" / "vllm", printed
+
+
+def reference(run: Path, dtype: str) -> dict:
+    """The reference decoder's figures on the served prompts (the same 8 conversations, 32 tokens, K = 3)."""
+    import torch
+
+    from specdraft.decoding.rounds import Stats
+    from specdraft.decoding.runners import make_runner
+    from specdraft.methods import load_trained
+    from specdraft.methods.peagle.decode import speculative_peagle
+    from specdraft.run import RunFolder
+
+    folder = RunFolder(run)
+    drafter, target, _ = load_trained(folder.recipe(), folder)
+    drafter = drafter.to(getattr(torch, dtype)).eval()
+    runner = make_runner(target, target.load_model(dtype), "eager")
+    stats = Stats(3)
+    for r in training_prompts(run):
+        prompt = target.chat_ids(r["messages"][:-1], add_generation_prompt=True)
+        speculative_peagle(runner, drafter, prompt, 32, target.eos_token_id, 3, stats)
+    return stats.summary()
+
+
+@pytest.fixture(scope="module")
+def served(memorised_peagle_run, target, tmp_path_factory):
+    folder, printed = served_folder(memorised_peagle_run)
+    messages = [r["messages"][:-1] for r in training_prompts(memorised_peagle_run)]
+    return serve_and_measure(target, folder, messages, tmp_path_factory.mktemp("vllm-peagle") / "vllm.log",
+                             printed=printed)
+
+
+def test_vllm_serves_the_memorised_peagle_drafter_in_parallel(memorised_peagle_run, served):
+    folder, printed = served_folder(memorised_peagle_run)
+    assert '"parallel_drafting": true' in printed and '"method": "eagle3"' in printed
+    assert json.loads((folder / "config.json").read_text())["speculators_model_type"] == "peagle"
+    acc, _ = served
+    ref = reference(memorised_peagle_run, "bfloat16")
+    print(f"vLLM, P-EAGLE: {acc}\nreference decoder, bf16: {ref}")
+    assert acc["drafts"] > 0 and len(acc["per_position_acceptance"]) == 3
+    assert acc["mean_acceptance_length"] > SERVED_FLOOR, acc
+    assert acc["per_position_acceptance"][0] > 0.25, acc
+
+
+def test_a_peagle_folder_reading_other_target_layers_accepts_far_less(memorised_peagle_run, served, target,
+                                                                      tmp_path):
+    folder, _ = served_folder(memorised_peagle_run)
+    broken = tmp_path / "broken"
+    shutil.copytree(folder, broken)
+    config = json.loads((broken / "config.json").read_text())
+    config["eagle_aux_hidden_state_layer_ids"] = [1, 5, 10]  # trained on [2, 15, 27]
+    (broken / "config.json").write_text(json.dumps(config))
+    messages = [r["messages"][:-1] for r in training_prompts(memorised_peagle_run)]
+    spec = {"method": "eagle3", "parallel_drafting": True, "model": str(broken), "num_speculative_tokens": 3}
+    acc, _ = serve_and_measure(target, broken, messages, tmp_path / "vllm.log", speculative=spec)
+    sound = served[0]
+    print(f"vLLM, P-EAGLE reading layers [1, 5, 10]: {acc}; sound: {sound}")
+    assert acc["drafts"] > 0
+    assert acc["mean_acceptance_length"] < SERVED_FLOOR, acc
+    assert acc["mean_acceptance_length"] - 1 < 0.5 * (sound["mean_acceptance_length"] - 1), (acc, sound)
