@@ -134,10 +134,10 @@ def test_bad_folders_fail_doctor_and_import_refuses_them_in_one_line(peagle_run,
     edit, check, said = BAD[case]
     broken = _broken(peagle_run, tmp_path, edit)
     capsys.readouterr()
-    assert main(["doctor", str(broken), "--no-measure"]) == 1
+    assert main(["doctor", str(broken), "--target", "smollm2", "--no-measure"]) == 1
     out = capsys.readouterr().out
     assert f"FAIL  {check}" in out, out
-    assert main(["import", str(broken), "--run", str(tmp_path / "imported")]) == 2
+    assert main(["import", str(broken), "--target", "smollm2", "--out", str(tmp_path / "imported")]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("specdraft: error: import: ") and "\n" not in err and said in err, err
 
@@ -155,10 +155,11 @@ def test_export_refuses_k_above_the_trained_one(peagle_run, tmp_path, capsys):
 def test_import_round_trip(peagle_run, tmp_path, target):
     from specdraft.methods import load_checkpoint, load_trained
 
-    assert main(["import", str(RunFolder(peagle_run).export("vllm")), "--run", str(tmp_path / "imported")]) == 0
+    assert main(["import", str(RunFolder(peagle_run).export("vllm")), "--target", "smollm2",
+                 "--out", str(tmp_path / "imported")]) == 0
     folder = RunFolder(peagle_run)
     trained, _, _ = load_trained(folder.recipe(), folder)
-    imported, meta = load_checkpoint(tmp_path / "imported" / "checkpoints" / "final", target.embed_weight())
+    imported, meta = load_checkpoint(tmp_path / "imported", target.embed_weight())
     assert meta["method"] == "peagle" and imported.config == trained.config
     for k, v in trained.state_dict().items():  # exported in bf16
         torch.testing.assert_close(imported.state_dict()[k].float(), v.float().to(torch.bfloat16).float())
