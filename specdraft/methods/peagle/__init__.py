@@ -190,7 +190,9 @@ class PEagle(Method):
         def run(runner, drafter, prompt, max_new, eos, stats):
             return speculative_peagle(runner, drafter, prompt, max_new, eos, K, stats)
 
-        return {"parallel": Decode(K, {"drafted": K, "trained": drafter.config.speculative_tokens}, run)}
+        trained = drafter.config.speculative_tokens
+        return {"parallel": Decode(K, {"drafted": K, "trained": trained}, run,
+                                   describe=f"{K} drafted per forward (trained for {trained})")}
 
     def owns(self, config: dict) -> bool:
         return is_peagle(config)
