@@ -65,30 +65,26 @@ def test_parallel_forward_is_one_causal_forward_over_real_and_mask_slots():
     assert static.draft(Ktr) == state.draft(Ktr)
 
 
-PEAGLE = ["--set", "train.method=peagle", "--set", f"train.ttt_steps={K}", "--set", "train.batch_tokens=160",
-          "--set", "train.holdout=0.25", "--set", "train.epochs=3", "--set", "train.eval_every=3",
-          "--set", "train.checkpoint_every=4", "--set", "train.warmup_steps=2", "--set", "train.lr=3e-3"]
-
-
 @pytest.fixture(scope="module")
-def peagle_run(extracted_run, tmp_path_factory) -> Path:
-    run = tmp_path_factory.mktemp("peagle") / "run"
-    shutil.copytree(extracted_run, run, ignore=shutil.ignore_patterns("checkpoints"))
-    recipe = str(extracted_run.parent / "tiny.toml")
-    assert main(["train", "--recipe", recipe, "--run", str(run), *PEAGLE]) == 0
-    assert main(["export", "--run", str(run)]) == 0
-    assert main(["eval", "--run", str(run)]) == 0
-    return run
+def peagle_run(memorised_peagle_run) -> Path:
+    """The memorised P-EAGLE run (conftest's MEMORISED_PEAGLE_RECIPE, K = 3: trained once per machine and
+    shared with tests/test_vllm_peagle.py), exported fresh by the current export code. Tests that write
+    into it copy it first."""
+    return memorised_peagle_run
 
 
-def test_training_lowers_the_loss_with_one_statistic_row_per_slot(peagle_run):
+def test_training_lowers_the_loss_and_every_slot_learns(peagle_run):
+    """One statistic row per slot, and the mask slots learn as the real one does: on the 8 memorised
+    answers every slot's training accuracy ends near 1 (a mask slot that the objective fed other inputs
+    than a round does would still learn here; the decode test below checks that a round drafts them)."""
     folder = RunFolder(peagle_run)
     meta = json.loads((folder.checkpoint("final") / "config.json").read_text())
     assert meta["method"] == "peagle" and meta["drafter"]["speculative_tokens"] == K
     train = [json.loads(line) for line in folder.train_log.read_text().splitlines()]
     train = [r for r in train if r["kind"] == "train"]
     assert {len(r["acc"]) for r in train} == {K}
-    assert train[-1]["loss"] < train[0]["loss"], (train[0]["loss"], train[-1]["loss"])
+    assert train[-1]["loss"][0] < train[0]["loss"][0] and train[-1]["loss"][-1] < train[0]["loss"][-1], train
+    assert min(train[-1]["acc"]) > 0.9, train[-1]
 
 
 def test_export_is_the_peagle_folder_served_in_parallel_and_doctor_passes_it(peagle_run, capsys):
@@ -96,7 +92,8 @@ def test_export_is_the_peagle_folder_served_in_parallel_and_doctor_passes_it(pea
     config = json.loads((folder.export("vllm") / "config.json").read_text())
     assert config["speculators_model_type"] == "peagle" and config["para_depths"] == K
     assert isinstance(config["mask_token_id"], int)
-    spec = json.loads(folder.stage("export")["serve_command"].split("--speculative-config ", 1)[1].strip("'"))
+    printed = folder.stage("export")["serve_commands"]["vllm"]
+    spec = json.loads(printed.split("--speculative-config ", 1)[1].strip("'"))
     assert spec["method"] == "eagle3" and spec["parallel_drafting"] is True and spec["num_speculative_tokens"] == 3
     capsys.readouterr()
     assert main(["doctor", str(folder.export("vllm")), "--run", str(peagle_run), "--no-measure"]) == 0
@@ -104,11 +101,23 @@ def test_export_is_the_peagle_folder_served_in_parallel_and_doctor_passes_it(pea
     assert "FAIL" not in out and "PASS  parallel flag" in out and "PASS  mask_hidden" in out, out
 
 
-def test_eval_decodes_parallel_drafts_exactly(peagle_run):
-    report = json.loads(RunFolder(peagle_run).eval_report.read_text())
+def test_eval_decodes_the_memorised_answers_in_parallel_exactly(peagle_run, tmp_path, capsys):
+    """The reference decoder on two of the training prompts (16 tokens, bf16: the numerics gen wrote the
+    answers in): exact against greedy, and the mask slots' drafts are accepted (slots 2 and 3 draft the
+    memorised tokens, so a round's inputs are those the objective trained)."""
+    run = tmp_path / "run"
+    shutil.copytree(peagle_run, run, ignore=shutil.ignore_patterns("hidden"))
+    prompts = tmp_path / "prompts.jsonl"
+    records = [json.loads(line) for line in (run / "conversations.jsonl").read_text().splitlines()][:2]
+    prompts.write_text("".join(json.dumps({"messages": r["messages"][:-1]}) + "\n" for r in records))
+    settings = {"prompts_file": prompts, "num_prompts": 2, "max_new_tokens": 16, "dtype": "bfloat16", "draft_tokens": K}
+    assert main(["eval", "--run", str(run), *(a for k, v in settings.items() for a in ("--set", f"eval.{k}={v}"))]) == 0
+    report = json.loads(RunFolder(run).eval_report.read_text())
     assert report["method"] == "peagle" and report["drafting"] == ["parallel"]
-    assert report["exact_prompts"] == report["prompts"] == 3
-    assert len(report["parallel"]["per_position_acceptance"]) == 3
+    assert report["exact_prompts"] == report["prompts"] == 2
+    acceptance = report["parallel"]["per_position_acceptance"]
+    assert len(acceptance) == 3 and min(acceptance) > 0.5, report["parallel"]
+    assert "3 drafted per forward (trained for 3)" in (RunFolder(run).eval / "report.md").read_text()
 
 
 def _broken(peagle_run, tmp_path, edit) -> Path:

@@ -29,27 +29,6 @@ def served_folder(run: Path) -> tuple[Path, str]:
     return run / "export" / "vllm", printed
 
 
-def reference(run: Path, dtype: str) -> dict:
-    """The reference decoder's figures on the served prompts (the same 8 conversations, 32 tokens, K = 3)."""
-    import torch
-
-    from specdraft.decoding.rounds import Stats
-    from specdraft.decoding.runners import make_runner
-    from specdraft.methods import load_trained
-    from specdraft.methods.peagle.decode import speculative_peagle
-    from specdraft.run import RunFolder
-
-    folder = RunFolder(run)
-    drafter, target, _ = load_trained(folder.recipe(), folder)
-    drafter = drafter.to(getattr(torch, dtype)).eval()
-    runner = make_runner(target, target.load_model(dtype), "eager")
-    stats = Stats(3)
-    for r in training_prompts(run):
-        prompt = target.chat_ids(r["messages"][:-1], add_generation_prompt=True)
-        speculative_peagle(runner, drafter, prompt, 32, target.eos_token_id, 3, stats)
-    return stats.summary()
-
-
 @pytest.fixture(scope="module")
 def served(memorised_peagle_run, target, tmp_path_factory):
     folder, printed = served_folder(memorised_peagle_run)
@@ -63,8 +42,7 @@ def test_vllm_serves_the_memorised_peagle_drafter_in_parallel(memorised_peagle_r
     assert '"parallel_drafting": true' in printed and '"method": "eagle3"' in printed
     assert json.loads((folder / "config.json").read_text())["speculators_model_type"] == "peagle"
     acc, _ = served
-    ref = reference(memorised_peagle_run, "bfloat16")
-    print(f"vLLM, P-EAGLE: {acc}\nreference decoder, bf16: {ref}")
+    print(f"vLLM, P-EAGLE: {acc}")
     assert acc["drafts"] > 0 and len(acc["per_position_acceptance"]) == 3
     assert acc["mean_acceptance_length"] > SERVED_FLOOR, acc
     assert acc["per_position_acceptance"][0] > 0.25, acc

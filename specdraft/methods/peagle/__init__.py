@@ -87,8 +87,8 @@ def export(recipe, folder, formats: list[str], drafter: PEagleDrafter, target, e
         raise ValueError(f"export: a P-EAGLE drafter has vLLM's folder format only, not {formats}; use --formats vllm")
     K, trained = recipe.export.speculative_tokens, drafter.config.speculative_tokens
     if K > trained:
-        raise ValueError(f"export.speculative_tokens = {K}: the drafter was trained for K = {trained} (train.ttt_steps); "
-                         f"export at most {trained}, or train with ttt_steps >= {K}")
+        raise ValueError(f"export.speculative_tokens = {K}: the drafter was trained for K = {trained} "
+                         f"(train.ttt_steps); export at most {trained}, or train with ttt_steps >= {K}")
     include_embed = not torch.equal(drafter.embed_tokens.weight.detach(), embed.float())
     out = folder.export("vllm")
     with staged_folders(out) as (staged,):  # the last good folder stays until this one is whole
@@ -133,7 +133,8 @@ def import_folder(folder: Path, target, out: Path, extracted_aux_layer_ids: list
     if outside:
         bad.append(f"aux layer ids {outside} outside 1..{target.num_layers - 1}")
     if extracted_aux_layer_ids is not None and list(extracted_aux_layer_ids) != cfg.aux_layer_ids:
-        bad.append(f"aux layer ids: drafter {cfg.aux_layer_ids}, the run's hidden states {list(extracted_aux_layer_ids)}")
+        bad.append(f"aux layer ids: drafter {cfg.aux_layer_ids}, "
+                   f"the run's hidden states {list(extracted_aux_layer_ids)}")
     if bad:
         raise ValueError(f"import: {folder} does not fit the target {target.path}: " + "; ".join(bad))
     if "para_depths" not in config:
@@ -212,8 +213,8 @@ class PEagle(Method):
     def describe(self, drafter) -> str:
         cfg = drafter.config
         return (f"P-EAGLE, hidden {cfg.hidden_size}, {cfg.num_attention_heads} heads x {cfg.head_dim}, draft vocab "
-                f"{cfg.draft_vocab_size} of {cfg.vocab_size}, aux layers {cfg.aux_layer_ids}, K {cfg.speculative_tokens}, "
-                f"mask token {cfg.mask_token_id}")
+                f"{cfg.draft_vocab_size} of {cfg.vocab_size}, aux layers {cfg.aux_layer_ids}, "
+                f"K {cfg.speculative_tokens}, mask token {cfg.mask_token_id}")
 
     def diagnose(self, folder, config, target, run_path, measured, conversations) -> list:
         return doctor.diagnose(folder, config, target, run_path, measured, conversations)

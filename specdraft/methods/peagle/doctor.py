@@ -47,7 +47,8 @@ def _config_checks(config: dict, target) -> list[Check]:
               f"speculative_tokens {k}, para_depths {trained!r}",
               f"serve at most para_depths speculative tokens (speculators_config.proposal_methods[0]."
               f"speculative_tokens <= {trained}); write para_depths, the K it was trained for"),
-        Check("aux layer ids", bool(ids) and all(type(i) is int and 1 <= i < L for i in ids) and ids == sorted(set(ids)),
+        Check("aux layer ids",
+              bool(ids) and all(type(i) is int and 1 <= i < L for i in ids) and ids == sorted(set(ids)),
               f"{ids} for a target of {L} layers",
               f"write eagle_aux_hidden_state_layer_ids: ascending residual ids 1 <= k < {L}, the extracted ones"),
     ]
@@ -66,7 +67,8 @@ def _mask_hidden_check(folder: Path, config: dict, target) -> Check:
         n = f.get_slice(names["mask_hidden"]).get_shape() if "mask_hidden" in names else None
     size = None if n is None else math.prod(n)
     return Check("mask_hidden", size == width and width > 0,
-                 "absent" if n is None else f"shape {list(n)}, {size} values for {len(ids)} aux x target hidden = {width}",
+                 "absent" if n is None
+                 else f"shape {list(n)}, {size} values for {len(ids)} aux x target hidden = {width}",
                  "write mask_hidden, the mask slots' learned hidden input of width n_aux x target hidden (re-export)")
 
 
