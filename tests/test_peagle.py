@@ -101,23 +101,25 @@ def test_export_is_the_peagle_folder_served_in_parallel_and_doctor_passes_it(pea
     assert "FAIL" not in out and "PASS  parallel flag" in out and "PASS  mask_hidden" in out, out
 
 
-def test_eval_decodes_the_memorised_answers_in_parallel_exactly(peagle_run, tmp_path, capsys):
-    """The reference decoder on two of the training prompts (16 tokens, bf16: the numerics gen wrote the
-    answers in): exact against greedy, and the mask slots' drafts are accepted (slots 2 and 3 draft the
-    memorised tokens, so a round's inputs are those the objective trained)."""
+def test_eval_decodes_the_memorised_answers_in_parallel_exactly(peagle_run, tmp_path):
+    """The reference decoder (fp32, exact against greedy) on two training prompts, 16 tokens: slots 2 and 3
+    draft the memorised tokens as slot 1 does, so a round's mask-slot inputs are those the objective trained.
+    Prompts 2 and 7: the two whose fp32 greedy answer is the memorised one (gen wrote the answers in this
+    CPU's bf16; in fp32 the others leave it within a few tokens, and then nothing is memorised: measured on
+    all 8 at 32 tokens, tau 4.00 on these two, 1.03 to 2.82 on the others)."""
     run = tmp_path / "run"
     shutil.copytree(peagle_run, run, ignore=shutil.ignore_patterns("hidden"))
     prompts = tmp_path / "prompts.jsonl"
-    records = [json.loads(line) for line in (run / "conversations.jsonl").read_text().splitlines()][:2]
-    prompts.write_text("".join(json.dumps({"messages": r["messages"][:-1]}) + "\n" for r in records))
-    settings = {"prompts_file": prompts, "num_prompts": 2, "max_new_tokens": 16, "dtype": "bfloat16", "draft_tokens": K}
+    records = [json.loads(line) for line in (run / "conversations.jsonl").read_text().splitlines()]
+    prompts.write_text("".join(json.dumps({"messages": records[i]["messages"][:-1]}) + "\n" for i in (1, 6)))
+    settings = {"prompts_file": prompts, "num_prompts": 2, "max_new_tokens": 16, "draft_tokens": K}
     assert main(["eval", "--run", str(run), *(a for k, v in settings.items() for a in ("--set", f"eval.{k}={v}"))]) == 0
     report = json.loads(RunFolder(run).eval_report.read_text())
     assert report["method"] == "peagle" and report["drafting"] == ["parallel"]
     assert report["exact_prompts"] == report["prompts"] == 2
     acceptance = report["parallel"]["per_position_acceptance"]
-    assert len(acceptance) == 3 and min(acceptance) > 0.5, report["parallel"]
-    assert "3 drafted per forward (trained for 3)" in (RunFolder(run).eval / "report.md").read_text()
+    assert len(acceptance) == K and min(acceptance) > 0.5, report["parallel"]
+    assert f"{K} drafted per forward (trained for {K})" in (RunFolder(run).eval / "report.md").read_text()
 
 
 def _broken(peagle_run, tmp_path, edit) -> Path:
@@ -170,5 +172,6 @@ def test_import_round_trip(peagle_run, tmp_path, target):
     trained, _, _ = load_trained(folder.recipe(), folder)
     imported, meta = load_checkpoint(tmp_path / "imported", target.embed_weight())
     assert meta["method"] == "peagle" and imported.config == trained.config
-    for k, v in trained.state_dict().items():  # exported in bf16
-        torch.testing.assert_close(imported.state_dict()[k].float(), v.float().to(torch.bfloat16).float())
+    for k, v in trained.state_dict().items():  # weights exported in bf16; d2t / t2d as they are
+        want = v.to(torch.bfloat16) if v.is_floating_point() else v
+        torch.testing.assert_close(imported.state_dict()[k], want.to(imported.state_dict()[k].dtype))
