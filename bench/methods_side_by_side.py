@@ -1,11 +1,13 @@
-"""EAGLE-3 and DFlash trained on the same run's hidden states and measured by the reference decoder on
-the same held-out prompts (the run's eval split), one after the other on this machine.
+"""Every registered method (EAGLE-3, DFlash, P-EAGLE, ...) trained on the same run's hidden states and
+measured by the reference decoder on the same held-out prompts (the run's eval split), one after the
+other on this machine.
 
     python bench/methods_side_by_side.py RUN --out bench/results/methods-cpu.jsonl \
-        [--common train.epochs=10 ...] [--dflash train.block_size=8 ...] [--eagle3 ...]
+        [--common train.epochs=10 ...] [--dflash train.block_size=8 ...] [--eagle3 ...] [--peagle ...] \
+        [--methods eagle3 peagle]
 
-RUN must have been through extract; it is copied twice (RUN-eagle3, RUN-dflash beside it, hidden states
-shared by copy), so RUN itself is not written. Prints and appends one JSON line: per method tau,
+RUN must have been through extract; it is copied once per method (RUN-eagle3, RUN-dflash, ... beside it,
+hidden states shared by copy), so RUN itself is not written. Prints and appends one JSON line: per method tau,
 per-position acceptance, the accepted-length histogram, exactness, tok/s and speedup on this engine,
 and the training time; with the CPU model and the settings.
 """
@@ -20,6 +22,7 @@ from pathlib import Path
 
 from specdraft import environment
 from specdraft.cli import main as cli
+from specdraft.methods import METHODS
 from specdraft.run import RunFolder
 
 
@@ -54,8 +57,10 @@ def main() -> None:
     ap.add_argument("run", type=Path)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--common", nargs="*", default=[], help="--set items for both methods")
-    ap.add_argument("--eagle3", nargs="*", default=[], help="--set items for EAGLE-3 only")
-    ap.add_argument("--dflash", nargs="*", default=[], help="--set items for DFlash only")
+    for name in METHODS:
+        ap.add_argument(f"--{name}", nargs="*", default=[], help=f"--set items for {name} only")
+    ap.add_argument("--methods", nargs="*", default=list(METHODS), choices=list(METHODS),
+                    help="the methods to measure (default: every registered one)")
     ap.add_argument("--reuse", action="store_true", help="take RUN's own trained and evaluated drafter for its "
                     "method (e.g. the demo's EAGLE-3) instead of training that method again")
     args = ap.parse_args()
@@ -65,7 +70,7 @@ def main() -> None:
     reused = own["train"]["config"]["method"] if args.reuse and own.get("eval", {}).get("state") == "done" else None
     line = {"date": time.strftime("%Y-%m-%d"), "hardware": environment.hardware_line(),
             "recipe": manifest["name"], "common": args.common}
-    for method in ("eagle3", "dflash"):
+    for method in args.methods:
         sets = args.common + getattr(args, method)
         if method == reused:
             line[method] = {"sets": "the run's own", **figures(RunFolder(run))}

@@ -61,11 +61,11 @@ def main() -> None:
     # Read before serving, so a missing reference fails in a second rather than after the run.
     reference = (speedup_line(Path(args.reference), len(prompts), max_tokens) if args.reference
                  else json.loads(run.eval_report.read_text()))
-    if export.get("method") == "dflash":  # a block of block_size - 1 drafts, whatever eval.draft_tokens says
-        spec = json.loads(export["serve_command"].split("--speculative-config ", 1)[1].strip("'"))
-        spec["model"] = str(drafter)
-    else:
-        spec = {"method": "eagle3", "model": str(drafter), "num_speculative_tokens": recipe.eval.draft_tokens}
+    # Served as export printed it, whatever the method (a DFlash block of block_size - 1, P-EAGLE's
+    # parallel_drafting); the vLLM format's line (a run exported in both formats prints one per format).
+    printed = (export.get("serve_commands") or {}).get("vllm") or export["serve_command"]
+    spec = json.loads(printed.split("--speculative-config ", 1)[1].strip("'"))
+    spec["model"] = str(drafter)
     K = spec["num_speculative_tokens"]
     log_path = Path(args.log or f"/tmp/vllm-acceptance-{os.getpid()}.log")
     with VllmServer(target.path, speculative=spec, log_path=log_path, python=Path(args.vllm_python)) as server:

@@ -349,8 +349,9 @@ class ExtractConfig:
 @dataclass
 class TrainConfig:
     # The drafter trained: "eagle3" (one token per drafter step, chained or in trees) or "dflash" (a whole
-    # block per drafter forward, docs/dflash.md). Every method reads the same extracted hidden states.
-    method: Literal["eagle3", "dflash"] = "eagle3"
+    # block per drafter forward, docs/dflash.md) or "peagle" (K parallel drafts per EAGLE-3-style forward,
+    # docs/peagle.md). Every method reads the same extracted hidden states.
+    method: Literal["eagle3", "dflash", "peagle"] = "eagle3"
     # At most the target's vocabulary (checked where the target is read: targets.check_fits).
     draft_vocab_size: Annotated[int, Range(low=0, note="0: the target's whole vocabulary")] = 8192
     # Training-time test: how many drafting steps are unrolled, and the weight decay per step.

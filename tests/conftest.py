@@ -179,6 +179,12 @@ holdout = 0.0
 """
 
 
+# The same 8 samples memorised by a P-EAGLE drafter: EAGLE-3's recipe with train.method = "peagle", K = 3
+# slots per block (one real, two mask slots), served with parallel_drafting: true and K = 3 as the EAGLE-3
+# test serves its chain.
+MEMORISED_PEAGLE_RECIPE = MEMORISED_RECIPE.replace("[train]\n", "[train]\nmethod = \"peagle\"\n")
+
+
 def _memorised(recipe: str, formats: str, tmp_path_factory, target) -> Path:
     """A copy of the trained run of `recipe` (trained once, cached outside the checkout: tests/memorised.py),
     exported fresh in `formats` by the current export code."""
@@ -212,6 +218,13 @@ def memorised_dflash_run(tmp_path_factory, target) -> Path:
     """The 8 samples memorised by a DFlash drafter (MEMORISED_DFLASH_RECIPE), cached like
     memorised_run, exported fresh in vLLM's DFlash folder format."""
     return _memorised(MEMORISED_DFLASH_RECIPE, "vllm", tmp_path_factory, target)
+
+
+@pytest.fixture(scope="session")
+def memorised_peagle_run(tmp_path_factory, target) -> Path:
+    """The 8 samples memorised by a P-EAGLE drafter (MEMORISED_PEAGLE_RECIPE), cached like memorised_run,
+    exported fresh in vLLM's peagle folder format."""
+    return _memorised(MEMORISED_PEAGLE_RECIPE, "vllm", tmp_path_factory, target)
 
 
 # The same memorised drafter for the second real target, Qwen2.5-Coder-0.5B-Instruct (programming prompts

@@ -35,7 +35,7 @@ def test_the_typed_fields_and_their_choices():
         "ExtractConfig.dtype": ("auto", "bfloat16", "float16", "float32"),
         "ExtractConfig.store_dtype": ("bfloat16", "fp8_e4m3"),
         "ExtractConfig.backend": ("transformers", "vllm"),
-        "TrainConfig.method": ("eagle3", "dflash"),
+        "TrainConfig.method": ("eagle3", "dflash", "peagle"),
         "TrainConfig.optimizer": ("adamw", "muon"),
         "TrainConfig.autocast_dtype": ("auto", "bfloat16", "float32"),
         "TrainConfig.hidden": ("disk", "online", "served"),

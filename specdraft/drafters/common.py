@@ -10,7 +10,9 @@ knows which method runs.
 
 from __future__ import annotations
 
+import math
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +29,27 @@ def within_vocab(draft_vocab_size: int, vocab_size: int) -> int:
                          f"(the target's vocabulary; 0 takes all of it)")
     return draft_vocab_size or vocab_size
 
+
+
+def default_mask_token(tokenizer, vocab_size: int) -> int:
+    """The mask token of a target with none chosen: the tokenizer's own mask token; else the first
+    embedding row past the tokenizer's ids (Qwen3's checkpoints have such rows, and the published
+    drafters use one); else the highest-numbered special token that is none of bos / eos / pad / unk
+    and that the chat template never writes (SmolLM2: `<empty_output>`, a code-pretraining marker).
+    The mask slots' input is the target's row of this id, so it must never be a token of the data (DFlash's
+    and P-EAGLE's mask slots)."""
+    if getattr(tokenizer, "mask_token_id", None) is not None:
+        return int(tokenizer.mask_token_id)
+    if len(tokenizer) < vocab_size:
+        return len(tokenizer)
+    template = getattr(tokenizer, "chat_template", None) or ""
+    taken = {getattr(tokenizer, f"{role}_token_id", None) for role in ("bos", "eos", "pad", "unk")}
+    specials = [i for i, t in tokenizer.added_tokens_decoder.items()
+                if t.special and i < vocab_size and i not in taken and t.content not in template]
+    if not specials:
+        raise ValueError("no mask token: the tokenizer has none, no unused embedding row and no spare special "
+                         "token; name one (a token id the training data never contains)")
+    return max(specials)
 
 # ---------------------------------------------------------------------------------------------------
 # Engine folders
@@ -81,6 +104,172 @@ class MLP(nn.Module):
     def forward(self, x):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
+
+
+# ---------------------------------------------------------------------------------------------------
+# EAGLE-3's decoder layer (every EAGLE-style method drafts with it: EAGLE-3 step by step, P-EAGLE in
+# parallel slots)
+#
+# One decoder layer that reads two things per position: the token's embedding and a hidden state, each
+# normed and concatenated ([B, T, 2H]) before attention. Attention works over two kinds of keys:
+# base keys, causal (query j sees positions 0..q_offset+j; in packed training rows only those of its own
+# document, `document_mask`), and diagonal keys, each seen only by the query at the same position (the
+# keys of earlier drafting steps or slots at the same anchor). The diagonal keys are merged into the base
+# attention exactly through its log-sum-exp, so no [T, steps*T] score matrix is ever formed.
+
+KV = tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class DocumentSpans:
+    """The CPU's document mask: each row's documents as [start, end) spans. Attention runs causally
+    inside each span, so the scores take sum(length^2) per row rather than the T^2 of a dense mask over
+    the packed row (8,192-token rows ran the CPU trainer past 21 GB that way)."""
+
+    spans: tuple[tuple[tuple[int, int], ...], ...]
+
+
+def document_mask(documents: torch.Tensor):
+    """The base-key mask of packed training rows: causal, and inside the query's own document.
+
+    documents [B, T] (an id per position, contiguous per document; padding gets its own id). On CUDA a
+    FlexAttention BlockMask (blocks of other documents are skipped, not computed); elsewhere DocumentSpans.
+    """
+    B, T = documents.shape
+    if documents.is_cuda:
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        def same_document_causal(b, h, q, k):
+            return (k <= q) & (documents[b, k] == documents[b, q])
+
+        return create_block_mask(same_document_causal, B, None, T, T, device=documents.device)
+    rows = []
+    for row in documents.tolist():
+        starts = [0] + [t for t in range(1, T) if row[t] != row[t - 1]]
+        rows.append(tuple(zip(starts, starts[1:] + [T])))
+    return DocumentSpans(tuple(rows))
+
+
+_compiled_flex = None
+
+
+def flex_attention(q, k, v, block_mask):
+    """FlexAttention, compiled once (uncompiled it falls back to a dense reference)."""
+    global _compiled_flex
+    if _compiled_flex is None:
+        from torch.nn.attention.flex_attention import flex_attention as flex
+
+        _compiled_flex = torch.compile(flex, dynamic=False)
+    return _compiled_flex(q, k, v, block_mask=block_mask, enable_gqa=True, return_lse=True)
+
+
+def dense_attention(q, k, v, mask, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention of q [B, nh, T, d] over k, v [B, nkv, Tb, d] under a bool mask broadcastable to
+    [B, nkv, group, T, Tb] -> (out [B, nh, T, d], log-sum-exp [B, nh, T])."""
+    B, nh, T, d = q.shape
+    nkv = k.shape[1]
+    qg = q.reshape(B, nkv, nh // nkv, T, d)  # [B, nkv, g, T, d]
+    scores = (qg @ k[:, :, None].transpose(-1, -2)).float() * scale  # [B, nkv, g, T, Tb]
+    scores = scores.masked_fill(~mask, float("-inf"))
+    lse = scores.logsumexp(-1)  # [B, nkv, g, T]
+    out = (scores - lse[..., None]).exp().to(q.dtype) @ v[:, :, None]  # [B, nkv, g, T, d]
+    return out.reshape(B, nh, T, d), lse.reshape(B, nh, T)
+
+
+def attend(q, base: KV, diag: list[KV], mask) -> torch.Tensor:
+    """Exact softmax attention of q [B, nh, T, d] over the base keys [B, nkv, Tb, d] under `mask`
+    (a dense bool mask broadcastable to [B, nkv, group, T, Tb], DocumentSpans, or a BlockMask) plus the diagonal
+    keys, each [B, nkv, T, d] and seen only by the query at the same position. -> [B, nh, T, d]."""
+    B, nh, T, d = q.shape
+    nkv = base[0].shape[1]
+    group = nh // nkv
+    scale = 1.0 / math.sqrt(d)
+    if isinstance(mask, DocumentSpans):
+        # The base keys are the step-0 keys at the queries' own positions (Tb = T): each document's
+        # queries see a causal prefix of its own keys.
+        outs, lses = [], []
+        for b, spans in enumerate(mask.spans):
+            row = [dense_attention(q[b:b + 1, :, s:e], base[0][b:b + 1, :, s:e], base[1][b:b + 1, :, s:e],
+                                   torch.ones(e - s, e - s, dtype=torch.bool, device=q.device).tril(), scale)
+                   for s, e in spans]
+            outs.append(torch.cat([o for o, _ in row], dim=2))  # [1, nh, T, d]
+            lses.append(torch.cat([lse for _, lse in row], dim=2))  # [1, nh, T]
+        out, lse = torch.cat(outs), torch.cat(lses)
+    elif isinstance(mask, torch.Tensor):
+        out, lse = dense_attention(q, base[0], base[1], mask, scale)
+    else:
+        out, lse = flex_attention(q, base[0], base[1], mask)  # [B, nh, T, d], [B, nh, T]
+    if not diag:
+        return out
+    dk = torch.stack([k for k, _ in diag], dim=-2).repeat_interleave(group, dim=1)  # [B, nh, T, n, d]
+    dv = torch.stack([v for _, v in diag], dim=-2).repeat_interleave(group, dim=1)  # [B, nh, T, n, d]
+    dscores = (q[..., None, :].float() * dk.float()).sum(-1) * scale  # [B, nh, T, n]
+    # Merge: softmax over [base scores, diagonal scores] = weights exp(lse) and exp(dscores).
+    top = torch.maximum(lse.float(), dscores.max(-1).values)  # [B, nh, T]
+    w_base = (lse.float() - top).exp()  # [B, nh, T]
+    w_diag = (dscores - top[..., None]).exp()  # [B, nh, T, n]
+    total = w_base + w_diag.sum(-1)  # [B, nh, T]
+    merged = w_base[..., None] * out.float() + (w_diag[..., None] * dv.float()).sum(-2)  # [B, nh, T, d]
+    return (merged / total[..., None]).to(q.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg):  # an EAGLE-3 style config: sizes, heads, norm_before_residual
+        super().__init__()
+        self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        width = 2 * cfg.hidden_size  # [norm(embedding), norm(hidden)]
+        self.q_proj = nn.Linear(width, self.n_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(width, self.n_kv * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(width, self.n_kv * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, cfg.hidden_size, bias=False)
+
+    def forward(self, x, cos, sin, base: KV | None = None, diag: list[KV] | None = None, q_offset: int = 0,
+                mask=None):
+        """x [B, T, 2H]. With `diag` None this step's keys extend `base` causally (query j sees base
+        keys 0..q_offset+j, q_offset = len(base) before extension); otherwise they join `diag` and the
+        query sees base keys 0..q_offset+j plus every diagonal key at its own position. A `mask` from
+        `document_mask` replaces the causal rule for the base keys (packed training rows)."""
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # [B, nh, T, d]
+        k = self.k_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)  # [B, nkv, T, d]
+        v = self.v_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)  # [B, nkv, T, d]
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if diag is None:
+            if base is not None:
+                q_offset = base[0].shape[2]
+                base = (torch.cat([base[0], k], dim=2), torch.cat([base[1], v], dim=2))  # [B, nkv, Tb+T, d]
+            else:
+                base = (k, v)
+            diag = []
+        else:
+            diag = diag + [(k, v)]
+        if mask is None:
+            Tb = base[0].shape[2]
+            mask = torch.arange(Tb, device=x.device)[None, :] <= (
+                q_offset + torch.arange(T, device=x.device)[:, None])  # [T, Tb]
+        out = attend(q, base, diag, mask)  # [B, nh, T, d]
+        out = out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)  # [B, T, nh*d]
+        return self.o_proj(out), (k, v)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg):  # an EAGLE-3 style config: sizes, heads, norm_before_residual
+        super().__init__()
+        self.norm_before_residual = cfg.norm_before_residual
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)  # on the embedding
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)  # on the hidden state
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, embeds, hidden, cos, sin, base=None, diag=None, q_offset=0, mask=None):
+        normed = self.hidden_norm(hidden)
+        residual = normed if self.norm_before_residual else hidden
+        x = torch.cat([self.input_layernorm(embeds), normed], dim=-1)  # [B, T, 2H]
+        attn, kv = self.self_attn(x, cos, sin, base, diag, q_offset, mask)
+        hidden = residual + attn
+        hidden = hidden + self.mlp(self.post_attention_layernorm(hidden))
+        return hidden, kv
 
 
 # ---------------------------------------------------------------------------------------------------

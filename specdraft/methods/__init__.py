@@ -15,14 +15,14 @@ import torch
 
 from specdraft.drafters import checkpoint
 from specdraft.files import FileError
-from specdraft.methods import dflash, eagle3
+from specdraft.methods import dflash, eagle3, peagle
 from specdraft.methods.contract import Decode, Method
 from specdraft.targets import Target
 
 __all__ = ["DEFAULT", "METHODS", "Decode", "Method", "for_drafter", "for_folder", "load_checkpoint",
            "load_trained", "named", "read_meta"]
 
-METHODS: dict[str, Method] = {m.name: m for m in (eagle3.METHOD, dflash.METHOD)}
+METHODS: dict[str, Method] = {m.name: m for m in (eagle3.METHOD, dflash.METHOD, peagle.METHOD)}
 
 # The method of a checkpoint that names none (written before there were several), and of an engine
 # folder no other method claims (its checks then say why it is not one).

@@ -26,10 +26,12 @@ Decoding = Callable  # (runner, drafter, prompt ids, max_new, eos, Stats) -> gen
 @dataclass(frozen=True)
 class Decode:
     """One way the reference decoder drafts: `depth` drafted tokens per round at most, `shape` as
-    reported (JSON-ready), `run` the decoding function."""
+    reported (JSON-ready), `run` the decoding function, `describe` the shape in words as the eval
+    report's table shows it (the method says what its shape is; eval never reads the shape's keys)."""
     depth: int
     shape: dict
     run: Decoding
+    describe: str
 
 
 class DecodeState(Protocol):

@@ -156,7 +156,8 @@ def evaluate(runner: TargetRunner, drafter, prompts: list[dict], cfg, eos: int, 
               "seconds_per_prompt": {k: round(v / len(prompts), 4) for k, v in seconds.items()}}
     for name, shape in shapes.items():
         tps = tokens[name] / seconds[name]
-        report[name] = {**stats[name].summary(), "shape": shape.shape, "exact_prompts": len(prompts) - ties[name],
+        report[name] = {**stats[name].summary(), "shape": shape.shape, "described": shape.describe,
+                        "exact_prompts": len(prompts) - ties[name],
                         "numerical_ties": ties[name], "speculative_tokens_per_s": round(tps, 2),
                         **speed_figures(stats[name], shape.depth, tps / ar_tps, ar_step, seconds[name])}
     if len(by_category) > 1 or "all" not in by_category:
@@ -215,7 +216,7 @@ def run(recipe: Recipe, folder: RunFolder) -> dict:
     # num_speculative_tokens = K serves.
     report = {"method": drafter.METHOD, "drafting": names, "prompts": report["prompts"],
               "draft_tokens": report["draft_tokens"],
-              **{k: v for k, v in report[names[0]].items() if k != "shape"},
+              **{k: v for k, v in report[names[0]].items() if k not in ("shape", "described")},
               "autoregressive_tokens_per_s": report["autoregressive_tokens_per_s"],
               **{k: v for k, v in report.items() if k not in ("prompts", "autoregressive_tokens_per_s")}}
     if cfg.temperature > 0 and for_drafter(drafter).samples:
@@ -240,13 +241,6 @@ def run(recipe: Recipe, folder: RunFolder) -> dict:
                       seconds=time.time() - t_start)
 
 
-def describe_shape(shape: dict) -> str:
-    """A drafting's shape as the report's table reads it."""
-    if "topk" in shape:
-        return f"top-k {shape['topk']}, depth {shape['depth']}, {shape['tokens']} tokens"
-    return f"block of {shape['block_size']}: {shape['drafted']} drafted per forward"
-
-
 def render_markdown(r: dict) -> str:
     lines = [
         f"# Drafter evaluation: {r['method']} (reference decoder, greedy, exact)",
@@ -260,7 +254,7 @@ def render_markdown(r: dict) -> str:
     for name in r["drafting"]:
         s = r[name]
         pos = " / ".join(f"{a:.2f}" for a in s["per_position_acceptance"])
-        lines.append(f"| {name} | {describe_shape(s['shape'])} | "
+        lines.append(f"| {name} | {s['described']} | "
                      f"**{s['tau']:.3f}** | {pos} | {s['exact_prompts']} / {s['numerical_ties']} | "
                      f"{s['speculative_tokens_per_s']} | {s['speedup']}x | {s['draft_to_target_cost']} | "
                      f"{s['alpha']} | {s['leviathan_bound']}x |")

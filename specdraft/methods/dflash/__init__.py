@@ -128,7 +128,8 @@ class DFlash(Method):
         blocks of that size, so eval.draft_tokens does not apply)."""
         c = drafter.config
         return {"block": Decode(c.speculative_tokens, {"block_size": c.block_size, "drafted": c.speculative_tokens},
-                                speculative_dflash)}
+                                speculative_dflash,
+                                describe=f"block of {c.block_size}: {c.speculative_tokens} drafted per forward")}
 
     def owns(self, config: dict) -> bool:
         return is_dflash(config)

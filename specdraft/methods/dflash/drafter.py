@@ -33,7 +33,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from specdraft.drafters.common import MLP, RMSNorm, apply_rotary, rotary, within_vocab
+from specdraft.drafters.common import MLP, RMSNorm, apply_rotary, default_mask_token, rotary, within_vocab  # noqa: F401
 
 # The block size the paper and the published drafters use (15 drafted tokens per round).
 DEFAULT_BLOCK_SIZE = 16
@@ -99,26 +99,6 @@ class DFlashConfig:
 
     def make_drafter(self) -> DFlashDrafter:
         return DFlashDrafter(self)
-
-
-def default_mask_token(tokenizer, vocab_size: int) -> int:
-    """The mask token of a target with none chosen: the tokenizer's own mask token; else the first
-    embedding row past the tokenizer's ids (Qwen3's checkpoints have such rows, and the published
-    drafters use one); else the highest-numbered special token that is none of bos / eos / pad / unk
-    and that the chat template never writes (SmolLM2: `<empty_output>`, a code-pretraining marker).
-    The mask slots' input is the target's row of this id, so it must never be a token of the data."""
-    if getattr(tokenizer, "mask_token_id", None) is not None:
-        return int(tokenizer.mask_token_id)
-    if len(tokenizer) < vocab_size:
-        return len(tokenizer)
-    template = getattr(tokenizer, "chat_template", None) or ""
-    taken = {getattr(tokenizer, f"{role}_token_id", None) for role in ("bos", "eos", "pad", "unk")}
-    specials = [i for i, t in tokenizer.added_tokens_decoder.items()
-                if t.special and i < vocab_size and i not in taken and t.content not in template]
-    if not specials:
-        raise ValueError("no mask token: the tokenizer has none, no unused embedding row and no spare special "
-                         "token; name one (a token id the training data never contains)")
-    return max(specials)
 
 
 KV = tuple[torch.Tensor, torch.Tensor]

@@ -189,7 +189,8 @@ class Eagle3(Method):
             print(f"eval: {runner.target.family.attention} attention: tree drafting measured as a chain of "
                   f"{tree.depth}")
             tree = TreeShape.chain(tree.depth)
-        return {name: Decode(shape.depth, vars(shape), _tree_decoding(shape))
+        return {name: Decode(shape.depth, vars(shape), _tree_decoding(shape),
+                             describe=f"top-k {shape.topk}, depth {shape.depth}, {shape.tokens} tokens")
                 for name, shape in (("chain", TreeShape.chain(cfg.draft_tokens)), ("tree", tree))}
 
     def sampled(self, runner, drafter, prompt, max_new, eos, K, temperature, stats, generator):
