@@ -177,6 +177,24 @@ def scratch_paths(path: Path) -> tuple[Path, Path]:
     return run_scratch_paths(path)
 
 
+def refuse_misfits(folder: Path, target, found: list[str], aux_ids: list[int], extracted_aux_layer_ids) -> None:
+    """import's one error listing every misfit of a folder: `found`, and aux layers other than a run's
+    extracted ones (fine-tuning would feed it other layers)."""
+    if extracted_aux_layer_ids is not None and list(extracted_aux_layer_ids) != list(aux_ids):
+        found.append(f"aux layer ids: drafter {list(aux_ids)}, the run's hidden states {list(extracted_aux_layer_ids)} "
+                     "(fine-tuning would feed it other layers)")
+    if found:
+        raise ValueError(f"import: {folder} does not fit the target {target.path}:\n  " + "\n  ".join(found))
+
+
+def save_imported(drafter, target, folder: Path, out: Path, layout: str, notes: list[str]) -> None:
+    """An imported folder's drafter as a checkpoint at `out`, saying where it came from and how it was read."""
+    aux_ids = list(drafter.config.aux_layer_ids)
+    meta = {"aux_layer_ids": aux_ids, "target": type(target)(target.name, aux_ids).describe(),
+            "imported_from": {"folder": str(Path(folder).resolve()), "layout": layout, "notes": notes}}
+    save_checkpoint(drafter, Path(out), meta)
+
+
 def save_checkpoint(drafter, path: Path, meta: dict, extra: dict | None = None) -> None:
     """A checkpoint folder, written whole under a temporary name, marked complete, then renamed
     (run.staged_folders): a failure (a full disk, a kill's KeyboardInterrupt) removes the temporary

@@ -12,6 +12,7 @@ claimed by the method whose `owns` accepts its config.json.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -136,6 +137,11 @@ class Method:
         """vLLM's --speculative-config serving an exported folder of this method with K drafts per round
         (None: the method's own choice)."""
         raise NotImplementedError
+
+    def serve_command(self, target_path, folder: Path, K: int) -> str:
+        """The `vllm serve` command of the target with an exported folder drafting K tokens per round."""
+        spec = json.dumps(self.serve_config(str(Path(folder).resolve()), K))
+        return f"vllm serve {target_path} --speculative-config '{spec}'"
 
     def export(self, recipe, folder, formats: list[str], drafter, target, embed: torch.Tensor,
                t_start: float) -> dict:

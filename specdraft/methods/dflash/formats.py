@@ -141,11 +141,6 @@ def write_dflash(drafter: DFlashDrafter, out: Path, *, target_num_layers: int, p
     return out
 
 
-def serve_spec(folder: Path, cfg: DFlashConfig) -> dict:
-    """vLLM's --speculative-config for the folder: one block per round, as trained."""
-    return {"method": "dflash", "model": str(folder), "num_speculative_tokens": cfg.speculative_tokens}
-
-
 def _target_layer_ids(config: dict, where: str) -> list[int]:
     """Our aux ids from either list vLLM reads (the top-level one first, as vLLM does); both present
     must name the same layers."""
