@@ -96,14 +96,6 @@ class TargetSpec:
     params: dict  # total / embedding / head / routed_experts / active / quantized / matmul_per_token
 
     @property
-    def source(self) -> str:
-        return str(self.target.config_file)
-
-    @property
-    def num_layers(self) -> int:
-        return self.target.num_layers
-
-    @property
     def hidden_size(self) -> int:
         return self.target.hidden_size
 
@@ -125,7 +117,7 @@ class TargetSpec:
         t, arch = self.target.text_config, self.target.architecture()
         experts, template = arch["experts"], self.target.chat_template
         return {
-            "config": self.source,
+            "config": str(self.target.config_file),
             "architectures": self.target.raw_config.get("architectures"),
             "model_type": arch["model_type"],
             "text_model_type": arch["text_model_type"],
@@ -508,8 +500,8 @@ def _reference_rows(recipe: Recipe, spec: TargetSpec, tokens: dict, parts: dict,
                      "seconds": round(work / rate, 1), "source": source})
 
     if recipe.gen.answers == "source":
-        rows.append({"phase": "gen", "work": 0, "unit": "answer tokens", "rate_per_s": None, "seconds": 0.0,
-                     "source": "gen.answers = source: the source's own answers are copied, nothing is generated"})
+        rows.append(_row("gen", 0, "answer tokens", 0.0,
+                         "gen.answers = source: the source's own answers are copied, nothing is generated"))
     else:
         answer_tokens = tokens["samples"] * per_conversation(recipe, recipe.gen.max_new_tokens)
         what = "gen.max_new_tokens" if turns_answered(recipe) == 1 else "the answers of gen.max_turns turns, within render.max_length"
@@ -518,9 +510,8 @@ def _reference_rows(recipe: Recipe, spec: TargetSpec, tokens: dict, parts: dict,
     online = recipe.train.hidden == "online"
     served = recipe.train.hidden == "served"
     if online or served:
-        rows.append({"phase": "extract", "work": 0, "unit": "tokens", "rate_per_s": None, "seconds": 0.0,
-                     "source": f"train.hidden = {recipe.train.hidden}: the target "
-                               + ("runs inside train instead" if online else "is served to train instead")})
+        rows.append(_row("extract", 0, "tokens", 0.0, f"train.hidden = {recipe.train.hidden}: the target "
+                         + ("runs inside train instead" if online else "is served to train instead")))
     else:
         row("extract", tokens["tokens"], "tokens", "extract", "tokens_per_s", target_scale, "forward FLOPs ratio")
     ref_train = refs["train"]
@@ -936,8 +927,6 @@ def human_seconds(s: float) -> str:
     if s >= 60:
         return f"{s / 60:,.1f} min"
     return f"{s:,.0f} s"
-
-
 
 
 # --- sizing a run to a time budget ---------------------------------------------------------------

@@ -248,13 +248,6 @@ def _parse_vllm(folder: Path, config: dict) -> tuple[DrafterConfig, dict[str, st
     return cfg, {**VLLM_KEYS, **_norm_keys(cfg)}, "speculators (Eagle3Speculator, layers.0.*)"
 
 
-def read_vllm(folder: Path, embed: torch.Tensor | None = None) -> Eagle3Drafter:
-    """A speculators-format folder -> our drafter (float32), for eval, fine-tuning and round trips."""
-    folder = Path(folder)
-    cfg, keys, _ = _parse_vllm(folder, _read_config(folder))
-    return _build(folder, cfg, read_tensors(folder), keys, embed)
-
-
 def flat_config(cfg: DrafterConfig, provenance: dict) -> dict:
     """The flat (SGLang / vLLM `LlamaForCausalLMEagle3`) config.json of a drafter."""
     ids = list(cfg.aux_layer_ids)
@@ -352,15 +345,6 @@ def _parse_flat(folder: Path, config: dict, tensor_names: set[str],
     if layers0:
         return cfg, {**VLLM_KEYS, **_norm_keys(cfg)}, f"flat ({FLAT_ARCHITECTURE}, layers.0.*)"
     return cfg, {**SGLANG_KEYS, **_norm_keys(cfg)}, f"flat ({FLAT_ARCHITECTURE}, midlayer.*)"
-
-
-def read_sglang(folder: Path, embed: torch.Tensor | None = None) -> Eagle3Drafter:
-    """A flat-format folder -> our drafter (float32). Reads the decoder layer named `midlayer.*`
-    (SGLang / EAGLE / SpecForge) or `layers.0.*` (vLLM-style), with or without a `model.` prefix."""
-    folder = Path(folder)
-    theirs = read_tensors(folder, "model.")  # some checkpoints prefix every name
-    cfg, keys, _ = _parse_flat(folder, _read_config(folder), set(theirs), None)
-    return _build(folder, cfg, theirs, keys, embed)
 
 
 @dataclass
