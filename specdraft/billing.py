@@ -28,6 +28,7 @@ from specdraft.calibrate import Calibration, cached, calibrate, default_cache, h
 from specdraft.config import Recipe
 from specdraft.data.sources import prompts
 from specdraft.drafters.checkpoint import drafter_of
+from specdraft.files import size_of
 from specdraft.hidden.served import memory_bytes, state_file_bytes
 from specdraft.hidden.store import TOKEN_BYTES, bytes_per_token, disk_bytes_per_token
 from specdraft.methods import DEFAULT, named
@@ -727,7 +728,7 @@ def make_plan(recipe: Recipe, folder: RunFolder | None = None, *, target: str | 
                                   if recipe.train.hidden == "served" else hidden_bytes),
                    "disk_bytes_if_disk": hidden_bytes,
                    # Shards already extracted take no more free disk than they have.
-                   "on_disk_bytes": _tree_bytes(folder.hidden) if folder is not None else 0},
+                   "on_disk_bytes": (size_of(folder.hidden) or 0) if folder is not None else 0},
         "tokens": tokens,
         "drafter": {"method": recipe.train.method, "config": dcfg.to_dict(), **params},
         "train_memory": {"per_gpu": mem, "row_tokens": row_tokens,
@@ -885,10 +886,6 @@ def _topology(recipe: Recipe, spec: TargetSpec, gpus: int, gpu_bytes: int, state
                   + ("fits" if spec.weight_bytes() // (tp // 2) <= usable else "does not fit") + ")" if tp > 1 else ""))
     topo["text"] = f"{what}; {verdict}; {own}"
     return topo
-
-
-def _tree_bytes(path: Path) -> int:
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.exists() else 0
 
 
 def machine_calibration(recipe: Recipe, target: Target, folder: RunFolder | None, how: str) -> Calibration | None:
