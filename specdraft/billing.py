@@ -516,7 +516,9 @@ def _reference_rows(recipe: Recipe, spec: TargetSpec, tokens: dict, parts: dict,
     else:
         row("extract", tokens["tokens"], "tokens", "extract", "tokens_per_s", target_scale, "forward FLOPs ratio")
     ref_train = refs["train"]
-    ref_parts = drafter_parameters(_reference_drafter(ref_train[2]))["parts"]
+    # The drafter the reference rates were measured with: the default method's, on SmolLM2.
+    ref_parts = drafter_parameters(named(DEFAULT).config_class(**REFERENCE_DRAFTER, draft_vocab_size=ref_train[2]))
+    ref_parts = ref_parts["parts"]
     train_scale = (train_flops_per_token(ref_parts, ref_train[3])
                    / train_flops_per_token(parts, named(recipe.train.method).queries(recipe.train)))
     row("train", train_work(recipe, tokens), "tokens x epochs (held-out samples excluded)", "train", "tokens_per_s",
@@ -600,11 +602,6 @@ def _add_serving(row: dict, recipe: Recipe, tokens: dict, stages: dict, referenc
                       + ("beside the trainer (the longer of the two" + (f"; the trainer waits {wait:.0%} of it)" if wait
                                                                          else "; the trainer does not wait)")
                          if gpus else "on the same cores (added)"))
-
-
-def _reference_drafter(draft_vocab_size: int):
-    """The drafter the reference rates were measured with: the default method's, on SmolLM2."""
-    return named(DEFAULT).config_class(**REFERENCE_DRAFTER, draft_vocab_size=draft_vocab_size)
 
 
 # --- the whole plan ------------------------------------------------------------------------------

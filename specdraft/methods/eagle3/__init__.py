@@ -215,13 +215,12 @@ class Eagle3(Method):
                                verifier_architectures=list(target.config.architectures or []),
                                speculative_tokens=speculative_tokens, include_embed=include_embed,
                                provenance=provenance(recipe.name))
-                    written[fmt] = {"path": str(out.relative_to(folder.path)),
-                                    "format": "speculators (Eagle3Speculator)"}
                     commands[fmt] = self.serve_command(target.path, out, speculative_tokens)
                 else:
                     write_sglang(drafter, tmp, include_embed=include_embed, provenance=provenance(recipe.name))
-                    written[fmt] = {"path": str(out.relative_to(folder.path)), "format": f"flat ({FLAT_ARCHITECTURE})"}
                     commands[fmt] = sglang_serve_command(str(target.path), out, speculative_tokens)
+                layout = "speculators (Eagle3Speculator)" if fmt == "vllm" else f"flat ({FLAT_ARCHITECTURE})"
+                written[fmt] = {"path": str(out.relative_to(folder.path)), "format": layout}
         engines = {"vllm": "vLLM", "sglang": "SGLang"}
         for fmt in formats:
             print(f"export: {engines[fmt]} drafter in {folder.export(fmt)}\n  serve it with:\n  {commands[fmt]}")

@@ -143,10 +143,6 @@ def _with_embed(keys: dict[str, str], cfg: DrafterConfig, include_embed: bool) -
     return keys
 
 
-def _read_config(folder: Path) -> dict:
-    return read_json(Path(folder) / "config.json", fix=REEXPORT, what="a drafter's config")
-
-
 def _build(folder: Path, cfg: DrafterConfig, theirs: dict[str, torch.Tensor], keys: dict[str, str],
            embed: torch.Tensor | None, notes: list[str] | None = None) -> Eagle3Drafter:
     """Our drafter (float32, eval mode) from the format's tensors read through `keys` (ours -> theirs).
@@ -367,7 +363,7 @@ def read_published(folder: Path, default_aux_layer_ids: list[int] | None = None)
     """Any drafter folder an engine loads, parsed but not yet built: the speculators format (has
     `speculators_model_type`) or the flat one (architectures name LlamaForCausalLMEagle3)."""
     folder = Path(folder)
-    config = _read_config(folder)
+    config = read_json(folder / "config.json", fix=REEXPORT, what="a drafter's config")
     try:
         return _read_published(folder, config, default_aux_layer_ids)
     except (TypeError, AttributeError, KeyError, ZeroDivisionError) as e:
