@@ -3,11 +3,8 @@
 A method is a choice inside one design (`train.method`): every method trains from the same extracted
 hidden states, in the same trainer loop, is measured by the same eval and bench, and is written, read and
 checked by the same stages. What differs lives in the method's package, behind this class; the stages
-ask the registry (specdraft/methods/__init__.py) for a method and call it, never name one.
-
-Which method a saved drafter belongs to is its class's METHOD (written into checkpoints), so readers
-dispatch on the drafter they load, never on a recipe that may have changed since; an engine folder is
-claimed by the method whose `owns` accepts its config.json.
+ask the registry (specdraft/methods/__init__.py, which says how a saved drafter or an engine folder
+finds its method) for a method and call it, never name one.
 """
 
 from __future__ import annotations
