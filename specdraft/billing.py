@@ -27,7 +27,6 @@ from specdraft import environment
 from specdraft.calibrate import Calibration, cached, calibrate, default_cache, has_weights
 from specdraft.config import Recipe
 from specdraft.data.sources import prompts
-from specdraft.drafters.checkpoint import drafter_of
 from specdraft.files import size_of
 from specdraft.hidden.served import memory_bytes, state_file_bytes
 from specdraft.hidden.store import TOKEN_BYTES, bytes_per_token, disk_bytes_per_token
@@ -260,7 +259,7 @@ def drafter_parameters(cfg, frozen_head: bool = False) -> dict:
     import torch
 
     with torch.device("meta"):
-        drafter = drafter_of(cfg)
+        drafter = cfg.make_drafter()
     if frozen_head:  # a DFlash drafter sharing the target's lm_head has it frozen already
         drafter.lm_head.weight.requires_grad_(False)
     parts: dict[str, dict] = {}

@@ -41,11 +41,6 @@ PICKLED = "trainer.pt"  # what specdraft wrote before: a pickle, never read
 
 _TAGS = ("__tensor__", "__tuple__", "__items__")
 
-def drafter_of(config):
-    """The drafter of a config (of the method whose config it is), built on the current device."""
-    return config.make_drafter()
-
-
 def target_tensors(config) -> set[str]:
     """The drafter's tensors that are the target's own, frozen: left out of checkpoints (read from the
     target on load). The embedding always; a DFlash lm_head over the whole vocabulary too."""
@@ -262,7 +257,7 @@ def save_training(path: Path, wrapped, optimizers: list, schedulers: list, confi
              "state": dict(state), "rng": rng_state()}
     # The copy written out is built on the CPU, and building it initialises weights from torch's RNG.
     with torch.random.fork_rng(devices=[]):
-        drafter = drafter_of(config)
+        drafter = config.make_drafter()
     drafter.load_state_dict({k.removeprefix("drafter."): v for k, v in model_state.items()})
     save_checkpoint(drafter, path, meta, extra)
 

@@ -59,7 +59,6 @@ EMBED_KEY = ("embed_tokens.weight", "embed_tokens.weight")
 SGLANG_NUM_AUX = 3
 # EAGLE-3.1's optional norms (before fc, per aux state in fc, on the state fed to the next step).
 EAGLE31_FLAGS = ("norm_before_fc", "fc_norm", "norm_output")
-# Those our DrafterConfig implements (fields of that name); the others are refused on read, never dropped.
 
 
 def layer_config(cfg: DrafterConfig) -> dict:
