@@ -27,7 +27,7 @@ from specdraft import environment
 from specdraft.calibrate import Calibration, cached, calibrate, default_cache, has_weights
 from specdraft.config import Recipe
 from specdraft.data.sources import prompts
-from specdraft.drafters.checkpoint import drafter_of
+from specdraft.files import size_of
 from specdraft.hidden.served import memory_bytes, state_file_bytes
 from specdraft.hidden.store import TOKEN_BYTES, bytes_per_token, disk_bytes_per_token
 from specdraft.methods import DEFAULT, named
@@ -96,14 +96,6 @@ class TargetSpec:
     params: dict  # total / embedding / head / routed_experts / active / quantized / matmul_per_token
 
     @property
-    def source(self) -> str:
-        return str(self.target.config_file)
-
-    @property
-    def num_layers(self) -> int:
-        return self.target.num_layers
-
-    @property
     def hidden_size(self) -> int:
         return self.target.hidden_size
 
@@ -125,7 +117,7 @@ class TargetSpec:
         t, arch = self.target.text_config, self.target.architecture()
         experts, template = arch["experts"], self.target.chat_template
         return {
-            "config": self.source,
+            "config": str(self.target.config_file),
             "architectures": self.target.raw_config.get("architectures"),
             "model_type": arch["model_type"],
             "text_model_type": arch["text_model_type"],
@@ -267,7 +259,7 @@ def drafter_parameters(cfg, frozen_head: bool = False) -> dict:
     import torch
 
     with torch.device("meta"):
-        drafter = drafter_of(cfg)
+        drafter = cfg.make_drafter()
     if frozen_head:  # a DFlash drafter sharing the target's lm_head has it frozen already
         drafter.lm_head.weight.requires_grad_(False)
     parts: dict[str, dict] = {}
@@ -508,8 +500,8 @@ def _reference_rows(recipe: Recipe, spec: TargetSpec, tokens: dict, parts: dict,
                      "seconds": round(work / rate, 1), "source": source})
 
     if recipe.gen.answers == "source":
-        rows.append({"phase": "gen", "work": 0, "unit": "answer tokens", "rate_per_s": None, "seconds": 0.0,
-                     "source": "gen.answers = source: the source's own answers are copied, nothing is generated"})
+        rows.append(_row("gen", 0, "answer tokens", 0.0,
+                         "gen.answers = source: the source's own answers are copied, nothing is generated"))
     else:
         answer_tokens = tokens["samples"] * per_conversation(recipe, recipe.gen.max_new_tokens)
         what = "gen.max_new_tokens" if turns_answered(recipe) == 1 else "the answers of gen.max_turns turns, within render.max_length"
@@ -518,13 +510,14 @@ def _reference_rows(recipe: Recipe, spec: TargetSpec, tokens: dict, parts: dict,
     online = recipe.train.hidden == "online"
     served = recipe.train.hidden == "served"
     if online or served:
-        rows.append({"phase": "extract", "work": 0, "unit": "tokens", "rate_per_s": None, "seconds": 0.0,
-                     "source": f"train.hidden = {recipe.train.hidden}: the target "
-                               + ("runs inside train instead" if online else "is served to train instead")})
+        rows.append(_row("extract", 0, "tokens", 0.0, f"train.hidden = {recipe.train.hidden}: the target "
+                         + ("runs inside train instead" if online else "is served to train instead")))
     else:
         row("extract", tokens["tokens"], "tokens", "extract", "tokens_per_s", target_scale, "forward FLOPs ratio")
     ref_train = refs["train"]
-    ref_parts = drafter_parameters(_reference_drafter(ref_train[2]))["parts"]
+    # The drafter the reference rates were measured with: the default method's, on SmolLM2.
+    ref_parts = drafter_parameters(named(DEFAULT).config_class(**REFERENCE_DRAFTER, draft_vocab_size=ref_train[2]))
+    ref_parts = ref_parts["parts"]
     train_scale = (train_flops_per_token(ref_parts, ref_train[3])
                    / train_flops_per_token(parts, named(recipe.train.method).queries(recipe.train)))
     row("train", train_work(recipe, tokens), "tokens x epochs (held-out samples excluded)", "train", "tokens_per_s",
@@ -608,11 +601,6 @@ def _add_serving(row: dict, recipe: Recipe, tokens: dict, stages: dict, referenc
                       + ("beside the trainer (the longer of the two" + (f"; the trainer waits {wait:.0%} of it)" if wait
                                                                          else "; the trainer does not wait)")
                          if gpus else "on the same cores (added)"))
-
-
-def _reference_drafter(draft_vocab_size: int):
-    """The drafter the reference rates were measured with: the default method's, on SmolLM2."""
-    return named(DEFAULT).config_class(**REFERENCE_DRAFTER, draft_vocab_size=draft_vocab_size)
 
 
 # --- the whole plan ------------------------------------------------------------------------------
@@ -736,7 +724,7 @@ def make_plan(recipe: Recipe, folder: RunFolder | None = None, *, target: str | 
                                   if recipe.train.hidden == "served" else hidden_bytes),
                    "disk_bytes_if_disk": hidden_bytes,
                    # Shards already extracted take no more free disk than they have.
-                   "on_disk_bytes": _tree_bytes(folder.hidden) if folder is not None else 0},
+                   "on_disk_bytes": (size_of(folder.hidden) or 0) if folder is not None else 0},
         "tokens": tokens,
         "drafter": {"method": recipe.train.method, "config": dcfg.to_dict(), **params},
         "train_memory": {"per_gpu": mem, "row_tokens": row_tokens,
@@ -896,10 +884,6 @@ def _topology(recipe: Recipe, spec: TargetSpec, gpus: int, gpu_bytes: int, state
     return topo
 
 
-def _tree_bytes(path: Path) -> int:
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.exists() else 0
-
-
 def machine_calibration(recipe: Recipe, target: Target, folder: RunFolder | None, how: str) -> Calibration | None:
     """This CPU's calibration for the recipe (see make_plan's `calibration`), None where there is none."""
     if how == "off" or not has_weights(target):
@@ -936,8 +920,6 @@ def human_seconds(s: float) -> str:
     if s >= 60:
         return f"{s / 60:,.1f} min"
     return f"{s:,.0f} s"
-
-
 
 
 # --- sizing a run to a time budget ---------------------------------------------------------------

@@ -204,6 +204,11 @@ def check_manifest(m: dict, path: Path) -> dict:
     return m
 
 
+def _under(*parts: str) -> property:
+    """A path of a run folder's layout: `parts` under its root."""
+    return property(lambda self: self.path.joinpath(*parts))
+
+
 class RunFolder:
     """A run folder `runs/<name>/`: the paths of its artifacts and its manifest.json."""
 
@@ -214,82 +219,32 @@ class RunFolder:
         self.command_recipe = recipe
 
     # --- layout: every artifact of a run, named here and nowhere else ---------------------------
-    @property
-    def manifest_path(self) -> Path:
-        return self.path / MANIFEST
-
-    @property
-    def conversations(self) -> Path:
-        return self.path / "conversations.jsonl"
-
-    @property
-    def gen_errors(self) -> Path:
-        return self.path / "gen_errors.jsonl"
-
-    @property
-    def gen_in_flight(self) -> Path:
-        return self.path / "gen_in_flight.jsonl"
-
-    @property
-    def tokens(self) -> Path:
-        return self.path / "tokens"
-
-    @property
-    def hidden(self) -> Path:
-        return self.path / "hidden"
-
-    @property
-    def served(self) -> Path:
-        """The states server specdraft starts for train.hidden = "served": its log, and the scratch folder
-        its connector writes each request's states to (deleted as read, bounded by served_scratch_bytes)."""
-        return self.path / "served"
-
-    @property
-    def checkpoints(self) -> Path:
-        return self.path / "checkpoints"
-
-    @property
-    def previous_checkpoints(self) -> Path:
-        """Where a new training that starts over moves the last good one's checkpoints until it succeeds."""
-        return self.path / "checkpoints.previous"
+    manifest_path = _under(MANIFEST)
+    conversations = _under("conversations.jsonl")
+    gen_errors = _under("gen_errors.jsonl")
+    gen_in_flight = _under("gen_in_flight.jsonl")
+    tokens = _under("tokens")
+    hidden = _under("hidden")
+    # The states server specdraft starts for train.hidden = "served": its log, and the scratch folder its
+    # connector writes each request's states to (deleted as read, bounded by served_scratch_bytes).
+    served = _under("served")
+    checkpoints = _under("checkpoints")
+    # Where a new training that starts over moves the last good one's checkpoints until it succeeds.
+    previous_checkpoints = _under("checkpoints.previous")
+    train_log = _under("checkpoints", "train_log.jsonl")
+    tensorboard = _under("checkpoints", "tensorboard")
+    curves = _under("checkpoints", "curves.png")
+    exports = _under("export")
+    eval = _under("eval")
+    eval_report = _under("eval", "report.json")
+    calibration = _under("calibration.json")
+    status = _under("STATUS.md")
 
     def checkpoint(self, name: CheckpointName) -> Path:
         return self.checkpoints / name
 
-    @property
-    def train_log(self) -> Path:
-        return self.checkpoints / "train_log.jsonl"
-
-    @property
-    def tensorboard(self) -> Path:
-        return self.checkpoints / "tensorboard"
-
-    @property
-    def curves(self) -> Path:
-        return self.checkpoints / "curves.png"
-
-    @property
-    def exports(self) -> Path:
-        return self.path / "export"
-
     def export(self, fmt: str) -> Path:
         return self.exports / fmt
-
-    @property
-    def eval(self) -> Path:
-        return self.path / "eval"
-
-    @property
-    def eval_report(self) -> Path:
-        return self.eval / "report.json"
-
-    @property
-    def calibration(self) -> Path:
-        return self.path / "calibration.json"
-
-    @property
-    def status(self) -> Path:
-        return self.path / "STATUS.md"
 
     # --- the manifest ---------------------------------------------------------------------------
     def exists(self) -> bool:

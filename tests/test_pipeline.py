@@ -102,11 +102,11 @@ def test_eval_is_exact_and_reports_acceptance(tiny_run):
 
 def test_export_round_trip_gives_identical_logits(tiny_run, target):
     from specdraft.methods import load_checkpoint
-    from specdraft.methods.eagle3.formats import read_vllm
+    from specdraft.methods.eagle3.formats import read_drafter
 
     embed = target.embed_weight()
     trained, _ = load_checkpoint(tiny_run / "checkpoints" / "final", embed)
-    served = read_vllm(tiny_run / "export" / "vllm", embed)
+    served = read_drafter(tiny_run / "export" / "vllm", embed)
     config = json.loads((tiny_run / "export" / "vllm" / "config.json").read_text())
     assert "model_type" not in config  # vLLM detects the speculators format by its absence
     assert config["eagle_aux_hidden_state_layer_ids"] == [2, 15, 27]

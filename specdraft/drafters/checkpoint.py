@@ -41,11 +41,6 @@ PICKLED = "trainer.pt"  # what specdraft wrote before: a pickle, never read
 
 _TAGS = ("__tensor__", "__tuple__", "__items__")
 
-def drafter_of(config):
-    """The drafter of a config (of the method whose config it is), built on the current device."""
-    return config.make_drafter()
-
-
 def target_tensors(config) -> set[str]:
     """The drafter's tensors that are the target's own, frozen: left out of checkpoints (read from the
     target on load). The embedding always; a DFlash lm_head over the whole vocabulary too."""
@@ -177,6 +172,24 @@ def scratch_paths(path: Path) -> tuple[Path, Path]:
     return run_scratch_paths(path)
 
 
+def refuse_misfits(folder: Path, target, found: list[str], aux_ids: list[int], extracted_aux_layer_ids) -> None:
+    """import's one error listing every misfit of a folder: `found`, and aux layers other than a run's
+    extracted ones (fine-tuning would feed it other layers)."""
+    if extracted_aux_layer_ids is not None and list(extracted_aux_layer_ids) != list(aux_ids):
+        found.append(f"aux layer ids: drafter {list(aux_ids)}, the run's hidden states {list(extracted_aux_layer_ids)} "
+                     "(fine-tuning would feed it other layers)")
+    if found:
+        raise ValueError(f"import: {folder} does not fit the target {target.path}:\n  " + "\n  ".join(found))
+
+
+def save_imported(drafter, target, folder: Path, out: Path, layout: str, notes: list[str]) -> None:
+    """An imported folder's drafter as a checkpoint at `out`, saying where it came from and how it was read."""
+    aux_ids = list(drafter.config.aux_layer_ids)
+    meta = {"aux_layer_ids": aux_ids, "target": type(target)(target.name, aux_ids).describe(),
+            "imported_from": {"folder": str(Path(folder).resolve()), "layout": layout, "notes": notes}}
+    save_checkpoint(drafter, Path(out), meta)
+
+
 def save_checkpoint(drafter, path: Path, meta: dict, extra: dict | None = None) -> None:
     """A checkpoint folder, written whole under a temporary name, marked complete, then renamed
     (run.staged_folders): a failure (a full disk, a kill's KeyboardInterrupt) removes the temporary
@@ -244,7 +257,7 @@ def save_training(path: Path, wrapped, optimizers: list, schedulers: list, confi
              "state": dict(state), "rng": rng_state()}
     # The copy written out is built on the CPU, and building it initialises weights from torch's RNG.
     with torch.random.fork_rng(devices=[]):
-        drafter = drafter_of(config)
+        drafter = config.make_drafter()
     drafter.load_state_dict({k.removeprefix("drafter."): v for k, v in model_state.items()})
     save_checkpoint(drafter, path, meta, extra)
 

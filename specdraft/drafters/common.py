@@ -13,12 +13,16 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from specdraft.config import TrainConfig, field_choices
+from specdraft.files import load_safetensors, save_safetensors
+from specdraft.run import atomic_path
+from specdraft.targets import refuse_pickled_weights
 
 
 def within_vocab(draft_vocab_size: int, vocab_size: int) -> int:
@@ -56,11 +60,48 @@ def default_mask_token(tokenizer, vocab_size: int) -> int:
 
 # What to do about an engine folder that cannot be read or does not hold what it says.
 REEXPORT = "re-export it (`specdraft export`), or fetch the drafter folder again from where it was published"
+WEIGHTS = "model.safetensors"
 
 
 def provenance(run_name: str) -> dict:
     """What an exported folder says of where it came from."""
     return {"run": run_name, "exported": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+
+
+def write_tensors(drafter: nn.Module, out: Path, keys: dict[str, str]) -> None:
+    """The drafter's tensors under the format's names (`keys`: ours -> theirs), floats as bf16."""
+    state = drafter.state_dict()
+    tensors = {}
+    for ours, theirs in keys.items():
+        t = state[ours].detach()
+        tensors[theirs] = (t.to(torch.bfloat16) if t.is_floating_point() else t).contiguous()
+    out.mkdir(parents=True, exist_ok=True)
+    with atomic_path(out / WEIGHTS) as tmp:
+        save_safetensors(tensors, tmp)
+
+
+def read_tensors(folder: Path, prefix: str = "") -> dict[str, torch.Tensor]:
+    """Every tensor of a folder (model.safetensors, else its shards), `prefix` dropped from their names. A
+    folder of pytorch_model*.bin only is refused with the command that converts it: nothing is unpickled."""
+    files = [folder / WEIGHTS] if (folder / WEIGHTS).exists() else sorted(folder.glob("*.safetensors"))
+    if not files:
+        refuse_pickled_weights(folder)
+        raise ValueError(f"{folder}: no weights (*.safetensors)")
+    tensors = {}
+    for f in files:
+        tensors.update({k.removeprefix(prefix): v for k, v in load_safetensors(f, fix=REEXPORT).items()})
+    return tensors
+
+
+def load_checked(drafter: nn.Module, state: dict, expected: dict, folder: Path, names: dict | None = None):
+    """`state` into the drafter (float32, eval mode) once every tensor fits `expected`'s shapes; the misfits
+    are all named (`names`: ours -> the folder's)."""
+    misfits = [f"{(names or {}).get(k, k)}: {list(v.shape)} given, config.json needs {list(expected[k].shape)}"
+               for k, v in state.items() if k in expected and v.shape != expected[k].shape]
+    if misfits:
+        raise ValueError(f"{folder}: the tensors do not fit config.json:\n  " + "\n  ".join(misfits))
+    drafter.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()})
+    return drafter.eval()
 
 
 # ---------------------------------------------------------------------------------------------------

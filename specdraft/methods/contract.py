@@ -3,15 +3,13 @@
 A method is a choice inside one design (`train.method`): every method trains from the same extracted
 hidden states, in the same trainer loop, is measured by the same eval and bench, and is written, read and
 checked by the same stages. What differs lives in the method's package, behind this class; the stages
-ask the registry (specdraft/methods/__init__.py) for a method and call it, never name one.
-
-Which method a saved drafter belongs to is its class's METHOD (written into checkpoints), so readers
-dispatch on the drafter they load, never on a recipe that may have changed since; an engine folder is
-claimed by the method whose `owns` accepts its config.json.
+ask the registry (specdraft/methods/__init__.py, which says how a saved drafter or an engine folder
+finds its method) for a method and call it, never name one.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -138,6 +136,11 @@ class Method:
         """vLLM's --speculative-config serving an exported folder of this method with K drafts per round
         (None: the method's own choice)."""
         raise NotImplementedError
+
+    def serve_command(self, target_path, folder: Path, K: int) -> str:
+        """The `vllm serve` command of the target with an exported folder drafting K tokens per round."""
+        spec = json.dumps(self.serve_config(str(Path(folder).resolve()), K))
+        return f"vllm serve {target_path} --speculative-config '{spec}'"
 
     def export(self, recipe, folder, formats: list[str], drafter, target, embed: torch.Tensor,
                t_start: float) -> dict:

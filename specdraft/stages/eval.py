@@ -5,14 +5,6 @@ each way its method drafts (its package under specdraft/methods/ says which: cha
 trees, with `temperature` > 0 sampled chains too; or one block of drafts per round, verified by one
 target forward). Writes eval/report.json, report.md (both naming the method) and the accepted-length histogram.
 
-Each round the drafter proposes a tree of tokens from the target's aux states: the root is the last
-accepted token; every depth expands the `tree_topk` best nodes so far (by cumulative draft log-prob)
-into their `tree_topk` best children, for `tree_depth` depths, and the `tree_tokens` best nodes of all
-drafted ones are verified by ONE target forward with a tree attention mask (each node sees the cache,
-its ancestors and itself; its position is the cache length plus its depth). The longest path whose
-tokens the target itself picks is kept, plus the target's own next token; the cache keeps only that
-path. A chain of K tokens is the tree with top-k 1, depth K and K tokens, so both run the same code.
-
 Greedy output is checked token for token against the target's plain greedy decoding with the same
 engine; a divergence at a logit gap below `tie_tolerance` is reported as a numerical tie (greedy
 exactness needs identical numerics: docs/engine-facts.md), any other one is an error. Sampled decoding

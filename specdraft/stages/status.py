@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 from specdraft.billing import human_bytes, human_seconds, make_plan, record
+from specdraft.files import size_of
 from specdraft.methods import DEFAULT, METHODS
 from specdraft.run import PIPELINE, STAGES, RunFolder, write_text
 
@@ -48,12 +49,6 @@ def _where(entry: dict) -> str:
     else:
         hw = f"{env.get('cpu', '?')} ({env.get('cpu_count', '?')} cores), CPU only"
     return f"{hw} on {env.get('host', '?')}, {entry.get('finished', '?')}"
-
-
-def _folder_bytes(path: Path) -> int:
-    if path.is_file():
-        return path.stat().st_size
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
 # --- the status ----------------------------------------------------------------------------------
@@ -228,8 +223,9 @@ def collect(folder: RunFolder) -> dict:
         raise FileNotFoundError(f"{folder.manifest_path}: no manifest; run a stage first (specdraft gen --run {folder.path})")
     recipe = manifest["recipe"]
     stages = _stages(folder, manifest, recipe)
-    files = [{"path": p.name + ("/" if p.is_dir() else ""), "bytes": _folder_bytes(p), "text": human_bytes(_folder_bytes(p))}
-             for p in sorted(folder.path.iterdir()) if not p.name.startswith(".") and p != folder.status]
+    sizes = {p: size_of(p) or 0 for p in sorted(folder.path.iterdir())
+             if not p.name.startswith(".") and p != folder.status}
+    files = [{"path": p.name + ("/" if p.is_dir() else ""), "bytes": n, "text": human_bytes(n)} for p, n in sizes.items()]
     plan = manifest.get("plan") or {}
     return {
         "run": str(folder.path),

@@ -11,7 +11,6 @@ block of block_size - 1 tokens in one forward, from the anchor and mask slots.
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,14 +20,14 @@ from torch import nn
 
 from specdraft.config import ConfigError, beyond
 from specdraft.drafters import vocab
-from specdraft.drafters.checkpoint import save_checkpoint
+from specdraft.drafters.checkpoint import refuse_misfits, save_imported
 from specdraft.drafters.common import REEXPORT, provenance
 from specdraft.files import read_json
 from specdraft.methods.contract import Decode, Method
 from specdraft.methods.dflash import doctor
 from specdraft.methods.dflash.decode import speculative_dflash
 from specdraft.methods.dflash.drafter import DFlashConfig, DFlashDrafter, default_mask_token
-from specdraft.methods.dflash.formats import is_dflash, is_speculators, problems, read_dflash, serve_spec, write_dflash
+from specdraft.methods.dflash.formats import is_dflash, is_speculators, problems, read_dflash, write_dflash
 from specdraft.methods.dflash.objective import DFlashObjective, slot_weights
 from specdraft.run import staged_folders
 
@@ -150,11 +149,11 @@ class DFlash(Method):
         out = folder.export("vllm")
         with staged_folders(out) as (staged,):  # the last good folder stays until this one is whole
             write_dflash(drafter, staged, target_num_layers=target.num_layers, provenance=provenance(recipe.name))
-        spec = serve_spec(out.resolve(), drafter.config)
-        command = f"vllm serve {target.path} --speculative-config '{json.dumps(spec)}'"
+        K = drafter.config.speculative_tokens
+        command = self.serve_command(target.path, out, K)
         print(f"export: vLLM DFlash drafter in {out} (block of {drafter.config.block_size}, mask token "
               f"{drafter.config.mask_token_id})\n  serve it with:\n  {command}\n\nnext: specdraft doctor {out}")
-        k = {"value": spec["num_speculative_tokens"], "source": "block_size - 1 (the block the drafter was trained on)"}
+        k = {"value": K, "source": "block_size - 1 (the block the drafter was trained on)"}
         return folder.record("export", state="done", config=recipe.export, counts={"formats": 1},
                              seconds=time.time() - t_start,
                              extra={"method": "dflash", "serve_command": command, "serve_commands": {"vllm": command},
@@ -177,19 +176,12 @@ class DFlash(Method):
         if cfg.target_hidden_size != target.hidden_size:
             found.append(f"target_hidden_size: drafter {cfg.target_hidden_size}, target hidden_size "
                          f"{target.hidden_size}")
-        if extracted_aux_layer_ids is not None and list(extracted_aux_layer_ids) != cfg.aux_layer_ids:
-            found.append(f"aux layer ids: drafter {cfg.aux_layer_ids}, the run's hidden states "
-                         f"{list(extracted_aux_layer_ids)} (fine-tuning would feed it other layers)")
-        if found:
-            raise ValueError(f"import: {folder} does not fit the target {target.path}:\n  " + "\n  ".join(found))
+        refuse_misfits(folder, target, found, cfg.aux_layer_ids, extracted_aux_layer_ids)
         if not torch.equal(drafter.embed_tokens.weight, target.embed_weight().float()):
             notes.append("embed_tokens: the folder's own, differing from the target's (vLLM keeps it); kept")
         config = read_json(Path(folder) / "config.json", fix=REEXPORT, kind=None)  # read_dflash has checked it
         published = DFlashRead("speculators (dflash)" if is_speculators(config) else "dflash", notes)
-        aux_ids = list(cfg.aux_layer_ids)
-        meta = {"aux_layer_ids": aux_ids, "target": type(target)(target.name, aux_ids).describe(),
-                "imported_from": {"folder": str(Path(folder).resolve()), "layout": published.layout, "notes": notes}}
-        save_checkpoint(drafter, Path(out), meta)
+        save_imported(drafter, target, folder, out, published.layout, notes)
         return drafter, published
     def describe(self, drafter) -> str:
         cfg = drafter.config

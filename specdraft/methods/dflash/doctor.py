@@ -19,9 +19,9 @@ from specdraft.drafters.checks import (
     trained_config,
     vocab_checks,
 )
-from specdraft.drafters.common import REEXPORT
+from specdraft.drafters.common import REEXPORT, WEIGHTS
 from specdraft.files import FileError, open_safetensors
-from specdraft.methods.dflash.formats import WEIGHTS, from_speculators, is_speculators, read_dflash, speculators_k
+from specdraft.methods.dflash.formats import from_speculators, is_speculators, read_dflash, speculators_k
 from specdraft.run import RunFolder
 from specdraft.targets import Target
 

@@ -36,53 +36,31 @@ from pathlib import Path
 
 import torch
 
-from specdraft.drafters.common import REEXPORT
+from specdraft.drafters.common import REEXPORT, load_checked, read_tensors, write_tensors
 from specdraft.drafters.vocab import checked_t2d
-from specdraft.files import load_safetensors, read_json, save_safetensors
+from specdraft.files import read_json
 from specdraft.methods.dflash.drafter import DEFAULT_BLOCK_SIZE, DFlashConfig, DFlashDrafter
-from specdraft.run import atomic_path, write_json
+from specdraft.run import write_json
 
-WEIGHTS = "model.safetensors"
 ARCHITECTURE = "DFlashDraftModel"
 
-# Our names -> the folder's. vLLM prefixes each with `model.` on load (all but lm_head and d2t).
-TOP_KEYS = {
-    "fc.weight": "fc.weight",
-    "hidden_norm.weight": "hidden_norm.weight",
-    "norm.weight": "norm.weight",
-}
+# Our names, which are the folder's too. vLLM prefixes each with `model.` on load (all but lm_head and d2t).
+TOP_KEYS = ("fc.weight", "hidden_norm.weight", "norm.weight")
 # One decoder layer's tensors ({i}: the layer's index); vLLM stacks q/k/v into qkv_proj and
 # gate/up into gate_up_proj itself.
-LAYER_KEYS = {
-    "layers.{i}.input_layernorm.weight": "layers.{i}.input_layernorm.weight",
-    "layers.{i}.self_attn.q_proj.weight": "layers.{i}.self_attn.q_proj.weight",
-    "layers.{i}.self_attn.k_proj.weight": "layers.{i}.self_attn.k_proj.weight",
-    "layers.{i}.self_attn.v_proj.weight": "layers.{i}.self_attn.v_proj.weight",
-    "layers.{i}.self_attn.o_proj.weight": "layers.{i}.self_attn.o_proj.weight",
-    "layers.{i}.self_attn.q_norm.weight": "layers.{i}.self_attn.q_norm.weight",
-    "layers.{i}.self_attn.k_norm.weight": "layers.{i}.self_attn.k_norm.weight",
-    "layers.{i}.post_attention_layernorm.weight": "layers.{i}.post_attention_layernorm.weight",
-    "layers.{i}.mlp.gate_proj.weight": "layers.{i}.mlp.gate_proj.weight",
-    "layers.{i}.mlp.up_proj.weight": "layers.{i}.mlp.up_proj.weight",
-    "layers.{i}.mlp.down_proj.weight": "layers.{i}.mlp.down_proj.weight",
-}
+LAYER_KEYS = tuple(f"layers.{{i}}.{name}.weight" for name in (
+    "input_layernorm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+    "self_attn.q_norm", "self_attn.k_norm", "post_attention_layernorm", "mlp.gate_proj", "mlp.up_proj",
+    "mlp.down_proj"))
 # Only with a draft vocabulary smaller than the target's: the drafter's own lm_head and the map of its
 # ids to the target's (vLLM renames d2t to draft_id_to_target_id and skips t2d).
-DRAFT_VOCAB_KEYS = {
-    "lm_head.weight": "lm_head.weight",
-    "d2t": "d2t",
-    "t2d": "t2d",
-}
+DRAFT_VOCAB_KEYS = ("lm_head.weight", "d2t", "t2d")
 
 
 def keys_for(cfg: DFlashConfig) -> dict[str, str]:
     """The key map of a drafter of this shape: ours -> the folder's."""
-    keys = dict(TOP_KEYS)
-    for i in range(cfg.num_layers):
-        keys.update({ours.format(i=i): theirs.format(i=i) for ours, theirs in LAYER_KEYS.items()})
-    if not cfg.shares_lm_head:
-        keys.update(DRAFT_VOCAB_KEYS)
-    return keys
+    names = [*TOP_KEYS, *(k.format(i=i) for i in range(cfg.num_layers) for k in LAYER_KEYS)]
+    return {k: k for k in names + ([] if cfg.shares_lm_head else list(DRAFT_VOCAB_KEYS))}
 
 
 def problems(cfg: DFlashConfig, target_num_layers: int) -> list[str]:
@@ -157,22 +135,10 @@ def write_dflash(drafter: DFlashDrafter, out: Path, *, target_num_layers: int, p
     found = problems(cfg, target_num_layers)
     if found:
         raise ValueError("export dflash: " + "; ".join(found))
-    state = drafter.state_dict()
-    tensors = {}
-    for ours, theirs in keys_for(cfg).items():
-        t = state[ours].detach()
-        tensors[theirs] = (t.to(torch.bfloat16) if t.is_floating_point() else t).contiguous()
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    with atomic_path(out / WEIGHTS) as tmp:
-        save_safetensors(tensors, tmp)
+    write_tensors(drafter, out, keys_for(cfg))
     write_json(out / "config.json", config_json(cfg, target_num_layers=target_num_layers, provenance=provenance))
     return out
-
-
-def serve_spec(folder: Path, cfg: DFlashConfig) -> dict:
-    """vLLM's --speculative-config for the folder: one block per round, as trained."""
-    return {"method": "dflash", "model": str(folder), "num_speculative_tokens": cfg.speculative_tokens}
 
 
 def _target_layer_ids(config: dict, where: str) -> list[int]:
@@ -434,12 +400,7 @@ def read_dflash(folder: Path, embed: torch.Tensor, lm_head: torch.Tensor | None 
     folder = Path(folder)
     path = folder / "config.json"
     cfg = parse_config(read_json(path, fix=REEXPORT, what="a drafter's config"), str(path), notes)
-    files = [folder / WEIGHTS] if (folder / WEIGHTS).exists() else sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"{folder}: no weights (*.safetensors)")
-    theirs = {}
-    for f in files:
-        theirs.update({k.removeprefix("model."): v for k, v in load_safetensors(f, fix=REEXPORT).items()})
+    theirs = read_tensors(folder, "model.")
     keys = keys_for(cfg)
     state = {ours: theirs[name] for ours, name in keys.items() if name in theirs}
     missing = [name for ours, name in keys.items() if ours not in state and ours != "t2d"]
@@ -450,10 +411,4 @@ def read_dflash(folder: Path, embed: torch.Tensor, lm_head: torch.Tensor | None 
         state["lm_head.weight"] = theirs.get("lm_head.weight", lm_head if lm_head is not None else embed)
     _vocab_map(state, cfg, folder)
     drafter = DFlashDrafter(cfg)
-    expected = drafter.state_dict()
-    misfits = [f"{k}: {list(v.shape)} given, config.json needs {list(expected[k].shape)}"
-               for k, v in state.items() if v.shape != expected[k].shape]
-    if misfits:
-        raise ValueError(f"{folder}: the tensors do not fit config.json:\n  " + "\n  ".join(misfits))
-    drafter.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()})
-    return drafter.eval()
+    return load_checked(drafter, state, drafter.state_dict(), folder)

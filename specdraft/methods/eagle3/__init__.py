@@ -11,7 +11,6 @@ chain or an EAGLE-2 tree step by step.
 
 from __future__ import annotations
 
-import json
 import shlex
 import time
 from pathlib import Path
@@ -22,7 +21,7 @@ from torch import nn
 from specdraft.config import beyond
 from specdraft.decoding.tree import TreeShape
 from specdraft.drafters import vocab
-from specdraft.drafters.checkpoint import save_checkpoint
+from specdraft.drafters.checkpoint import refuse_misfits, save_imported
 from specdraft.drafters.common import provenance
 from specdraft.files import FileError, read_json
 from specdraft.methods.contract import Decode, Method
@@ -59,12 +58,6 @@ def init_from(drafter: Eagle3Drafter, folder: Path, embed: torch.Tensor) -> None
 
 # ---------------------------------------------------------------------------------------------------
 # Export
-
-
-def serve_command(target_path: str, drafter_dir: Path, speculative_tokens: int) -> str:
-    spec = json.dumps({"method": "eagle3", "model": str(Path(drafter_dir).resolve()),
-                       "num_speculative_tokens": speculative_tokens})
-    return f"vllm serve {target_path} --speculative-config '{spec}'"
 
 
 def sglang_serve_command(target_path: str, drafter_dir: Path, speculative_tokens: int) -> str:
@@ -223,13 +216,12 @@ class Eagle3(Method):
                                verifier_architectures=list(target.config.architectures or []),
                                speculative_tokens=speculative_tokens, include_embed=include_embed,
                                provenance=provenance(recipe.name))
-                    written[fmt] = {"path": str(out.relative_to(folder.path)),
-                                    "format": "speculators (Eagle3Speculator)"}
-                    commands[fmt] = serve_command(str(target.path), out, speculative_tokens)
+                    commands[fmt] = self.serve_command(target.path, out, speculative_tokens)
                 else:
                     write_sglang(drafter, tmp, include_embed=include_embed, provenance=provenance(recipe.name))
-                    written[fmt] = {"path": str(out.relative_to(folder.path)), "format": f"flat ({FLAT_ARCHITECTURE})"}
                     commands[fmt] = sglang_serve_command(str(target.path), out, speculative_tokens)
+                layout = "speculators (Eagle3Speculator)" if fmt == "vllm" else f"flat ({FLAT_ARCHITECTURE})"
+                written[fmt] = {"path": str(out.relative_to(folder.path)), "format": layout}
         engines = {"vllm": "vLLM", "sglang": "SGLang"}
         for fmt in formats:
             print(f"export: {engines[fmt]} drafter in {folder.export(fmt)}\n  serve it with:\n  {commands[fmt]}")
@@ -243,25 +235,15 @@ class Eagle3(Method):
         """A published drafter folder -> a specdraft checkpoint at `out` (the trainer's checkpoint format,
         which eval, export and fine-tuning read), after checking it against `target` (and against the
         layers a run's hidden states hold, when given). Any misfit is an error that lists every one."""
-
         folder = Path(folder)
         published = read_published(folder, target.default_aux_layer_ids())
-        problems = fit_problems(published.config, target, EMBED_KEY[1] in published.tensors)
-        if extracted_aux_layer_ids is not None and list(extracted_aux_layer_ids) != published.config.aux_layer_ids:
-            problems.append(f"aux layer ids: drafter {published.config.aux_layer_ids}, the run's hidden states "
-                            f"{list(extracted_aux_layer_ids)} (fine-tuning would feed it other layers)")
-        if problems:
-            raise ValueError(f"import: {folder} does not fit the target {target.path}:\n  " + "\n  ".join(problems))
+        refuse_misfits(folder, target, fit_problems(published.config, target, EMBED_KEY[1] in published.tensors),
+                       published.config.aux_layer_ids, extracted_aux_layer_ids)
         embed = target.embed_weight()
         drafter = published.build(embed)
         if EMBED_KEY[1] in published.tensors and not torch.equal(drafter.embed_tokens.weight, embed.float()):
             published.notes.append("embed_tokens: differs from the target's; kept in the checkpoint")
-        aux_ids = drafter.config.aux_layer_ids
-        target_for_drafter = type(target)(target.name, aux_ids)
-        meta = {"aux_layer_ids": aux_ids, "target": target_for_drafter.describe(),
-                "imported_from": {"folder": str(folder.resolve()), "layout": published.layout,
-                                  "notes": published.notes}}
-        save_checkpoint(drafter, Path(out), meta)
+        save_imported(drafter, target, folder, out, published.layout, published.notes)
         return drafter, published
     def describe(self, drafter) -> str:
         cfg = drafter.config

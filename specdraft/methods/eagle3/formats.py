@@ -36,60 +36,29 @@ from pathlib import Path
 
 import torch
 
-from specdraft.drafters.common import REEXPORT
+from specdraft.drafters.common import REEXPORT, load_checked, read_tensors, write_tensors
 from specdraft.drafters.vocab import checked_t2d
-from specdraft.files import load_safetensors, read_json, save_safetensors
+from specdraft.files import read_json
 from specdraft.methods.eagle3.drafter import DrafterConfig, Eagle3Drafter
-from specdraft.run import atomic_path, write_json
-from specdraft.targets import refuse_pickled_weights
+from specdraft.run import write_json
 
-WEIGHTS = "model.safetensors"
 FLAT_ARCHITECTURE = "LlamaForCausalLMEagle3"
 
-# Our state-dict names -> the speculators/vLLM names. vLLM names the decoder layer `layers.0`, as we do.
-VLLM_KEYS = {
-    "fc.weight": "fc.weight",
-    "layers.0.input_layernorm.weight": "layers.0.input_layernorm.weight",
-    "layers.0.hidden_norm.weight": "layers.0.hidden_norm.weight",
-    "layers.0.self_attn.q_proj.weight": "layers.0.self_attn.q_proj.weight",
-    "layers.0.self_attn.k_proj.weight": "layers.0.self_attn.k_proj.weight",
-    "layers.0.self_attn.v_proj.weight": "layers.0.self_attn.v_proj.weight",
-    "layers.0.self_attn.o_proj.weight": "layers.0.self_attn.o_proj.weight",
-    "layers.0.post_attention_layernorm.weight": "layers.0.post_attention_layernorm.weight",
-    "layers.0.mlp.gate_proj.weight": "layers.0.mlp.gate_proj.weight",
-    "layers.0.mlp.up_proj.weight": "layers.0.mlp.up_proj.weight",
-    "layers.0.mlp.down_proj.weight": "layers.0.mlp.down_proj.weight",
-    "norm.weight": "norm.weight",
-    "lm_head.weight": "lm_head.weight",
-    "d2t": "d2t",
-    "t2d": "t2d",
-}
+# Our state-dict names, which are the speculators/vLLM names too (vLLM names the decoder layer `layers.0`).
+VLLM_KEYS = {k: k for k in (
+    "fc.weight", *(f"layers.0.{name}.weight" for name in (
+        "input_layernorm", "hidden_norm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+        "self_attn.o_proj", "post_attention_layernorm", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")),
+    "norm.weight", "lm_head.weight", "d2t", "t2d")}
 # Our state-dict names -> the flat (SGLang / EAGLE / SpecForge) names. SGLang loads `midlayer.*` into
 # its one decoder layer, turns d2t into `hot_token_id` (i + d2t[i]) and skips t2d.
-SGLANG_KEYS = {
-    "fc.weight": "fc.weight",
-    "layers.0.input_layernorm.weight": "midlayer.input_layernorm.weight",
-    "layers.0.hidden_norm.weight": "midlayer.hidden_norm.weight",
-    "layers.0.self_attn.q_proj.weight": "midlayer.self_attn.q_proj.weight",
-    "layers.0.self_attn.k_proj.weight": "midlayer.self_attn.k_proj.weight",
-    "layers.0.self_attn.v_proj.weight": "midlayer.self_attn.v_proj.weight",
-    "layers.0.self_attn.o_proj.weight": "midlayer.self_attn.o_proj.weight",
-    "layers.0.post_attention_layernorm.weight": "midlayer.post_attention_layernorm.weight",
-    "layers.0.mlp.gate_proj.weight": "midlayer.mlp.gate_proj.weight",
-    "layers.0.mlp.up_proj.weight": "midlayer.mlp.up_proj.weight",
-    "layers.0.mlp.down_proj.weight": "midlayer.mlp.down_proj.weight",
-    "norm.weight": "norm.weight",
-    "lm_head.weight": "lm_head.weight",
-    "d2t": "d2t",
-    "t2d": "t2d",
-}
+SGLANG_KEYS = {k: k.replace("layers.0.", "midlayer.") for k in VLLM_KEYS}
 # Written only when the drafter's embedding differs from the target's (engines share the target's).
 EMBED_KEY = ("embed_tokens.weight", "embed_tokens.weight")
 # SGLang's fc takes 3 * target_hidden_size inputs whatever the config says.
 SGLANG_NUM_AUX = 3
 # EAGLE-3.1's optional norms (before fc, per aux state in fc, on the state fed to the next step).
 EAGLE31_FLAGS = ("norm_before_fc", "fc_norm", "norm_output")
-# Those our DrafterConfig implements (fields of that name); the others are refused on read, never dropped.
 
 
 def layer_config(cfg: DrafterConfig) -> dict:
@@ -153,18 +122,6 @@ def _config_from_layer(lc: dict, where: str, *, draft_vocab_size: int, target_hi
     ).check(where)
 
 
-def _write_tensors(drafter: Eagle3Drafter, out: Path, keys: dict[str, str]) -> None:
-    """The drafter's tensors under the format's names (`keys`: ours -> theirs), floats as bf16."""
-    state = drafter.state_dict()
-    tensors = {}
-    for ours, theirs in keys.items():
-        t = state[ours].detach()
-        tensors[theirs] = (t.to(torch.bfloat16) if t.is_floating_point() else t).contiguous()
-    out.mkdir(parents=True, exist_ok=True)
-    with atomic_path(out / WEIGHTS) as tmp:
-        save_safetensors(tensors, tmp)
-
-
 def _norm_keys(cfg: DrafterConfig) -> dict[str, str]:
     """The EAGLE-3.1 norms' tensors, named alike in our drafter and both formats (vLLM's `input_norm`
     and `fc_norm.{i}`), present only when their flag is on."""
@@ -183,26 +140,6 @@ def _with_embed(keys: dict[str, str], cfg: DrafterConfig, include_embed: bool) -
     if include_embed or cfg.target_hidden_size != cfg.hidden_size:
         return {**keys, EMBED_KEY[0]: EMBED_KEY[1]}
     return keys
-
-
-# What to do about a drafter folder that cannot be read: write it again, from the run or its publisher.
-
-
-def _read_config(folder: Path) -> dict:
-    return read_json(Path(folder) / "config.json", fix=REEXPORT, what="a drafter's config")
-
-
-def _read_tensors(folder: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a folder: model.safetensors, else its shards. A folder of pytorch_model*.bin only is
-    refused with the command that converts it (targets.refuse_pickled_weights): nothing is unpickled."""
-    files = [folder / WEIGHTS] if (folder / WEIGHTS).exists() else sorted(folder.glob("*.safetensors"))
-    if files:
-        tensors = {}
-        for f in files:
-            tensors.update(load_safetensors(f, fix=REEXPORT))
-        return tensors
-    refuse_pickled_weights(folder)
-    raise ValueError(f"{folder}: no weights (*.safetensors)")
 
 
 def _build(folder: Path, cfg: DrafterConfig, theirs: dict[str, torch.Tensor], keys: dict[str, str],
@@ -247,13 +184,7 @@ def _build(folder: Path, cfg: DrafterConfig, theirs: dict[str, torch.Tensor], ke
     names = {**keys, EMBED_KEY[0]: EMBED_KEY[1]}  # ours -> the folder's, for the messages
     if EMBED_KEY[1] not in theirs:
         names[EMBED_KEY[0]] = "embed_tokens (the target's, shared)"
-    misfits = [f"{names.get(k, k)}: {list(v.shape)} given, config.json needs {list(expected[k].shape)}"
-               for k, v in state.items() if k in expected and v.shape != expected[k].shape]
-    if misfits:
-        raise ValueError(f"{folder}: the tensors do not fit config.json:\n  " + "\n  ".join(misfits))
-    drafter = Eagle3Drafter(cfg)
-    drafter.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()})
-    return drafter.eval()
+    return load_checked(Eagle3Drafter(cfg), state, expected, folder, names)
 
 
 def write_vllm(drafter: Eagle3Drafter, out: Path, *, verifier: str, verifier_architectures: list[str],
@@ -277,7 +208,7 @@ def write_vllm(drafter: Eagle3Drafter, out: Path, *, verifier: str, verifier_arc
         "torch_dtype": "bfloat16",
         "specdraft": provenance,
     }
-    _write_tensors(drafter, out, _with_embed(VLLM_KEYS, cfg, include_embed))
+    write_tensors(drafter, out, _with_embed(VLLM_KEYS, cfg, include_embed))
     write_json(out / "config.json", config)
     return out
 
@@ -310,13 +241,6 @@ def _parse_vllm(folder: Path, config: dict) -> tuple[DrafterConfig, dict[str, st
         norm_before_residual=config.get("norm_before_residual", True),
     )
     return cfg, {**VLLM_KEYS, **_norm_keys(cfg)}, "speculators (Eagle3Speculator, layers.0.*)"
-
-
-def read_vllm(folder: Path, embed: torch.Tensor | None = None) -> Eagle3Drafter:
-    """A speculators-format folder -> our drafter (float32), for eval, fine-tuning and round trips."""
-    folder = Path(folder)
-    cfg, keys, _ = _parse_vllm(folder, _read_config(folder))
-    return _build(folder, cfg, _read_tensors(folder), keys, embed)
 
 
 def flat_config(cfg: DrafterConfig, provenance: dict) -> dict:
@@ -358,7 +282,7 @@ def write_sglang(drafter: Eagle3Drafter, out: Path, *, include_embed: bool, prov
     if include_embed and cfg.target_hidden_size == cfg.hidden_size:
         raise ValueError("export sglang: the drafter's embedding differs from the target's, but SGLang replaces it "
                          "with the target's (target_hidden_size == hidden_size), so it would serve another network")
-    _write_tensors(drafter, out, _with_embed(SGLANG_KEYS, cfg, include_embed))
+    write_tensors(drafter, out, _with_embed(SGLANG_KEYS, cfg, include_embed))
     write_json(out / "config.json", flat_config(cfg, provenance))
     return out
 
@@ -418,20 +342,6 @@ def _parse_flat(folder: Path, config: dict, tensor_names: set[str],
     return cfg, {**SGLANG_KEYS, **_norm_keys(cfg)}, f"flat ({FLAT_ARCHITECTURE}, midlayer.*)"
 
 
-def _flat_tensors(folder: Path) -> dict[str, torch.Tensor]:
-    """The folder's tensors without a `model.` prefix, which some checkpoints put on every name."""
-    return {k.removeprefix("model."): v for k, v in _read_tensors(folder).items()}
-
-
-def read_sglang(folder: Path, embed: torch.Tensor | None = None) -> Eagle3Drafter:
-    """A flat-format folder -> our drafter (float32). Reads the decoder layer named `midlayer.*`
-    (SGLang / EAGLE / SpecForge) or `layers.0.*` (vLLM-style), with or without a `model.` prefix."""
-    folder = Path(folder)
-    theirs = _flat_tensors(folder)
-    cfg, keys, _ = _parse_flat(folder, _read_config(folder), set(theirs), None)
-    return _build(folder, cfg, theirs, keys, embed)
-
-
 @dataclass
 class Published:
     """A drafter folder as read: its config and tensors under their names, the layout, and what it
@@ -452,7 +362,7 @@ def read_published(folder: Path, default_aux_layer_ids: list[int] | None = None)
     """Any drafter folder an engine loads, parsed but not yet built: the speculators format (has
     `speculators_model_type`) or the flat one (architectures name LlamaForCausalLMEagle3)."""
     folder = Path(folder)
-    config = _read_config(folder)
+    config = read_json(folder / "config.json", fix=REEXPORT, what="a drafter's config")
     try:
         return _read_published(folder, config, default_aux_layer_ids)
     except (TypeError, AttributeError, KeyError, ZeroDivisionError) as e:
@@ -463,7 +373,7 @@ def read_published(folder: Path, default_aux_layer_ids: list[int] | None = None)
 def _read_published(folder: Path, config: dict, default_aux_layer_ids: list[int] | None) -> Published:
     notes: list[str] = []
     if "speculators_model_type" in config:
-        tensors = _read_tensors(folder)
+        tensors = read_tensors(folder)
         cfg, keys, layout = _parse_vllm(folder, config)
         if "norm_before_residual" not in config:
             notes.append("norm_before_residual: absent; read as True, as vLLM's speculators path does")
@@ -472,7 +382,7 @@ def _read_published(folder: Path, config: dict, default_aux_layer_ids: list[int]
                          "and speculators do")
         notes += _sliding_notes(config["transformer_layer_config"])
     elif FLAT_ARCHITECTURE in (config.get("architectures") or []):
-        tensors = _flat_tensors(folder)
+        tensors = read_tensors(folder, "model.")  # some checkpoints prefix every name
         cfg, keys, layout = _parse_flat(folder, config, set(tensors), default_aux_layer_ids)
         if "norm_before_residual" not in config:
             notes.append("norm_before_residual: absent; read as False, as vLLM's flat path does (SGLang "

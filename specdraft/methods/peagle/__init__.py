@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from specdraft.config import ConfigError, beyond
 from specdraft.drafters import vocab
 from specdraft.drafters.checkpoint import save_checkpoint
 from specdraft.drafters.common import REEXPORT, default_mask_token, provenance
@@ -31,7 +32,6 @@ from specdraft.files import read_json
 from specdraft.methods.contract import Decode, Method
 from specdraft.methods.peagle import doctor
 from specdraft.methods.peagle.decode import speculative_peagle
-from specdraft.config import ConfigError, beyond
 from specdraft.methods.peagle.drafter import PEagleConfig, PEagleDrafter
 from specdraft.methods.peagle.formats import is_peagle, problems, read_config, read_peagle, served_k, write_peagle
 from specdraft.methods.peagle.objective import ParallelSlots
@@ -64,10 +64,6 @@ def build(cfg, target, counts: torch.Tensor) -> PEagleDrafter:
     return drafter
 
 
-def serve_spec(folder, K: int) -> dict:
-    return {"method": "eagle3", "parallel_drafting": True, "model": str(folder), "num_speculative_tokens": K}
-
-
 def export(recipe, folder, formats: list[str], drafter: PEagleDrafter, target, embed, t_start: float) -> dict:
     """The folder vLLM serves with parallel drafting, K = eval.draft_tokens (at most the K trained);
     refused before anything is written where vLLM would refuse it or serve another network."""
@@ -83,7 +79,7 @@ def export(recipe, folder, formats: list[str], drafter: PEagleDrafter, target, e
         write_peagle(drafter, staged, verifier=str(target.path),
                      verifier_architectures=list(target.config.architectures or []), speculative_tokens=K,
                      include_embed=include_embed, provenance=provenance(recipe.name))
-    command = f"vllm serve {target.path} --speculative-config '{json.dumps(serve_spec(out.resolve(), K))}'"
+    command = METHOD.serve_command(target.path, out, K)
     print(f"export: vLLM P-EAGLE drafter in {out} ({K} parallel drafts per round of the {trained} trained, mask "
           f"token {drafter.config.mask_token_id})\n  serve it with:\n  {command}\n\nnext: specdraft doctor {out}")
     return folder.record("export", state="done", config=recipe.export, counts={"formats": 1},
@@ -205,7 +201,7 @@ class PEagle(Method):
         """K drafts per round: the folder's served K unless given."""
         if K is None:
             K = served_k(read_json(Path(folder) / "config.json", fix=REEXPORT)) or 1
-        return serve_spec(folder, K)
+        return {"method": "eagle3", "parallel_drafting": True, "model": str(folder), "num_speculative_tokens": K}
 
     def export(self, recipe, folder, formats, drafter, target, embed, t_start) -> dict:
         return export(recipe, folder, formats, drafter, target, embed, t_start)
