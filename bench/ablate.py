@@ -61,8 +61,7 @@ def variants(samples: int) -> list[Variant]:
     """In order of importance: a deadline cuts the last ones."""
     return [
         # The longest first: RUN's own drafter trains on every sample.
-        Variant("data-all", "data size", "all (the recipe drafter, trained in RUN)", all_samples=True,
-                is_run=True),
+        Variant("data-all", "data size", "all (the recipe drafter, trained in RUN)", all_samples=True, is_run=True),
         Variant("base", "base", "recipe defaults"),
         # The last default flipped (2026-12-03, evening: the target's frozen head won by 0.111) checked
         # first, then the head trained on; with no head parameters to learn, a larger draft vocabulary
@@ -76,15 +75,18 @@ def variants(samples: int) -> list[Variant]:
         Variant("lr-3e-3", "learning rate", "3e-3", {"train.lr": 3e-3}),
         Variant("ttt-5", "TTT steps", "5", {"train.ttt_steps": 5}),
         # The rest of the studied factors, then what speculators does differently.
-        Variant("norms-off", "EAGLE-3.1 norms", "off",
-                {"train.fc_norm": False, "train.norm_output": False}),
+        Variant("norms-off", "EAGLE-3.1 norms", "off", {"train.fc_norm": False, "train.norm_output": False}),
         Variant("source", "answers", "ShareGPT's own (not regenerated)", data="source"),
         Variant("data-1k", "data size", "1 K", {"train.max_samples": 1000}, all_samples=True),
         Variant("fp8", "hidden storage", "fp8 e4m3", data="fp8"),
         Variant("ttt-7", "TTT steps", "7", {"train.ttt_steps": 7}),
         Variant("ttt-1", "TTT steps", "1", {"train.ttt_steps": 1}),
-        Variant("muon", "optimizer", "Muon, weight decay 0.1 (speculators')",
-                {"train.optimizer": "muon", "train.weight_decay": 0.1}),
+        Variant(
+            "muon",
+            "optimizer",
+            "Muon, weight decay 0.1 (speculators')",
+            {"train.optimizer": "muon", "train.weight_decay": 0.1},
+        ),
         Variant("residual-normed", "residual", "after hidden_norm", {"train.norm_before_residual": True}),
         Variant("wd-0.1", "weight decay", "0.1", {"train.weight_decay": 0.1}),
         Variant("loss-kl", "loss", "KL", {"train.loss": "kl"}),
@@ -135,8 +137,14 @@ def train_all(jobs: list[tuple[Variant, Path, list[str]]], parallel: int, deadli
             v, folder, cmd = pending.pop(0)
             log = open(folder / "train.log", "a")
             print(f"ablate: start {v.name}: {' '.join(cmd[3:])}", flush=True)
-            running.append((v, folder, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                                        start_new_session=True), time.time()))
+            running.append(
+                (
+                    v,
+                    folder,
+                    subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True),
+                    time.time(),
+                )
+            )
         if not running:
             break
         time.sleep(POLL_S)
@@ -203,12 +211,20 @@ class Scorer:
         c = self.eval_cfg
         drafter = drafter.to(self.device, getattr(torch, c.dtype))
         # The tree is the recipe's, which changes between tables: each row says which it was.
-        out = {"decode_prompts": len(self.prompts), "decode_new_tokens": c.max_new_tokens,
-               "decode_tree": [c.tree_topk, c.tree_depth, c.tree_tokens]}
-        for name, shape in (("chain", TreeShape.chain(c.draft_tokens)), ("tree", TreeShape(c.tree_topk, c.tree_depth, c.tree_tokens))):
+        out = {
+            "decode_prompts": len(self.prompts),
+            "decode_new_tokens": c.max_new_tokens,
+            "decode_tree": [c.tree_topk, c.tree_depth, c.tree_tokens],
+        }
+        for name, shape in (
+            ("chain", TreeShape.chain(c.draft_tokens)),
+            ("tree", TreeShape(c.tree_topk, c.tree_depth, c.tree_tokens)),
+        ):
             stats = Stats(shape.depth)
             for p in self.prompts:
-                speculative(self.runner, drafter, p["prompt_ids"], c.max_new_tokens, self.target.eos_token_id, shape, stats)
+                speculative(
+                    self.runner, drafter, p["prompt_ids"], c.max_new_tokens, self.target.eos_token_id, shape, stats
+                )
             summary = stats.summary()
             out[f"decoded_tau_{name}"] = summary["tau"]
             out[f"decoded_per_position_{name}"] = summary["per_position_acceptance"]
@@ -230,31 +246,42 @@ class Scorer:
         if ckpt is None:
             return row
         drafter, meta = load_checkpoint(ckpt, self.embed)
-        model = TTT(drafter, self.head[drafter.t2d].float(), EVAL_STEPS, cfg.step_weight_decay,
-                    cfg.loss).to(self.device)
+        model = TTT(drafter, self.head[drafter.t2d].float(), EVAL_STEPS, cfg.step_weight_decay, cfg.loss).to(
+            self.device
+        )
         cfg_eval = dataclasses.replace(self.cfg, ttt_steps=EVAL_STEPS)
         _, autocast = autocast_for(cfg, self.device)
         s = evaluate(model, self.source, self.rows, self.tops, cfg_eval, self.device, autocast, EVAL_STEPS)
         alpha = s["cond_accept"]
 
         def tau(k: int) -> float:  # chain drafting of k tokens: 1 + sum over depths of P(accepted through it)
-            return round(1 + sum(math.prod(alpha[:j + 1]) for j in range(k)), 4)
+            return round(1 + sum(math.prod(alpha[: j + 1]) for j in range(k)), 4)
 
         log = RunFolder(folder).train_log
         steps = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
         last_train = next((r for r in reversed(steps) if r["kind"] == "train"), {})
         metrics, counts = stage.get("metrics", {}), stage.get("counts", {})
-        row.update({
-            "checkpoint": ckpt.name, "step": meta.get("step"), "steps": counts.get("steps"),
-            "samples": counts.get("samples"), "heldout_samples": len(self.held),
-            f"tau_{SERVED_K}": tau(SERVED_K), f"tau_{EVAL_STEPS}": tau(EVAL_STEPS), "cond_accept": alpha,
-            "acc0": s["acc"][0], "train_acc0": (last_train.get("acc") or [None])[0],
-            "train_seconds": round(stage.get("seconds") or 0, 1), "tokens_per_s": metrics.get("tokens_per_s"),
-            "phase_seconds": metrics.get("phase_seconds"),  # where train_seconds went (start-up, steps, ...)
-            "trainable_params": counts.get("trainable_params"), "vocab_coverage": metrics.get("vocab_coverage"),
-            # what this drafter trained with, so rows of tables with other defaults can still be told apart
-            "train": dataclasses.asdict(cfg),
-        })
+        row.update(
+            {
+                "checkpoint": ckpt.name,
+                "step": meta.get("step"),
+                "steps": counts.get("steps"),
+                "samples": counts.get("samples"),
+                "heldout_samples": len(self.held),
+                f"tau_{SERVED_K}": tau(SERVED_K),
+                f"tau_{EVAL_STEPS}": tau(EVAL_STEPS),
+                "cond_accept": alpha,
+                "acc0": s["acc"][0],
+                "train_acc0": (last_train.get("acc") or [None])[0],
+                "train_seconds": round(stage.get("seconds") or 0, 1),
+                "tokens_per_s": metrics.get("tokens_per_s"),
+                "phase_seconds": metrics.get("phase_seconds"),  # where train_seconds went (start-up, steps, ...)
+                "trainable_params": counts.get("trainable_params"),
+                "vocab_coverage": metrics.get("vocab_coverage"),
+                # what this drafter trained with, so rows of tables with other defaults can still be told apart
+                "train": dataclasses.asdict(cfg),
+            }
+        )
         if self.prompts:
             row.update(self.decode(drafter))
         return row
@@ -272,16 +299,26 @@ def chosen_checkpoint(folder: Path) -> Path | None:
     """The checkpoint a variant is scored by: best, else final, else latest (a cut one); None if none."""
     from specdraft.stages.train import COMPLETE
 
-    return next((RunFolder(folder).checkpoint(n) for n in ("best", "final", "latest")
-                 if (RunFolder(folder).checkpoint(n) / COMPLETE).exists()), None)
+    return next(
+        (
+            RunFolder(folder).checkpoint(n)
+            for n in ("best", "final", "latest")
+            if (RunFolder(folder).checkpoint(n) / COMPLETE).exists()
+        ),
+        None,
+    )
 
 
 def score_key(folder: Path, decode_prompts: int) -> dict:
     """What a variant's score depends on: its train state, the checkpoint scored and its step."""
     ckpt = chosen_checkpoint(folder)
     step = json.loads((ckpt / "config.json").read_text()).get("step") if ckpt else None
-    return {"state": (RunFolder(folder).stage("train") or {}).get("state"), "checkpoint": ckpt.name if ckpt else None,
-            "step": step, "decode_prompts": decode_prompts}
+    return {
+        "state": (RunFolder(folder).stage("train") or {}).get("state"),
+        "checkpoint": ckpt.name if ckpt else None,
+        "step": step,
+        "decode_prompts": decode_prompts,
+    }
 
 
 def cached_score(folder: Path, key: dict) -> dict | None:
@@ -300,31 +337,37 @@ def report(lines: list[dict], path: Path, hardware: str, parallel: int) -> None:
     person wrote under READINGS in the file before is kept: the table is rewritten, the reading of it is not."""
     key = f"tau_{SERVED_K}"
     old = path.read_text() if path.exists() else ""
-    readings = old[old.index(READINGS):] if READINGS in old else ""
+    readings = old[old.index(READINGS) :] if READINGS in old else ""
     sets = lines[0].get("sets") if lines else None
     base = next((r for r in lines if r["name"] == "base" and key in r), None)
     decoded = any("decoded_tau_chain" in r for r in lines)
     # Calls of one table may run different counts side by side (each row records its own).
     counts = sorted({r["parallel"] for r in lines if r.get("parallel")}) or [parallel]
-    side = (f"{counts[0]} trainings side by side" if len(counts) == 1 else
-            f"{counts[0]} to {counts[-1]} trainings side by side (each row's count is `parallel` in the JSONL)")
-    out = ["# Ablations of the smollm2-h200 recipe",
-           "",
-           "Written by `bench/ablate.py` from `bench/results/ablations-h200.jsonl`. Each row is the recipe "
-           "with one thing changed, scored on the same held-out samples of the base run (the target's own "
-           f"answers): simulated chain acceptance length τ with K = {SERVED_K} (what vLLM serves with 3 "
-           f"speculative tokens) and K = {EVAL_STEPS}, from the training-time test rolled out with "
-           "teacher-forced context. These run above the real decoder's τ (rounds start after a rejection, at "
-           "harder tokens); they rank the variants, and the recipe drafter's real τ is in "
-           "`bench/results/speedup-h200.jsonl`.",
-           "",
-           f"Hardware: {hardware}; {side} on the GPU, so seconds are shared-GPU "
-           "wall time (compare them within this table only)." + (
-               f" Every variant but RUN's own drafter also had `{' '.join(sets)}`." if sets else ""),
-           "",
-           f"| factor | setting | τ K={SERVED_K} | τ K={EVAL_STEPS} | Δ τ{SERVED_K} vs base | cond. acceptance 0/1/2 "
-           "| held-out acc0 | train acc0 | samples | steps | train s | trainable M |" + (" decoded τ chain / tree |" if decoded else ""),
-           "|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if decoded else "")]
+    side = (
+        f"{counts[0]} trainings side by side"
+        if len(counts) == 1
+        else f"{counts[0]} to {counts[-1]} trainings side by side (each row's count is `parallel` in the JSONL)"
+    )
+    out = [
+        "# Ablations of the smollm2-h200 recipe",
+        "",
+        "Written by `bench/ablate.py` from `bench/results/ablations-h200.jsonl`. Each row is the recipe "
+        "with one thing changed, scored on the same held-out samples of the base run (the target's own "
+        f"answers): simulated chain acceptance length τ with K = {SERVED_K} (what vLLM serves with 3 "
+        f"speculative tokens) and K = {EVAL_STEPS}, from the training-time test rolled out with "
+        "teacher-forced context. These run above the real decoder's τ (rounds start after a rejection, at "
+        "harder tokens); they rank the variants, and the recipe drafter's real τ is in "
+        "`bench/results/speedup-h200.jsonl`.",
+        "",
+        f"Hardware: {hardware}; {side} on the GPU, so seconds are shared-GPU "
+        "wall time (compare them within this table only)."
+        + (f" Every variant but RUN's own drafter also had `{' '.join(sets)}`." if sets else ""),
+        "",
+        f"| factor | setting | τ K={SERVED_K} | τ K={EVAL_STEPS} | Δ τ{SERVED_K} vs base | cond. acceptance 0/1/2 "
+        "| held-out acc0 | train acc0 | samples | steps | train s | trainable M |"
+        + (" decoded τ chain / tree |" if decoded else ""),
+        "|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if decoded else ""),
+    ]
     groups: dict[str, list[dict]] = {}
     for r in lines:
         groups.setdefault(r["factor"], []).append(r)
@@ -335,8 +378,9 @@ def report(lines: list[dict], path: Path, hardware: str, parallel: int) -> None:
             if key not in r:
                 # A variant trained to its end but cut before scoring is not "not trained".
                 why = r["state"] if r["state"].startswith("not scored") else f"not trained ({r['state']})"
-                out.append(f"| {factor} | {r['label']} | {why} |  |  |  |  |  |  |  |  |  |"
-                           + (" |" if decoded else ""))
+                out.append(
+                    f"| {factor} | {r['label']} | {why} |  |  |  |  |  |  |  |  |  |" + (" |" if decoded else "")
+                )
                 continue
             cell = f"**{r[key]:.3f}**" if r[key] == best and factor != "base" else f"{r[key]:.3f}"
             delta = f"{r[key] - base[key]:+.3f}" if base else ""
@@ -345,22 +389,37 @@ def report(lines: list[dict], path: Path, hardware: str, parallel: int) -> None:
             tp = f"{r['trainable_params'] / 1e6:.1f}" if r.get("trainable_params") else ""
             train_acc = "" if r["train_acc0"] is None else f"{r['train_acc0']:.3f}"
             secs = f"{r['train_seconds']:.0f}" if r["train_seconds"] else ""
-            out.append(f"| {factor} | {r['label']}{done} | {cell} | {r[f'tau_{EVAL_STEPS}']:.3f} | {delta} | {cond} "
-                       f"| {r['acc0']:.3f} | {train_acc} | {r['samples'] or ''} | {r['steps'] or ''} | {secs} "
-                       f"| {tp} |" + (f" {r['decoded_tau_chain']:.3f} / {r['decoded_tau_tree']:.3f} |"
-                                     if "decoded_tau_chain" in r else " |" if decoded else ""))
+            out.append(
+                f"| {factor} | {r['label']}{done} | {cell} | {r[f'tau_{EVAL_STEPS}']:.3f} | {delta} | {cond} "
+                f"| {r['acc0']:.3f} | {train_acc} | {r['samples'] or ''} | {r['steps'] or ''} | {secs} "
+                f"| {tp} |"
+                + (
+                    f" {r['decoded_tau_chain']:.3f} / {r['decoded_tau_tree']:.3f} |"
+                    if "decoded_tau_chain" in r
+                    else " |"
+                    if decoded
+                    else ""
+                )
+            )
     cut = [r for r in lines if r.get("state") != "done"]
     out += ["", "A bold τ is the best of its factor, the base (recipe defaults) included."]
     if decoded:
         d = next(r for r in lines if "decoded_tau_chain" in r)
-        out += ["", f"Decoded τ: the reference decoder (greedy, the eval stage's engine) on {d['decode_prompts']} held-out "
-                f"prompts × {d['decode_new_tokens']} tokens, chain of K = {SERVED_K} and the recipe's tree"
-                + (" (top-{}, depth {}, {} tokens)".format(*d["decode_tree"]) if "decode_tree" in d else "") + ": what a served "
-                "drafter reaches, where the simulated τ only ranks chains."]
+        out += [
+            "",
+            f"Decoded τ: the reference decoder (greedy, the eval stage's engine) on {d['decode_prompts']} held-out "
+            f"prompts × {d['decode_new_tokens']} tokens, chain of K = {SERVED_K} and the recipe's tree"
+            + (" (top-{}, depth {}, {} tokens)".format(*d["decode_tree"]) if "decode_tree" in d else "")
+            + ": what a served "
+            "drafter reaches, where the simulated τ only ranks chains.",
+        ]
     if cut:
-        out += ["", f"Partial: {len(cut)} of {len(lines)} variants did not finish (a setting marked with its state and "
-                "step was scored at that step; 'not trained' ones have no checkpoint; 'not scored' ones trained but "
-                "the deadline came before their score). Compare partial rows only with rows at the same step."]
+        out += [
+            "",
+            f"Partial: {len(cut)} of {len(lines)} variants did not finish (a setting marked with its state and "
+            "step was scored at that step; 'not trained' ones have no checkpoint; 'not scored' ones trained but "
+            "the deadline came before their score). Compare partial rows only with rows at the same step.",
+        ]
     out.append("")
     if readings:
         out += [readings.rstrip(), ""]
@@ -378,13 +437,26 @@ def main() -> int:
     p.add_argument("--parallel", type=int, default=2, help="trainings at once on the device")
     p.add_argument("--deadline", type=float, default=0, help="seconds from now; 0: none")
     p.add_argument("--only", default="", help="comma-separated variant names")
-    p.add_argument("--skip", default="", help="comma-separated variant names left out (data-all: RUN's own "
-                   "drafter, when it is already trained elsewhere)")
+    p.add_argument(
+        "--skip",
+        default="",
+        help="comma-separated variant names left out (data-all: RUN's own "
+        "drafter, when it is already trained elsewhere)",
+    )
     p.add_argument("--set", action="append", default=[], help="SECTION.FIELD=VALUE for every variant")
-    p.add_argument("--decode-prompts", type=int, default=0, help="also decode this many held-out prompts "
-                   "with each drafter (reference decoder, chain and tree; ~15 s a variant for 16 on an H200)")
-    p.add_argument("--score-reserve", type=float, default=0, help="seconds before the deadline that training "
-                   "stops, left for scoring (rows scored before are reused)")
+    p.add_argument(
+        "--decode-prompts",
+        type=int,
+        default=0,
+        help="also decode this many held-out prompts "
+        "with each drafter (reference decoder, chain and tree; ~15 s a variant for 16 on an H200)",
+    )
+    p.add_argument(
+        "--score-reserve",
+        type=float,
+        default=0,
+        help="seconds before the deadline that training stops, left for scoring (rows scored before are reused)",
+    )
     p.add_argument("--out", type=Path, default=Path("bench/results/ablations-h200.jsonl"))
     p.add_argument("--markdown", type=Path, default=Path("bench/ablations.md"))
     p.add_argument("--report", type=Path, help="only rewrite the Markdown from this JSONL")
@@ -400,8 +472,11 @@ def main() -> int:
     data_runs = {"base": args.run, "fp8": args.fp8_run, "source": args.source_run}
     if not extracted(args.run):
         raise SystemExit(f"ablate: {args.run}: gen, render and extract must be done first")
-    chosen = [v for v in variants(args.samples) if (not args.only or v.name in args.only.split(","))
-              and v.name not in args.skip.split(",")]
+    chosen = [
+        v
+        for v in variants(args.samples)
+        if (not args.only or v.name in args.only.split(",")) and v.name not in args.skip.split(",")
+    ]
     jobs = []
     for v in chosen:
         if not extracted(data_runs[v.data]):
@@ -410,8 +485,13 @@ def main() -> int:
         folder = args.run if v.is_run else args.run / "ablations" / v.name
         if not v.is_run:
             RunFolder(folder).share_data(data_runs[v.data], through="extract")
-        jobs.append((v, folder, train_command(v, folder, 0 if v.all_samples else args.samples, args.set,
-                                               loader_workers(args.parallel))))
+        jobs.append(
+            (
+                v,
+                folder,
+                train_command(v, folder, 0 if v.all_samples else args.samples, args.set, loader_workers(args.parallel)),
+            )
+        )
     scorer = None
 
     def score(v: Variant, folder: Path) -> dict | None:
@@ -420,8 +500,9 @@ def main() -> int:
         key = score_key(folder, args.decode_prompts)
         row = cached_score(folder, key)
         if row is None and time.time() < deadline:
-            scorer = scorer or Scorer(args.run, torch.device("cuda" if torch.cuda.is_available() else "cpu"),
-                                      args.decode_prompts)
+            scorer = scorer or Scorer(
+                args.run, torch.device("cuda" if torch.cuda.is_available() else "cpu"), args.decode_prompts
+            )
             row = scorer(v, folder)
             write_json(folder / SCORE_FILE, {"key": key, "row": row})
         return row

@@ -52,18 +52,22 @@ def summarize(rows: list[dict], fixtures: list[dict], top: int) -> dict:
     calls = sorted((r for r in rows if r["phase"] == "call"), key=lambda r: -r["seconds"])
     per_fixture: dict[str, dict] = {}
     for f in fixtures:
-        entry = per_fixture.setdefault(f["fixture"], {"fixture": f["fixture"], "scope": f["scope"],
-                                                      "setups": 0, "seconds": 0.0})
+        entry = per_fixture.setdefault(
+            f["fixture"], {"fixture": f["fixture"], "scope": f["scope"], "setups": 0, "seconds": 0.0}
+        )
         entry["setups"] += 1
         entry["seconds"] += f["seconds"]
     return {
         "total_s": round(total, 1),
         "tests": len(tests),
-        "modules": [{"module": m, "seconds": round(s, 1), "share": round(s / total, 4) if total else 0.0}
-                    for m, s in sorted(modules.items(), key=lambda kv: -kv[1])],
+        "modules": [
+            {"module": m, "seconds": round(s, 1), "share": round(s / total, 4) if total else 0.0}
+            for m, s in sorted(modules.items(), key=lambda kv: -kv[1])
+        ],
         "slowest_calls": [{"test": r["nodeid"], "seconds": r["seconds"]} for r in calls[:top]],
-        "fixtures": [{**f, "seconds": round(f["seconds"], 1)}
-                     for f in sorted(per_fixture.values(), key=lambda f: -f["seconds"])],
+        "fixtures": [
+            {**f, "seconds": round(f["seconds"], 1)} for f in sorted(per_fixture.values(), key=lambda f: -f["seconds"])
+        ],
     }
 
 
@@ -95,8 +99,17 @@ def main(argv: list[str] | None = None) -> int:
     fixtures = read_fixtures(args.fixtures) if args.fixtures and args.fixtures.exists() else []
     s = summarize(rows, fixtures, args.top)
     print_table(s, args.top, args.budget_min)
-    print(json.dumps({"total_s": s["total_s"], "tests": s["tests"], "modules": s["modules"][:args.top],
-                      "slowest_calls": s["slowest_calls"], "fixtures": s["fixtures"][:args.top]}))
+    print(
+        json.dumps(
+            {
+                "total_s": s["total_s"],
+                "tests": s["tests"],
+                "modules": s["modules"][: args.top],
+                "slowest_calls": s["slowest_calls"],
+                "fixtures": s["fixtures"][: args.top],
+            }
+        )
+    )
     return 0
 
 

@@ -38,10 +38,21 @@ def main() -> None:
         t1 = time.time()
         convert_gguf(gguf, cache / "converted")
         t2 = time.time()
-    print(json.dumps({"bench": "convert", "target": args.name, "date": time.strftime("%Y-%m-%d"),
-                      "hardware": environment.hardware_line(), "transformers": transformers.__version__,
-                      "load_average": os.getloadavg()[0], "assemble_s": round(t1 - t0, 1),
-                      "convert_s": round(t2 - t1, 1), "gguf_bytes": spec.size}))
+    print(
+        json.dumps(
+            {
+                "bench": "convert",
+                "target": args.name,
+                "date": time.strftime("%Y-%m-%d"),
+                "hardware": environment.hardware_line(),
+                "transformers": transformers.__version__,
+                "load_average": os.getloadavg()[0],
+                "assemble_s": round(t1 - t0, 1),
+                "convert_s": round(t2 - t1, 1),
+                "gguf_bytes": spec.size,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -36,14 +36,22 @@ def setup(args) -> tuple:
     target = Target("smollm2", store.aux_layer_ids)
     idx = list(range(len(store)))
     counts = vocab.token_counts([store.tokens(i) for i in idx], target.vocab_size)
-    cfg = TrainConfig(method="dflash", draft_vocab_size=args.draft_vocab, block_size=args.block,
-                      dflash_layers=args.layers, lm_head_init=args.lm_head_init, lr=args.lr,
-                      warmup_steps=args.warmup, batch_tokens=BATCH_TOKENS)
+    cfg = TrainConfig(
+        method="dflash",
+        draft_vocab_size=args.draft_vocab,
+        block_size=args.block,
+        dflash_layers=args.layers,
+        lm_head_init=args.lm_head_init,
+        lr=args.lr,
+        warmup_steps=args.warmup,
+        batch_tokens=BATCH_TOKENS,
+    )
     method = METHODS["dflash"]
     drafter = method.build(cfg, target, counts)
     head = target.head_weight()
-    batch = collate(store, pack(idx, store.lengths, BATCH_TOKENS), target_top_tokens(store, head, idx),
-                    BATCH_TOKENS, fixed=False)
+    batch = collate(
+        store, pack(idx, store.lengths, BATCH_TOKENS), target_top_tokens(store, head, idx), BATCH_TOKENS, fixed=False
+    )
     objective = method.objective(drafter, head[drafter.t2d].float(), cfg)
     objective.generator = torch.Generator().manual_seed(args.seed)
     return drafter, objective, batch
@@ -59,10 +67,12 @@ def probes(drafter, objective, batch, autocast) -> dict:
     """The trained drafter's top-1 as trained, and with its inputs broken three ways."""
     H = batch["aux"].shape[-1] // len(drafter.config.aux_layer_ids)
     aux = batch["aux"]
-    swapped = {**batch, "aux": torch.cat([aux[..., H:2 * H], aux[..., :H], aux[..., 2 * H:]], -1)}
-    out = {"as trained": scored(objective, batch, autocast),
-           "aux layers 0 and 1 swapped": scored(objective, swapped, autocast),
-           "aux zeroed": scored(objective, {**batch, "aux": torch.zeros_like(aux)}, autocast)}
+    swapped = {**batch, "aux": torch.cat([aux[..., H : 2 * H], aux[..., :H], aux[..., 2 * H :]], -1)}
+    out = {
+        "as trained": scored(objective, batch, autocast),
+        "aux layers 0 and 1 swapped": scored(objective, swapped, autocast),
+        "aux zeroed": scored(objective, {**batch, "aux": torch.zeros_like(aux)}, autocast),
+    }
     mask = drafter.config.mask_token_id
     drafter.config.mask_token_id = 2  # eos: a frequent token, not the one trained with
     out["mask token = eos"] = scored(objective, batch, autocast)
@@ -89,8 +99,14 @@ def main() -> None:
     params = [p for p in drafter.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
     decay = max(1, args.steps - args.warmup)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: (s + 1) / args.warmup if s < args.warmup
-                                                 else 0.5 * (1 + math.cos(math.pi * min(1.0, (s - args.warmup) / decay))))
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer,
+        lambda s: (
+            (s + 1) / args.warmup
+            if s < args.warmup
+            else 0.5 * (1 + math.cos(math.pi * min(1.0, (s - args.warmup) / decay)))
+        ),
+    )
     autocast = torch.autocast("cpu", dtype=torch.bfloat16)
     curve, t0 = [], time.time()
     for step in range(1, args.steps + 1):
@@ -103,13 +119,23 @@ def main() -> None:
         optimizer.zero_grad(set_to_none=True)
         if step % args.every == 0 or step in (1, args.steps):
             s = summarize(stats)
-            curve.append({"step": step, "seconds": round(time.time() - t0, 1), "loss": round(loss.item(), 3),
-                          "acc": [round(x, 3) for x in s["acc"]]})
+            curve.append(
+                {
+                    "step": step,
+                    "seconds": round(time.time() - t0, 1),
+                    "loss": round(loss.item(), 3),
+                    "acc": [round(x, 3) for x in s["acc"]],
+                }
+            )
             print(json.dumps(curve[-1]), flush=True)
     drafter.eval()
-    line = {"date": time.strftime("%Y-%m-%d"), "hardware": environment.hardware_line(),
-            "settings": {k: v for k, v in vars(args).items() if k not in ("run", "out", "every")},
-            "curve": curve, "probes": probes(drafter, objective, batch, autocast)}
+    line = {
+        "date": time.strftime("%Y-%m-%d"),
+        "hardware": environment.hardware_line(),
+        "settings": {k: v for k, v in vars(args).items() if k not in ("run", "out", "every")},
+        "curve": curve,
+        "probes": probes(drafter, objective, batch, autocast),
+    }
     print(json.dumps(line))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

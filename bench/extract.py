@@ -114,9 +114,14 @@ def save_samples(samples: list[tuple[list[int], list[int]]], path: Path) -> None
     for ids, _ in samples:
         offsets.append(offsets[-1] + len(ids))
     path.parent.mkdir(parents=True, exist_ok=True)
-    save_file({"input_ids": torch.tensor([t for ids, _ in samples for t in ids], dtype=torch.int32),
-               "loss_mask": torch.tensor([m for _, mask in samples for m in mask], dtype=torch.uint8),
-               "offsets": torch.tensor(offsets, dtype=torch.int64)}, str(path))
+    save_file(
+        {
+            "input_ids": torch.tensor([t for ids, _ in samples for t in ids], dtype=torch.int32),
+            "loss_mask": torch.tensor([m for _, mask in samples for m in mask], dtype=torch.uint8),
+            "offsets": torch.tensor(offsets, dtype=torch.int64),
+        },
+        str(path),
+    )
 
 
 def read_samples(path: Path, tokens: int) -> list[tuple[list[int], list[int]]]:
@@ -150,8 +155,11 @@ def bare_forward(model, target: Target, samples, batches: list[list[int]]) -> fl
             ids, attn = padded_batch([samples[i][0] for i in batch])
             if device.type == "cuda":  # as extract does: copies queued behind the running forward
                 ids, attn = ids.pin_memory(), attn.pin_memory()
-            base(input_ids=ids.to(device, non_blocking=True), attention_mask=attn.to(device, non_blocking=True),
-                 use_cache=False)
+            base(
+                input_ids=ids.to(device, non_blocking=True),
+                attention_mask=attn.to(device, non_blocking=True),
+                use_cache=False,
+            )
     synchronize()
     return time.perf_counter() - t0
 
@@ -172,11 +180,15 @@ def main(argv: list[str] | None = None) -> dict:
     args = p.parse_args(argv)
 
     target = Target(args.model)
-    cfg = dataclasses.replace(ExtractConfig(), batch_tokens=args.batch_tokens, store_dtype=args.store_dtype,
-                              dtype=args.dtype)
+    cfg = dataclasses.replace(
+        ExtractConfig(), batch_tokens=args.batch_tokens, store_dtype=args.store_dtype, dtype=args.dtype
+    )
     t0 = time.time()
-    samples = read_samples(args.samples, args.tokens) if args.samples else render_sharegpt(
-        args.model, args.tokens, args.max_length)
+    samples = (
+        read_samples(args.samples, args.tokens)
+        if args.samples
+        else render_sharegpt(args.model, args.tokens, args.max_length)
+    )
     render_s = time.time() - t0
     if args.save_samples:
         save_samples(samples, args.save_samples)
@@ -190,8 +202,11 @@ def main(argv: list[str] | None = None) -> dict:
         model = load_target_model(target, cfg)
     lengths = [len(ids) for ids, _ in samples]
     bpt = disk_bytes_per_token(len(target.aux_layer_ids) + 1, target.hidden_size, cfg.store_dtype)
-    batches = [b for shard in plan_shards(lengths, bpt, cfg.shard_bytes)
-               for b in token_batches(shard, lengths, cfg.batch_tokens)]
+    batches = [
+        b
+        for shard in plan_shards(lengths, bpt, cfg.shard_bytes)
+        for b in token_batches(shard, lengths, cfg.batch_tokens)
+    ]
     tokens = sum(lengths)
     padded = sum(len(b) * max(lengths[i] for i in b) for b in batches)
 

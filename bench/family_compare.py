@@ -44,12 +44,16 @@ def tokenizer_line(name: str, convs: list[dict]) -> dict:
     cut = len(answers) * 9 // 10
     counts = Counter(t for a in answers[:cut] for t in a)
     unseen = [t for a in answers[cut:] for t in a]
-    return {"target": name, "vocab_size": target.vocab_size, "conversations": len(convs),
-            "programming": sum(map(is_programming, convs)),
-            "prompt_tokens_mean": round(sum(prompt_tokens) / len(convs), 1),
-            "answer_tokens_mean": round(sum(map(len, answers)) / len(convs), 1),
-            "answer_tokens_distinct": len(counts),
-            "coverage_unseen": {str(k): coverage(counts, unseen, k) for k in SIZES}}
+    return {
+        "target": name,
+        "vocab_size": target.vocab_size,
+        "conversations": len(convs),
+        "programming": sum(map(is_programming, convs)),
+        "prompt_tokens_mean": round(sum(prompt_tokens) / len(convs), 1),
+        "answer_tokens_mean": round(sum(map(len, answers)) / len(convs), 1),
+        "answer_tokens_distinct": len(counts),
+        "coverage_unseen": {str(k): coverage(counts, unseen, k) for k in SIZES},
+    }
 
 
 def run_line(path: Path) -> dict:
@@ -59,13 +63,19 @@ def run_line(path: Path) -> dict:
     answer_tokens = [len(r["messages"][-1].get("token_ids") or []) for r in records]
     report = json.loads(run.eval_report.read_text()) if run.eval_report.exists() else {}
     chain = report.get("chain") or {}
-    return {"run": str(path), "target": manifest["recipe"]["target"]["model"], "conversations": len(records),
-            "prompt_tokens_mean": round(sum(r.get("prompt_tokens", 0) for r in records) / len(records), 1),
-            "answer_tokens_mean": round(sum(answer_tokens) / len(records), 1),
-            "seconds": {k: v.get("seconds") for k, v in manifest["stages"].items()},
-            "eval": {k: chain.get(k) for k in ("tau", "per_position_acceptance", "draft_to_target_cost",
-                                                 "speedup", "exact_prompts")}
-            | {"autoregressive_tokens_per_s": report.get("autoregressive_tokens_per_s")}}
+    return {
+        "run": str(path),
+        "target": manifest["recipe"]["target"]["model"],
+        "conversations": len(records),
+        "prompt_tokens_mean": round(sum(r.get("prompt_tokens", 0) for r in records) / len(records), 1),
+        "answer_tokens_mean": round(sum(answer_tokens) / len(records), 1),
+        "seconds": {k: v.get("seconds") for k, v in manifest["stages"].items()},
+        "eval": {
+            k: chain.get(k)
+            for k in ("tau", "per_position_acceptance", "draft_to_target_cost", "speedup", "exact_prompts")
+        }
+        | {"autoregressive_tokens_per_s": report.get("autoregressive_tokens_per_s")},
+    }
 
 
 def main() -> None:
@@ -75,9 +85,11 @@ def main() -> None:
     ap.add_argument("--runs", nargs="*", type=Path, default=[])
     args = ap.parse_args()
     d = DataConfig()
-    convs = [c for c in ordered(prompts(d.source, "train", d.eval_fraction, d.split_seed), "programming")
-             if len(c["messages"]) >= 2 and c["messages"][0]["role"] == "user"
-             and c["messages"][1]["role"] == "assistant"][: args.prompts]
+    convs = [
+        c
+        for c in ordered(prompts(d.source, "train", d.eval_fraction, d.split_seed), "programming")
+        if len(c["messages"]) >= 2 and c["messages"][0]["role"] == "user" and c["messages"][1]["role"] == "assistant"
+    ][: args.prompts]
     common = {"bench": "family_compare", "date": "2026-12-05", "hardware": environment.hardware_line()}
     for name in args.targets:
         print(json.dumps({**common, "tokenizer": tokenizer_line(name, convs)}), flush=True)

@@ -49,12 +49,18 @@ def rendered_run(root: Path, recipe: Recipe, samples: int) -> RunFolder:
 
     run = RunFolder(root)
     run.init(recipe)
-    records = (r for r in read_sharegpt()
-               if len(r["messages"]) >= 2 and r["messages"][0]["role"] == "user"
-               and r["messages"][1]["role"] == "assistant"
-               and split_of(r["id"], recipe.data.eval_fraction, recipe.data.split_seed) == "train")
+    records = (
+        r
+        for r in read_sharegpt()
+        if len(r["messages"]) >= 2
+        and r["messages"][0]["role"] == "user"
+        and r["messages"][1]["role"] == "assistant"
+        and split_of(r["id"], recipe.data.eval_fraction, recipe.data.split_seed) == "train"
+    )
     with open(root / "conversations.jsonl", "w") as f:
-        f.writelines(json.dumps({"id": r["id"], "messages": r["messages"][:2]}) + "\n" for r in islice(records, samples))
+        f.writelines(
+            json.dumps({"id": r["id"], "messages": r["messages"][:2]}) + "\n" for r in islice(records, samples)
+        )
     run.record("gen", state="done")
     render.run(recipe, run)
     return run
@@ -76,8 +82,13 @@ def main(argv: list[str] | None = None) -> dict:
     from specdraft.stages import extract, train
 
     root = args.out or Path(tempfile.mkdtemp(prefix="specdraft-fp8-tau-"))
-    figures = {"bench": "fp8_tau", "hardware": environment.hardware_line(), "samples": args.samples,
-               "epochs": args.epochs, "eval_prompts": args.eval_prompts}
+    figures = {
+        "bench": "fp8_tau",
+        "hardware": environment.hardware_line(),
+        "samples": args.samples,
+        "epochs": args.epochs,
+        "eval_prompts": args.eval_prompts,
+    }
     try:
         base = rendered_run(root / "rendered", make_recipe(args), args.samples)
         figures["tokens"] = base.stage("render")["counts"]["tokens"]
@@ -93,9 +104,13 @@ def main(argv: list[str] | None = None) -> dict:
             tr = train.run(recipe, run)
             ev = speculate.run(recipe, run)["metrics"]
             heldout = tr["metrics"]["heldout"] or {}  # None when no sample was held out
-            figures[store] = {"tau": ev["tau"], "per_position_acceptance": ev["per_position_acceptance"],
-                              "train_heldout_accuracy": heldout.get("acc"), "train_heldout_tau": heldout.get("tau"),
-                              "disk_bytes": ex["counts"]["disk_bytes"]}
+            figures[store] = {
+                "tau": ev["tau"],
+                "per_position_acceptance": ev["per_position_acceptance"],
+                "train_heldout_accuracy": heldout.get("acc"),
+                "train_heldout_tau": heldout.get("tau"),
+                "disk_bytes": ex["counts"]["disk_bytes"],
+            }
         if set(STORES) <= set(stores):
             figures["tau_ratio_fp8_over_bf16"] = round(figures["fp8_e4m3"]["tau"] / figures["bfloat16"]["tau"], 4)
     finally:

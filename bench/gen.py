@@ -48,8 +48,14 @@ async def plain_loop(url: str, model: str, prompts: list[dict], concurrency: int
             nonlocal tokens
             async with slots:
                 r = await client.chat.completions.create(
-                    model=model, messages=p["messages"], max_tokens=body["max_tokens"],
-                    temperature=body["temperature"], top_p=body["top_p"], seed=body["seed"], extra_body=extra)
+                    model=model,
+                    messages=p["messages"],
+                    max_tokens=body["max_tokens"],
+                    temperature=body["temperature"],
+                    top_p=body["top_p"],
+                    seed=body["seed"],
+                    extra_body=extra,
+                )
                 tokens += r.usage.completion_tokens
     else:
         client = httpx.AsyncClient(base_url=url, timeout=600, limits=httpx.Limits(max_connections=concurrency))
@@ -59,12 +65,16 @@ async def plain_loop(url: str, model: str, prompts: list[dict], concurrency: int
             async with slots:
                 r = await client.post("/v1/chat/completions", json={"model": model, "messages": p["messages"], **body})
                 tokens += r.json()["usage"]["completion_tokens"]
+
     t0 = time.perf_counter()
     await asyncio.gather(*(one(p) for p in prompts))
     seconds = time.perf_counter() - t0
     await (client.close() if AsyncOpenAI is not None else client.aclose())
-    return {"samples_per_s": round(len(prompts) / seconds, 3), "output_tok_s": round(tokens / seconds, 1),
-            "seconds": round(seconds, 2)}
+    return {
+        "samples_per_s": round(len(prompts) / seconds, 3),
+        "output_tok_s": round(tokens / seconds, 1),
+        "seconds": round(seconds, 2),
+    }
 
 
 def ours(recipe, target: Target, prompts: list[dict], concurrency: int) -> dict:
@@ -78,8 +88,11 @@ def ours(recipe, target: Target, prompts: list[dict], concurrency: int) -> dict:
         saved = sum(1 for _ in open(Path(tmp) / "conversations.jsonl"))
     if stop is not None or saved != len(items):
         raise RuntimeError(f"specdraft gen saved {saved} of {len(items)}: {stop}")
-    return {"samples_per_s": round(len(items) / seconds, 3), "output_tok_s": round(gen.tokens / seconds, 1),
-            "seconds": round(seconds, 2)}
+    return {
+        "samples_per_s": round(len(items) / seconds, 3),
+        "output_tok_s": round(gen.tokens / seconds, 1),
+        "seconds": round(seconds, 2),
+    }
 
 
 def main() -> None:
@@ -120,9 +133,15 @@ def main() -> None:
                     else:
                         plain.append(asyncio.run(plain_loop(url, model, prompts, c, body)))
             mine, plain = (max(runs, key=lambda r: r["output_tok_s"]) for runs in (mine, plain))
-            rows.append({"concurrency": c, "specdraft": mine, "plain": plain,
-                         "ratio_samples": round(mine["samples_per_s"] / plain["samples_per_s"], 3),
-                         "ratio_tok_s": round(mine["output_tok_s"] / plain["output_tok_s"], 3)})
+            rows.append(
+                {
+                    "concurrency": c,
+                    "specdraft": mine,
+                    "plain": plain,
+                    "ratio_samples": round(mine["samples_per_s"] / plain["samples_per_s"], 3),
+                    "ratio_tok_s": round(mine["output_tok_s"] / plain["output_tok_s"], 3),
+                }
+            )
         return {"model": model, "rows": rows}
 
     if args.endpoint:
@@ -133,14 +152,26 @@ def main() -> None:
             server_name, result = "vllm (started by the bench)", measure(server.url)
     try:
         import openai  # noqa: F401
+
         plain_client = "openai"
     except ImportError:
         plain_client = "httpx"
-    print(json.dumps({"bench": "gen", "hardware": environment.hardware_line(), "server": server_name,
-                      "model": result["model"], "samples": len(prompts), "max_tokens": args.max_tokens,
-                      "repeats": args.repeats,
-                      "plain_client": plain_client, "results": result["rows"],
-                      "min_ratio_tok_s": min(r["ratio_tok_s"] for r in result["rows"])}))
+    print(
+        json.dumps(
+            {
+                "bench": "gen",
+                "hardware": environment.hardware_line(),
+                "server": server_name,
+                "model": result["model"],
+                "samples": len(prompts),
+                "max_tokens": args.max_tokens,
+                "repeats": args.repeats,
+                "plain_client": plain_client,
+                "results": result["rows"],
+                "min_ratio_tok_s": min(r["ratio_tok_s"] for r in result["rows"]),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

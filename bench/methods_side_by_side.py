@@ -42,14 +42,21 @@ def figures(folder: RunFolder) -> dict:
     """A trained and evaluated run's figures."""
     report = json.loads(folder.eval_report.read_text())
     first = report["drafting"][0]
-    return {"run": str(folder.path), "drafting": first, "shape": report[first]["shape"], "tau": report["tau"],
-            "per_position_acceptance": report["per_position_acceptance"],
-            "accepted_length_histogram": report["accepted_length_histogram"],
-            "exact_prompts": report["exact_prompts"], "prompts": report["prompts"],
-            "speculative_tokens_per_s": report["speculative_tokens_per_s"], "speedup": report["speedup"],
-            "train_seconds": folder.stage("train")["seconds"],
-            "trainable_params": folder.stage("train")["counts"]["trainable_params"],
-            "heldout_simulated_tau": folder.stage("train")["metrics"]["best_tau"]}
+    return {
+        "run": str(folder.path),
+        "drafting": first,
+        "shape": report[first]["shape"],
+        "tau": report["tau"],
+        "per_position_acceptance": report["per_position_acceptance"],
+        "accepted_length_histogram": report["accepted_length_histogram"],
+        "exact_prompts": report["exact_prompts"],
+        "prompts": report["prompts"],
+        "speculative_tokens_per_s": report["speculative_tokens_per_s"],
+        "speedup": report["speedup"],
+        "train_seconds": folder.stage("train")["seconds"],
+        "trainable_params": folder.stage("train")["counts"]["trainable_params"],
+        "heldout_simulated_tau": folder.stage("train")["metrics"]["best_tau"],
+    }
 
 
 def main() -> None:
@@ -59,17 +66,30 @@ def main() -> None:
     ap.add_argument("--common", nargs="*", default=[], help="--set items for both methods")
     for name in METHODS:
         ap.add_argument(f"--{name}", nargs="*", default=[], help=f"--set items for {name} only")
-    ap.add_argument("--methods", nargs="*", default=list(METHODS), choices=list(METHODS),
-                    help="the methods to measure (default: every registered one)")
-    ap.add_argument("--reuse", action="store_true", help="take RUN's own trained and evaluated drafter for its "
-                    "method (e.g. the demo's EAGLE-3) instead of training that method again")
+    ap.add_argument(
+        "--methods",
+        nargs="*",
+        default=list(METHODS),
+        choices=list(METHODS),
+        help="the methods to measure (default: every registered one)",
+    )
+    ap.add_argument(
+        "--reuse",
+        action="store_true",
+        help="take RUN's own trained and evaluated drafter for its "
+        "method (e.g. the demo's EAGLE-3) instead of training that method again",
+    )
     args = ap.parse_args()
     run = args.run.resolve()
     manifest = RunFolder(run).manifest()
     own = manifest["stages"]
     reused = own["train"]["config"]["method"] if args.reuse and own.get("eval", {}).get("state") == "done" else None
-    line = {"date": time.strftime("%Y-%m-%d"), "hardware": environment.hardware_line(),
-            "recipe": manifest["name"], "common": args.common}
+    line = {
+        "date": time.strftime("%Y-%m-%d"),
+        "hardware": environment.hardware_line(),
+        "recipe": manifest["name"],
+        "common": args.common,
+    }
     for method in args.methods:
         sets = args.common + getattr(args, method)
         if method == reused:

@@ -30,8 +30,7 @@ from specdraft.cli import main  # noqa: E402
 from specdraft.run import PIPELINE, RunFolder, open_run  # noqa: E402
 from specdraft.stages.status import collect  # noqa: E402
 
-SMALL = ["data.num_train=24", "gen.max_new_tokens=48", "train.epochs=2", "eval.num_prompts=4",
-         "eval.max_new_tokens=32"]
+SMALL = ["data.num_train=24", "gen.max_new_tokens=48", "train.epochs=2", "eval.num_prompts=4", "eval.max_new_tokens=32"]
 
 
 def small_run(path: Path, sets: list[str]) -> None:
@@ -57,14 +56,22 @@ def main_bench() -> None:
     rows = collect(folder)["planned_vs_measured"]
     calibration = (manifest.get("plan") or {}).get("calibration") or {}
     line = {
-        "bench": "plan_accuracy", "date": time.strftime("%Y-%m-%d"), "hardware": environment.hardware_line(),
-        "dtype": calibration.get("dtype"), "cpu_bf16_env": os.environ.get("SPECDRAFT_CPU_BF16"),
-        "load_average_1m": round(os.getloadavg()[0], 2), "run": str(path),
-        "recipe": {k: manifest["recipe"][s][k] for s, k in (("data", "num_train"), ("gen", "max_new_tokens"),
-                                                             ("train", "epochs"), ("eval", "num_prompts"))},
+        "bench": "plan_accuracy",
+        "date": time.strftime("%Y-%m-%d"),
+        "hardware": environment.hardware_line(),
+        "dtype": calibration.get("dtype"),
+        "cpu_bf16_env": os.environ.get("SPECDRAFT_CPU_BF16"),
+        "load_average_1m": round(os.getloadavg()[0], 2),
+        "run": str(path),
+        "recipe": {
+            k: manifest["recipe"][s][k]
+            for s, k in (("data", "num_train"), ("gen", "max_new_tokens"), ("train", "epochs"), ("eval", "num_prompts"))
+        },
         "calibration_seconds": calibration.get("seconds"),
-        "stages": {r["stage"]: {"planned_s": r["planned_seconds"], "measured_s": r["measured_seconds"],
-                                "ratio": r["ratio"]} for r in rows},
+        "stages": {
+            r["stage"]: {"planned_s": r["planned_seconds"], "measured_s": r["measured_seconds"], "ratio": r["ratio"]}
+            for r in rows
+        },
         "within_25_percent": all(r["ratio"] is not None and 0.75 <= r["ratio"] <= 1.25 for r in rows),
         "seconds": round(time.time() - t0, 1),
     }

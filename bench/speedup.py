@@ -40,8 +40,12 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--dtype", default="float32", help="float32 keeps greedy speculation exact (docs/engine-facts.md)")
     ap.add_argument("--device", default="auto")
-    ap.add_argument("--engine", default=None, choices=runners.ENGINES, help="default: the recipe's eval.engine (auto: "
-                    "cuda-graphs on CUDA, eager elsewhere)")
+    ap.add_argument(
+        "--engine",
+        default=None,
+        choices=runners.ENGINES,
+        help="default: the recipe's eval.engine (auto: cuda-graphs on CUDA, eager elsewhere)",
+    )
     ap.add_argument("--K", type=int, default=None, help="chain length (default: the recipe's eval.draft_tokens)")
     ap.add_argument("--tree", default=None, metavar="TOPK,DEPTH,TOKENS", help="default: the recipe's eval.tree_*")
     ap.add_argument("--prompts-file", default=None, help="a JSONL of prompts instead of the run's held-out split")
@@ -71,22 +75,47 @@ def main() -> None:
     t0 = time.time()
     r = eval_stage.evaluate(runner, drafter, prompts, cfg, target.eos_token_id)
     ways = [k for k in r if isinstance(r[k], dict) and "tau" in r[k]]  # chain and tree, or DFlash's block
-    line = {"bench": "speedup", "run": str(run.path), "method": drafter.METHOD, "prompts": len(prompts),
-            "max_new_tokens": cfg.max_new_tokens, "dtype": cfg.dtype, "device": str(device), "engine": r["engine"],
-            "batch": 1, "greedy": True, "ar_tokens_per_s": r["autoregressive_tokens_per_s"]}
+    line = {
+        "bench": "speedup",
+        "run": str(run.path),
+        "method": drafter.METHOD,
+        "prompts": len(prompts),
+        "max_new_tokens": cfg.max_new_tokens,
+        "dtype": cfg.dtype,
+        "device": str(device),
+        "engine": r["engine"],
+        "batch": 1,
+        "greedy": True,
+        "ar_tokens_per_s": r["autoregressive_tokens_per_s"],
+    }
     for way in ways:
         w = r[way]
-        line.update({way: w["shape"], f"tau_{way}": w["tau"],
-                     f"per_position_acceptance_{way}": w["per_position_acceptance"],
-                     f"spec_tokens_per_s_{way}": w["speculative_tokens_per_s"], f"speedup_{way}": w["speedup"],
-                     f"c_{way}": w["draft_to_target_cost"], f"alpha_{way}": w["alpha"],
-                     f"bound_{way}": w["leviathan_bound"], f"round_cost_{way}": w["round_cost"],
-                     f"speedup_over_bound_{way}": round(w["speedup"] / w["leviathan_bound"], 3),
-                     f"exact_prompts_{way}": w["exact_prompts"], f"numerical_ties_{way}": w["numerical_ties"]})
-    line.update({
-        "seconds_per_prompt": r["seconds_per_prompt"],
-        "seconds_per_prompt_max": {k: max(p["seconds"][k] for p in r["per_prompt"]) for k in r["seconds_per_prompt"]},
-        "seconds": round(time.time() - t0, 1), "hardware": environment.hardware_line()})
+        line.update(
+            {
+                way: w["shape"],
+                f"tau_{way}": w["tau"],
+                f"per_position_acceptance_{way}": w["per_position_acceptance"],
+                f"spec_tokens_per_s_{way}": w["speculative_tokens_per_s"],
+                f"speedup_{way}": w["speedup"],
+                f"c_{way}": w["draft_to_target_cost"],
+                f"alpha_{way}": w["alpha"],
+                f"bound_{way}": w["leviathan_bound"],
+                f"round_cost_{way}": w["round_cost"],
+                f"speedup_over_bound_{way}": round(w["speedup"] / w["leviathan_bound"], 3),
+                f"exact_prompts_{way}": w["exact_prompts"],
+                f"numerical_ties_{way}": w["numerical_ties"],
+            }
+        )
+    line.update(
+        {
+            "seconds_per_prompt": r["seconds_per_prompt"],
+            "seconds_per_prompt_max": {
+                k: max(p["seconds"][k] for p in r["per_prompt"]) for k in r["seconds_per_prompt"]
+            },
+            "seconds": round(time.time() - t0, 1),
+            "hardware": environment.hardware_line(),
+        }
+    )
     print(json.dumps(line))
 
 

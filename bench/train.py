@@ -40,21 +40,59 @@ DOC_TOKENS = (128, 1536)
 BATCHES = 4
 
 CONFIGS = {
-    "smollm2": dict(hidden_size=576, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
-                    intermediate_size=1536, vocab_size=49152, draft_vocab_size=8192, target_hidden_size=576,
-                    ttt_steps=3, batch_tokens=8192),
-    "llama8b": dict(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-                    intermediate_size=14336, vocab_size=128256, draft_vocab_size=32000, target_hidden_size=4096,
-                    ttt_steps=7, batch_tokens=8192),
+    "smollm2": dict(
+        hidden_size=576,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        head_dim=64,
+        intermediate_size=1536,
+        vocab_size=49152,
+        draft_vocab_size=8192,
+        target_hidden_size=576,
+        ttt_steps=3,
+        batch_tokens=8192,
+    ),
+    "llama8b": dict(
+        hidden_size=4096,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        intermediate_size=14336,
+        vocab_size=128256,
+        draft_vocab_size=32000,
+        target_hidden_size=4096,
+        ttt_steps=7,
+        batch_tokens=8192,
+    ),
 }
 DFLASH = {
-    "smollm2-dflash": dict(hidden_size=576, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
-                           intermediate_size=1536, vocab_size=49152, draft_vocab_size=49152, target_hidden_size=576,
-                           block_size=16, num_layers=5, batch_tokens=8192, anchors=512),
+    "smollm2-dflash": dict(
+        hidden_size=576,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        head_dim=64,
+        intermediate_size=1536,
+        vocab_size=49152,
+        draft_vocab_size=49152,
+        target_hidden_size=576,
+        block_size=16,
+        num_layers=5,
+        batch_tokens=8192,
+        anchors=512,
+    ),
 }
 # CPU-sized: the same code path, shapes divided down so a step takes well under a second on 2 cores.
-TINY = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=128,
-            vocab_size=4096, draft_vocab_size=512, target_hidden_size=64, batch_tokens=512)
+TINY = dict(
+    hidden_size=64,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    intermediate_size=128,
+    vocab_size=4096,
+    draft_vocab_size=512,
+    target_hidden_size=64,
+    batch_tokens=512,
+)
 
 
 def doc_lengths(total: int, rng: random.Random) -> list[int]:
@@ -127,8 +165,11 @@ def dflash_flops_per_token(cfg: DFlashConfig, anchors: int, lengths: list[int]) 
     per_slot = L * 3 * 2 * (proj + mlp + 2 * nh * d * keys) + 2 * 2 * H * cfg.draft_vocab_size
     row = tokens / BATCHES  # tokens per packed row
     slots_per_token = min(anchors, row * ANSWER_SHARE) * cfg.block_size / row
-    per_token = 3 * 2 * len(cfg.aux_layer_ids) * cfg.target_hidden_size * H + L * 3 * 2 * H * 2 * nkv * d \
+    per_token = (
+        3 * 2 * len(cfg.aux_layer_ids) * cfg.target_hidden_size * H
+        + L * 3 * 2 * H * 2 * nkv * d
         + 2 * H * cfg.draft_vocab_size
+    )
     return per_slot * slots_per_token + per_token
 
 
@@ -141,9 +182,13 @@ def eagle3_model(shape: dict) -> tuple[torch.nn.Module, object, dict, callable]:
     t2d[torch.randperm(cfg.vocab_size)[: cfg.draft_vocab_size]] = True
     drafter.t2d.copy_(t2d)
     drafter.d2t.copy_(t2d.nonzero().squeeze(1) - torch.arange(cfg.draft_vocab_size))
-    draft_head = torch.randn(cfg.draft_vocab_size, cfg.target_hidden_size) * cfg.target_hidden_size ** -0.5
-    return (TTT(drafter, draft_head, ttt_steps, 0.8), cfg, {"ttt_steps": ttt_steps},
-            lambda lengths: flops_per_token(cfg, ttt_steps, lengths))
+    draft_head = torch.randn(cfg.draft_vocab_size, cfg.target_hidden_size) * cfg.target_hidden_size**-0.5
+    return (
+        TTT(drafter, draft_head, ttt_steps, 0.8),
+        cfg,
+        {"ttt_steps": ttt_steps},
+        lambda lengths: flops_per_token(cfg, ttt_steps, lengths),
+    )
 
 
 def dflash_model(shape: dict) -> tuple[torch.nn.Module, object, dict, callable]:
@@ -152,11 +197,15 @@ def dflash_model(shape: dict) -> tuple[torch.nn.Module, object, dict, callable]:
     anchors = shape.pop("anchors")
     cfg = DFlashConfig(**shape, mask_token_id=shape["vocab_size"] - 1, aux_layer_ids=[2, 15, 27])
     drafter = DFlashDrafter(cfg)
-    draft_head = torch.randn(cfg.draft_vocab_size, cfg.target_hidden_size) * cfg.target_hidden_size ** -0.5
+    draft_head = torch.randn(cfg.draft_vocab_size, cfg.target_hidden_size) * cfg.target_hidden_size**-0.5
     model = DFlashObjective(drafter, draft_head, max_anchors=anchors)
     model.generator = torch.Generator().manual_seed(0)
-    return (model, cfg, {"method": "dflash", "layers": cfg.num_layers, "block_size": cfg.block_size,
-                         "anchors": anchors}, lambda lengths: dflash_flops_per_token(cfg, anchors, lengths))
+    return (
+        model,
+        cfg,
+        {"method": "dflash", "layers": cfg.num_layers, "block_size": cfg.block_size, "anchors": anchors},
+        lambda lengths: dflash_flops_per_token(cfg, anchors, lengths),
+    )
 
 
 def bench(name: str, shape: dict, compile_: bool, steps: int, warmup: int, device) -> dict:
@@ -199,15 +248,25 @@ def bench(name: str, shape: dict, compile_: bool, steps: int, warmup: int, devic
     fpt = flops(lengths)  # averaged over the rows' documents
     tflops = fpt * tokens / seconds / 1e12
     return {
-        "bench": "train", "config": name, "compile": compile_, "device": device.type,
-        "hardware": environment.hardware_line(), **fields, "batch_tokens": tokens,
-        "documents_per_row": round(len(lengths) / BATCHES, 1), "hidden": cfg.hidden_size, "draft_vocab": cfg.draft_vocab_size,
+        "bench": "train",
+        "config": name,
+        "compile": compile_,
+        "device": device.type,
+        "hardware": environment.hardware_line(),
+        **fields,
+        "batch_tokens": tokens,
+        "documents_per_row": round(len(lengths) / BATCHES, 1),
+        "hidden": cfg.hidden_size,
+        "draft_vocab": cfg.draft_vocab_size,
         "trainable_params_m": round(sum(p.numel() for p in params) / 1e6, 1),
-        "step_ms": round(seconds * 1e3, 2), "tokens_per_s": round(tokens / seconds),
-        "model_gflops_per_token": round(fpt / 1e9, 4), "tflops": round(tflops, 2),
+        "step_ms": round(seconds * 1e3, 2),
+        "tokens_per_s": round(tokens / seconds),
+        "model_gflops_per_token": round(fpt / 1e9, 4),
+        "tflops": round(tflops, 2),
         "mfu": round(tflops / PEAK_TFLOPS, 4) if device.type == "cuda" else None,
         "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if device.type == "cuda" else None,
-        "warmup_s": round(warmup_s, 1), "final_loss": round(loss.item(), 4),
+        "warmup_s": round(warmup_s, 1),
+        "final_loss": round(loss.item(), 4),
         "torch": torch.__version__,
     }
 
@@ -236,11 +295,24 @@ def main() -> None:
             shape.update(draft_vocab_size=TINY["vocab_size"], anchors=16)
         for c in args.compile.split(","):
             try:
-                print(json.dumps(bench(name + ("-tiny" if tiny else ""), shape, c == "on", args.steps,
-                                       args.warmup, device)), flush=True)
+                print(
+                    json.dumps(
+                        bench(name + ("-tiny" if tiny else ""), shape, c == "on", args.steps, args.warmup, device)
+                    ),
+                    flush=True,
+                )
             except Exception as e:  # one failing configuration must not hide the others' figures
-                print(json.dumps({"bench": "train", "config": name, "compile": c == "on",
-                                  "error": f"{type(e).__name__}: {e}"[:2000]}), flush=True)
+                print(
+                    json.dumps(
+                        {
+                            "bench": "train",
+                            "config": name,
+                            "compile": c == "on",
+                            "error": f"{type(e).__name__}: {e}"[:2000],
+                        }
+                    ),
+                    flush=True,
+                )
             if device.type == "cuda":
                 torch.cuda.empty_cache()
 

@@ -57,21 +57,40 @@ def main() -> None:
     runner = runners.make_runner(target, target.load_model(args.dtype, device=str(device)), recipe.eval.engine)
     prompts = eval_stage.load_prompts(recipe, target)
     eos = target.eos_token_id
-    runner.reserve(max(tree.cache_tokens(len(p["prompt_ids"]), args.new_tokens, s) for p in prompts for s in args.shapes))
-    refs = [rounds.greedy(runner, p["prompt_ids"], args.new_tokens, eos) for p in tqdm(prompts, desc="greedy", unit="prompt")]
+    runner.reserve(
+        max(tree.cache_tokens(len(p["prompt_ids"]), args.new_tokens, s) for p in prompts for s in args.shapes)
+    )
+    refs = [
+        rounds.greedy(runner, p["prompt_ids"], args.new_tokens, eos)
+        for p in tqdm(prompts, desc="greedy", unit="prompt")
+    ]
     for sh in args.shapes:
         stats, exact, t0 = rounds.Stats(sh.depth), 0, time.time()
         for p, (ref, gaps) in zip(tqdm(prompts, desc=f"tree {sh.topk},{sh.depth},{sh.tokens}", unit="prompt"), refs):
             spec = speculative(runner, drafter, p["prompt_ids"], args.new_tokens, eos, sh, stats)
             exact += rounds.check_exact(spec, ref, gaps, recipe.eval.tie_tolerance, p["id"])["exact"]
         s = stats.summary()
-        print(json.dumps({
-            "bench": "tree_shapes", "drafter": str(args.drafter), "prompts": len(prompts),
-            "max_new_tokens": args.new_tokens, "tree": vars(sh), "tau": s["tau"],
-            "per_position_acceptance": s["per_position_acceptance"], "rounds": s["rounds"],
-            "exact_prompts": exact, "dtype": args.dtype, "device": str(device), "engine": runner.engine,
-            "seconds": round(time.time() - t0, 1), "hardware": environment.hardware_line(),
-        }), flush=True)
+        print(
+            json.dumps(
+                {
+                    "bench": "tree_shapes",
+                    "drafter": str(args.drafter),
+                    "prompts": len(prompts),
+                    "max_new_tokens": args.new_tokens,
+                    "tree": vars(sh),
+                    "tau": s["tau"],
+                    "per_position_acceptance": s["per_position_acceptance"],
+                    "rounds": s["rounds"],
+                    "exact_prompts": exact,
+                    "dtype": args.dtype,
+                    "device": str(device),
+                    "engine": runner.engine,
+                    "seconds": round(time.time() - t0, 1),
+                    "hardware": environment.hardware_line(),
+                }
+            ),
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

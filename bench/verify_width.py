@@ -54,10 +54,21 @@ def main() -> None:
         runner.reset()
         runner.forward(list(range(200, 200 + args.context)))
         ms = {w: 1000 * per_call(runner, w, args.context, args.calls) for w in args.widths}
-        print(json.dumps({"bench": "verify_width", "engine": runner.engine, "dtype": args.dtype,
-                          "context": args.context, "ms": {w: round(v, 3) for w, v in ms.items()},
-                          "target_steps": {w: round(v / ms[args.widths[0]], 3) for w, v in ms.items()},
-                          "device": device, "hardware": environment.hardware_line()}), flush=True)
+        print(
+            json.dumps(
+                {
+                    "bench": "verify_width",
+                    "engine": runner.engine,
+                    "dtype": args.dtype,
+                    "context": args.context,
+                    "ms": {w: round(v, 3) for w, v in ms.items()},
+                    "target_steps": {w: round(v / ms[args.widths[0]], 3) for w, v in ms.items()},
+                    "device": device,
+                    "hardware": environment.hardware_line(),
+                }
+            ),
+            flush=True,
+        )
         if args.profile and engine == "static":
             from torch.profiler import ProfilerActivity, profile
 

@@ -32,8 +32,10 @@ def speedup_line(path: Path, prompts: int, max_tokens: int) -> dict:
     fits = [x for x in lines if x.get("prompts") == prompts and x.get("max_new_tokens") == max_tokens]
     if not fits:
         have = sorted({(x.get("prompts"), x.get("max_new_tokens")) for x in lines})
-        raise SystemExit(f"{path}: no line measured on {prompts} prompts x {max_tokens} tokens "
-                         f"(it has {have}); pass --prompts and --max-tokens to match one")
+        raise SystemExit(
+            f"{path}: no line measured on {prompts} prompts x {max_tokens} tokens "
+            f"(it has {have}); pass --prompts and --max-tokens to match one"
+        )
     way = "chain" if "tau_chain" in fits[-1] else "block"  # EAGLE-3's chain, or DFlash's block
     return {"tau": fits[-1][f"tau_{way}"], "per_position_acceptance": fits[-1][f"per_position_acceptance_{way}"]}
 
@@ -46,8 +48,11 @@ def main() -> None:
     ap.add_argument("--log", default=None, help="where the server's log goes (default: a temp file)")
     ap.add_argument("--prompts", type=int, default=None, help="held-out prompts (default eval.num_prompts)")
     ap.add_argument("--max-tokens", type=int, default=None, help="new tokens each (default eval.max_new_tokens)")
-    ap.add_argument("--reference", default=None,
-                    help="a bench/speedup.py JSON line measured on the same prompts, instead of eval/report.json")
+    ap.add_argument(
+        "--reference",
+        default=None,
+        help="a bench/speedup.py JSON line measured on the same prompts, instead of eval/report.json",
+    )
     args = ap.parse_args()
     run = RunFolder(Path(args.run))
     recipe = run.recipe()
@@ -57,10 +62,15 @@ def main() -> None:
     drafter = run.export(args.format).resolve()
     export = run.stage("export") or {}
     if not (drafter / "config.json").is_file():
-        raise SystemExit(f"vllm_acceptance: no {args.format} drafter in {drafter}: run `specdraft export --run {run.path}`")
+        raise SystemExit(
+            f"vllm_acceptance: no {args.format} drafter in {drafter}: run `specdraft export --run {run.path}`"
+        )
     # Read before serving, so a missing reference fails in a second rather than after the run.
-    reference = (speedup_line(Path(args.reference), len(prompts), max_tokens) if args.reference
-                 else json.loads(run.eval_report.read_text()))
+    reference = (
+        speedup_line(Path(args.reference), len(prompts), max_tokens)
+        if args.reference
+        else json.loads(run.eval_report.read_text())
+    )
     # Served as export printed it, whatever the method (a DFlash block of block_size - 1, P-EAGLE's
     # parallel_drafting); the vLLM format's line (a run exported in both formats prints one per format).
     printed = (export.get("serve_commands") or {}).get("vllm") or export["serve_command"]
@@ -73,21 +83,37 @@ def main() -> None:
         before = spec_decode_counters(server.metrics_text())
         tokens, t1 = 0, time.time()
         for p in prompts:
-            resp = httpx.post(f"{server.url}/v1/chat/completions", timeout=600, json={
-                "model": str(target.path), "messages": p["messages"], "temperature": 0,
-                "max_tokens": max_tokens}).json()
+            resp = httpx.post(
+                f"{server.url}/v1/chat/completions",
+                timeout=600,
+                json={"model": str(target.path), "messages": p["messages"], "temperature": 0, "max_tokens": max_tokens},
+            ).json()
             tokens += resp["usage"]["completion_tokens"]
         seconds = time.time() - t1
         after = spec_decode_counters(server.metrics_text())
     acc = acceptance(before, after)
-    print(json.dumps({
-        "bench": "vllm_acceptance", "run": str(run.path), "format": args.format, "prompts": len(prompts), "max_tokens": max_tokens,
-        "method": spec["method"], "num_speculative_tokens": K, "vllm_mean_acceptance_length": round(acc["mean_acceptance_length"], 4),
-        "vllm_per_position_acceptance": [round(a, 4) for a in acc["per_position_acceptance"]],
-        "vllm_drafts": acc["drafts"], "vllm_single_stream_tokens_per_s": round(tokens / seconds, 2),
-        "reference_tau_fp32": reference["tau"], "reference_per_position_acceptance": reference["per_position_acceptance"],
-        "server_ready_s": round(ready_s, 1), "vllm_dtype": server.dtype, "hardware": environment.hardware_line(),
-    }))
+    print(
+        json.dumps(
+            {
+                "bench": "vllm_acceptance",
+                "run": str(run.path),
+                "format": args.format,
+                "prompts": len(prompts),
+                "max_tokens": max_tokens,
+                "method": spec["method"],
+                "num_speculative_tokens": K,
+                "vllm_mean_acceptance_length": round(acc["mean_acceptance_length"], 4),
+                "vllm_per_position_acceptance": [round(a, 4) for a in acc["per_position_acceptance"]],
+                "vllm_drafts": acc["drafts"],
+                "vllm_single_stream_tokens_per_s": round(tokens / seconds, 2),
+                "reference_tau_fp32": reference["tau"],
+                "reference_per_position_acceptance": reference["per_position_acceptance"],
+                "server_ready_s": round(ready_s, 1),
+                "vllm_dtype": server.dtype,
+                "hardware": environment.hardware_line(),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -61,9 +61,16 @@ REFERENCE_MODEL = "SmolLM2-135M-Instruct"
 REFERENCE_MATMUL_PARAMS = 134_515_008
 # Its drafter shape (hidden 576, 9 heads / 3 KV heads of 64, intermediate 1536, 3 aux layers), for
 # scaling the training reference by drafter FLOPs.
-REFERENCE_DRAFTER = {"hidden_size": 576, "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64,
-                     "intermediate_size": 1536, "vocab_size": 49152, "target_hidden_size": 576,
-                     "aux_layer_ids": [2, 15, 27]}
+REFERENCE_DRAFTER = {
+    "hidden_size": 576,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "head_dim": 64,
+    "intermediate_size": 1536,
+    "vocab_size": 49152,
+    "target_hidden_size": 576,
+    "aux_layer_ids": [2, 15, 27],
+}
 REFERENCES = {
     # phase -> (tok/s, what was measured; draft vocab and TTT steps of the training reference)
     "cpu": {
@@ -86,6 +93,7 @@ EVAL_DECODES = 3
 
 
 # --- the target, from its config ---------------------------------------------------------------
+
 
 @dataclass
 class TargetSpec:
@@ -129,15 +137,22 @@ class TargetSpec:
             "head_dim": getattr(t, "head_dim", None),
             "vocab_size": arch["vocab_size"],
             "tie_word_embeddings": arch["tied_embeddings"],
-            "moe": None if not experts else {
-                "routed_experts": experts["routed"], "shared_experts": experts["shared"], "top_k": experts["top_k"],
-                "expert_intermediate_size": experts["intermediate_size"], "dense_layers": experts["dense_layers"],
+            "moe": None
+            if not experts
+            else {
+                "routed_experts": experts["routed"],
+                "shared_experts": experts["shared"],
+                "top_k": experts["top_k"],
+                "expert_intermediate_size": experts["intermediate_size"],
+                "dense_layers": experts["dense_layers"],
             },
             "mla": arch["mla"],
             # Multi-token-prediction layers (absent from transformers' model; counted here).
             "mtp_layers": arch["mtp_layers"],
             "quantization": arch["quantization"],
-            "chat_template_sha256": hashlib.sha256(template.encode()).hexdigest()[:16] if template is not None else None,
+            "chat_template_sha256": hashlib.sha256(template.encode()).hexdigest()[:16]
+            if template is not None
+            else None,
             "thinking_markers": [list(m) for m in template_thinking_markers(template)],
             "parameters": self.params,
         }
@@ -185,11 +200,18 @@ def _count_params(target: Target) -> dict:
     total += embedding if tied else 0
     moe = target.architecture()["experts"]
     active = total - experts + (experts * moe["top_k"] // moe["routed"] if moe else 0)
-    return {"total": total, "embedding": embedding, "head": head, "tied_head": tied, "routed_experts": experts,
-            "active": active, "quantized": quantized,
-            # Weights one token multiplies through: the active ones less the embedding, a lookup (a tied
-            # embedding is counted once, as the head's matmul).
-            "matmul_per_token": active - (0 if tied else embedding)}
+    return {
+        "total": total,
+        "embedding": embedding,
+        "head": head,
+        "tied_head": tied,
+        "routed_experts": experts,
+        "active": active,
+        "quantized": quantized,
+        # Weights one token multiplies through: the active ones less the embedding, a lookup (a tied
+        # embedding is counted once, as the head's matmul).
+        "matmul_per_token": active - (0 if tied else embedding),
+    }
 
 
 def read_target(model: str, aux_layer_ids: list[int] | None = None) -> TargetSpec:
@@ -218,8 +240,12 @@ def expected_tokens(recipe: Recipe, folder: RunFolder | None, tokens_per_sample:
     render = stages.get("render")
     if render and render.get("state") == "done" and tokens_per_sample is None:
         c = render["counts"]
-        return {"samples": c["samples"], "tokens": c["tokens"], "tokens_per_sample": c["tokens"] / c["samples"],
-                "source": "measured: stages.render.counts (the rendered data)"}
+        return {
+            "samples": c["samples"],
+            "tokens": c["tokens"],
+            "tokens_per_sample": c["tokens"] / c["samples"],
+            "source": "measured: stages.render.counts (the rendered data)",
+        }
     # gen.num_samples, where the recipe sets it, overrides data.num_train.
     samples = recipe.gen.num_samples or recipe.data.num_train
     counted = ""
@@ -244,11 +270,16 @@ def expected_tokens(recipe: Recipe, folder: RunFolder | None, tokens_per_sample:
         if turns != 1:
             per = f"{turns or 'all'} turns x ({per})"
         source = f"assumed: samples x min(render.max_length, {per}), an upper bound" + counted
-    return {"samples": samples, "tokens": samples * tokens_per_sample, "tokens_per_sample": tokens_per_sample,
-            "source": source}
+    return {
+        "samples": samples,
+        "tokens": samples * tokens_per_sample,
+        "tokens_per_sample": tokens_per_sample,
+        "source": source,
+    }
 
 
 # --- the drafter and its training memory ---------------------------------------------------------
+
 
 def drafter_parameters(cfg, frozen_head: bool = False) -> dict:
     """Trainable and frozen parameters by part, from the drafter itself built on the meta device.
@@ -265,7 +296,7 @@ def drafter_parameters(cfg, frozen_head: bool = False) -> dict:
     parts: dict[str, dict] = {}
     for name, p in drafter.named_parameters():
         # "fc", "embed_tokens", "lm_head", "layers.0.self_attn", "layers.0.mlp"; every norm in "norms".
-        part = "norms" if "norm" in name else ".".join(name.split(".")[:3 if name.startswith("layers.") else 1])
+        part = "norms" if "norm" in name else ".".join(name.split(".")[: 3 if name.startswith("layers.") else 1])
         kind = "trainable" if p.requires_grad else "frozen"
         parts.setdefault(part, {"trainable": 0, "frozen": 0})[kind] += p.numel()
     parts["teacher_head"] = {"trainable": 0, "frozen": cfg.draft_vocab_size * cfg.hidden_size}
@@ -302,14 +333,26 @@ def activation_bytes(cfg, batch_tokens: int, row_tokens: int, queries: float) ->
     """
     H, I, V = cfg.hidden_size, cfg.intermediate_size, cfg.draft_vocab_size  # noqa: E741 - the usual names
     q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-    per_step = (2 * H * (FP32 + BF16) + (q + 2 * kv) * BF16 + (q + kv) * FP32 + q * BF16 + H * FP32
-                + H * (FP32 + BF16) + 4 * I * BF16 + V * (BF16 + 3 * FP32))
+    per_step = (
+        2 * H * (FP32 + BF16)
+        + (q + 2 * kv) * BF16
+        + (q + kv) * FP32
+        + q * BF16
+        + H * FP32
+        + H * (FP32 + BF16)
+        + 4 * I * BF16
+        + V * (BF16 + 3 * FP32)
+    )
     attention = cfg.num_attention_heads * row_tokens * (FP32 + BF16)
     once = V * FP32 + len(cfg.aux_layer_ids) * cfg.target_hidden_size * (BF16 + FP32)
     transient = cfg.num_attention_heads * row_tokens * 2 * FP32
     passes = queries * getattr(cfg, "num_layers", 1)  # EAGLE-3 has one layer
-    return {"per_token_per_step": per_step + attention, "per_token_once": once, "per_token_transient": transient,
-            "batch": round(batch_tokens * (passes * (per_step + attention) + once + transient))}
+    return {
+        "per_token_per_step": per_step + attention,
+        "per_token_once": once,
+        "per_token_transient": transient,
+        "batch": round(batch_tokens * (passes * (per_step + attention) + once + transient)),
+    }
 
 
 def row_tokens_for(batch_tokens: int, tokens_per_sample: float) -> int:
@@ -330,8 +373,16 @@ def fitting_batch_tokens(need, batch_tokens: int, limit: int) -> int:
     return lo * BATCH_TOKENS_STEP
 
 
-def training_memory(cfg, params: dict, train, row_tokens: int, gpus: int, fsdp: bool,
-                    target_weight_bytes: int = 0, target_head_params: int = 0) -> dict:
+def training_memory(
+    cfg,
+    params: dict,
+    train,
+    row_tokens: int,
+    gpus: int,
+    fsdp: bool,
+    target_weight_bytes: int = 0,
+    target_head_params: int = 0,
+) -> dict:
     """Bytes per GPU to train the drafter: weights, grads, AdamW states, activations, and (online
     mode) the resident target. FSDP shards weights, grads and optimizer states over the GPUs."""
     shard = gpus if fsdp else 1
@@ -341,7 +392,9 @@ def training_memory(cfg, params: dict, train, row_tokens: int, gpus: int, fsdp: 
         "weights": (trainable + frozen) * FP32 // shard + target_head_params * BF16,
         "grads": trainable * FP32 // shard,
         "optimizer": trainable * FP32 * ADAMW_STATES // shard,
-        "activations": activation_bytes(cfg, train.batch_tokens, row_tokens, named(train.method).queries(train))["batch"],
+        "activations": activation_bytes(cfg, train.batch_tokens, row_tokens, named(train.method).queries(train))[
+            "batch"
+        ],
         "target": target_weight_bytes // max(1, gpus),
     }
     mem["total"] = sum(mem.values())
@@ -349,6 +402,7 @@ def training_memory(cfg, params: dict, train, row_tokens: int, gpus: int, fsdp: 
 
 
 # --- time ----------------------------------------------------------------------------------------
+
 
 def _measured_rate(stages: dict, stage: str, metric: str) -> tuple[float | None, str | None]:
     entry = stages.get(stage) or {}
@@ -360,13 +414,21 @@ def _measured_rate(stages: dict, stage: str, metric: str) -> tuple[float | None,
     return None, None
 
 
-def time_table(recipe: Recipe, spec: TargetSpec, tokens: dict, parts: dict, stages: dict, gpus: int,
-               calibration: Calibration | None = None) -> list[dict]:
+def time_table(
+    recipe: Recipe,
+    spec: TargetSpec,
+    tokens: dict,
+    parts: dict,
+    stages: dict,
+    gpus: int,
+    calibration: Calibration | None = None,
+) -> list[dict]:
     """Seconds per phase: measured throughput where the run has one, else this machine's calibration (a
     CPU with the target's weights at hand), else a reference scaled by FLOPs."""
     if calibration is not None and not gpus and recipe.train.hidden == "disk":
-        rows = calibrated_rows(recipe, spec, tokens, parts, calibration, _trained_tau(stages),
-                               mean_prompt_tokens(recipe, spec.target))
+        rows = calibrated_rows(
+            recipe, spec, tokens, parts, calibration, _trained_tau(stages), mean_prompt_tokens(recipe, spec.target)
+        )
         for r in rows:
             _use_measured(r, stages)
         return rows
@@ -411,8 +473,15 @@ def mean_prompt_tokens(recipe: Recipe, target: Target) -> float | None:
     return sum(lengths) / len(lengths) if lengths else None
 
 
-def calibrated_rows(recipe: Recipe, spec: TargetSpec, tokens: dict, parts: dict, cal: Calibration,
-                    tau: float | None = None, prompt_tokens: float | None = None) -> list[dict]:
+def calibrated_rows(
+    recipe: Recipe,
+    spec: TargetSpec,
+    tokens: dict,
+    parts: dict,
+    cal: Calibration,
+    tau: float | None = None,
+    prompt_tokens: float | None = None,
+) -> list[dict]:
     """Each phase's work timed from this machine's calibration (specdraft.calibrate), step by step as the
     stage does it: gen's prefills and batched decode steps, extract's forward, train's top-token pass,
     TTT steps and held-out scoring, eval's three decodes of every prompt."""
@@ -425,12 +494,26 @@ def calibrated_rows(recipe: Recipe, spec: TargetSpec, tokens: dict, parts: dict,
         steps = per_conversation(recipe, recipe.gen.max_new_tokens)
         calls = math.ceil(samples / max(1, recipe.gen.batch_size))
         seconds = samples * prompt / cal.forward_tokens_per_s + calls * steps * cal.decode_step_s
-        rows.append(_row("gen", samples * steps, "answer tokens (samples x gen.max_new_tokens, an upper bound)",
-                         seconds, f"{where}: {calls} generate calls x {steps} steps x {cal.decode_step_s:.3g} s "
-                                  f"(batch {cal.decode_batch}) + prefills of {prompt:,.0f} tokens at "
-                                  f"{cal.forward_tokens_per_s:,.0f} tok/s"))
-    rows.append(_row("extract", tokens["tokens"], "tokens", tokens["tokens"] / cal.forward_tokens_per_s,
-                     f"{where}: target forward at {cal.forward_tokens_per_s:,.0f} tok/s"))
+        rows.append(
+            _row(
+                "gen",
+                samples * steps,
+                "answer tokens (samples x gen.max_new_tokens, an upper bound)",
+                seconds,
+                f"{where}: {calls} generate calls x {steps} steps x {cal.decode_step_s:.3g} s "
+                f"(batch {cal.decode_batch}) + prefills of {prompt:,.0f} tokens at "
+                f"{cal.forward_tokens_per_s:,.0f} tok/s",
+            )
+        )
+    rows.append(
+        _row(
+            "extract",
+            tokens["tokens"],
+            "tokens",
+            tokens["tokens"] / cal.forward_tokens_per_s,
+            f"{where}: target forward at {cal.forward_tokens_per_s:,.0f} tok/s",
+        )
+    )
     rows.append(_train_row(recipe, tokens, cal, where))
     rows.append(_eval_row(recipe, spec, parts, prompt, cal, where, tau))
     return rows
@@ -438,8 +521,14 @@ def calibrated_rows(recipe: Recipe, spec: TargetSpec, tokens: dict, parts: dict,
 
 def _row(phase: str, work: int, unit: str, seconds: float, source: str) -> dict:
     rate = round(work / seconds, 2) if seconds else None
-    return {"phase": phase, "work": work, "unit": unit, "rate_per_s": rate, "seconds": round(seconds, 1),
-            "source": source}
+    return {
+        "phase": phase,
+        "work": work,
+        "unit": unit,
+        "rate_per_s": rate,
+        "seconds": round(seconds, 1),
+        "source": source,
+    }
 
 
 def _prompt_tokens(recipe: Recipe, tokens: dict) -> int:
@@ -454,15 +543,22 @@ def _train_row(recipe: Recipe, tokens: dict, cal: Calibration, where: str) -> di
     steps = math.ceil(work / cfg.batch_tokens)
     # Held-out scoring every eval_every steps and at the end: a forward without backward, ~1/3 of a step.
     scored = (steps // cfg.eval_every + 1) * tokens["tokens"] * cfg.holdout
-    seconds = (tokens["tokens"] / cal.top_tokens_per_s + work / cal.train_tokens_per_s
-               + scored / (3 * cal.train_tokens_per_s))
-    return _row("train", work, "tokens x epochs (held-out samples excluded)", seconds,
-                f"{where}: top tokens at {cal.top_tokens_per_s:,.0f} tok/s, then TTT steps at "
-                f"{cal.train_tokens_per_s:,.0f} tok/s ({cal.train_dtype}) + held-out scoring")
+    seconds = (
+        tokens["tokens"] / cal.top_tokens_per_s + work / cal.train_tokens_per_s + scored / (3 * cal.train_tokens_per_s)
+    )
+    return _row(
+        "train",
+        work,
+        "tokens x epochs (held-out samples excluded)",
+        seconds,
+        f"{where}: top tokens at {cal.top_tokens_per_s:,.0f} tok/s, then TTT steps at "
+        f"{cal.train_tokens_per_s:,.0f} tok/s ({cal.train_dtype}) + held-out scoring",
+    )
 
 
-def _eval_row(recipe: Recipe, spec: TargetSpec, parts: dict, prompt: int, cal: Calibration, where: str,
-              tau: float | None) -> dict:
+def _eval_row(
+    recipe: Recipe, spec: TargetSpec, parts: dict, prompt: int, cal: Calibration, where: str, tau: float | None
+) -> dict:
     """Eval decodes every prompt three times: autoregressively, as a chain of K and as a tree. A
     speculative round is one verify forward plus its draft steps and yields tau tokens: train's held-out
     tau once it has one (for the tree too, which accepts at least as much: an upper bound on its time),
@@ -472,17 +568,21 @@ def _eval_row(recipe: Recipe, spec: TargetSpec, parts: dict, prompt: int, cal: C
     draft_step = cal.eval_step_s * step / spec.params["matmul_per_token"]
     chain = cal.verify_step_s[str(cfg.draft_tokens + 1)] + cfg.draft_tokens * draft_step
     tree = cal.verify_step_s[str(cfg.tree_tokens)] + cfg.tree_depth * draft_step
-    per_prompt = (EVAL_DECODES * prompt / cal.forward_tokens_per_s
-                  + cfg.max_new_tokens * (cal.eval_step_s + (chain + tree) / (tau or 1.0)))
-    return _row("eval", EVAL_DECODES * cfg.num_prompts * cfg.max_new_tokens,
-                "decoded tokens (3 decodes x eval.num_prompts x eval.max_new_tokens)", cfg.num_prompts * per_prompt,
-                f"{where}: batch-1 step {cal.eval_step_s:.3g} s ({cal.eval_dtype}), chain round {chain:.3g} s, "
-                f"tree round {tree:.3g} s, "
-                + (f"tau {tau:.3g} (train's held-out)" if tau else "tau 1 assumed (an upper bound)"))
+    per_prompt = EVAL_DECODES * prompt / cal.forward_tokens_per_s + cfg.max_new_tokens * (
+        cal.eval_step_s + (chain + tree) / (tau or 1.0)
+    )
+    return _row(
+        "eval",
+        EVAL_DECODES * cfg.num_prompts * cfg.max_new_tokens,
+        "decoded tokens (3 decodes x eval.num_prompts x eval.max_new_tokens)",
+        cfg.num_prompts * per_prompt,
+        f"{where}: batch-1 step {cal.eval_step_s:.3g} s ({cal.eval_dtype}), chain round {chain:.3g} s, "
+        f"tree round {tree:.3g} s, "
+        + (f"tau {tau:.3g} (train's held-out)" if tau else "tau 1 assumed (an upper bound)"),
+    )
 
 
-def _reference_rows(recipe: Recipe, spec: TargetSpec, tokens: dict, parts: dict, stages: dict,
-                    gpus: int) -> list[dict]:
+def _reference_rows(recipe: Recipe, spec: TargetSpec, tokens: dict, parts: dict, stages: dict, gpus: int) -> list[dict]:
     """Seconds per phase from a reference machine's throughput scaled by FLOPs (no weights to time)."""
     refs = REFERENCES["gpu" if gpus else "cpu"]
     devices = max(1, gpus)  # data parallel: gen, extract and train split their work over the GPUs
@@ -494,48 +594,107 @@ def _reference_rows(recipe: Recipe, spec: TargetSpec, tokens: dict, parts: dict,
         if rate is None:
             ref = refs[phase]
             rate = ref[0] * scale * devices
-            source = (f"default: {ref[0]:,g} tok/s for {REFERENCE_MODEL} ({ref[1]}) x {scale:.3g} ({scale_note})"
-                      + (f" x {devices} GPUs (linear scaling assumed)" if devices > 1 else ""))
-        rows.append({"phase": phase, "work": work, "unit": unit, "rate_per_s": round(rate, 2),
-                     "seconds": round(work / rate, 1), "source": source})
+            source = f"default: {ref[0]:,g} tok/s for {REFERENCE_MODEL} ({ref[1]}) x {scale:.3g} ({scale_note})" + (
+                f" x {devices} GPUs (linear scaling assumed)" if devices > 1 else ""
+            )
+        rows.append(
+            {
+                "phase": phase,
+                "work": work,
+                "unit": unit,
+                "rate_per_s": round(rate, 2),
+                "seconds": round(work / rate, 1),
+                "source": source,
+            }
+        )
 
     if recipe.gen.answers == "source":
-        rows.append(_row("gen", 0, "answer tokens", 0.0,
-                         "gen.answers = source: the source's own answers are copied, nothing is generated"))
+        rows.append(
+            _row(
+                "gen",
+                0,
+                "answer tokens",
+                0.0,
+                "gen.answers = source: the source's own answers are copied, nothing is generated",
+            )
+        )
     else:
         answer_tokens = tokens["samples"] * per_conversation(recipe, recipe.gen.max_new_tokens)
-        what = "gen.max_new_tokens" if turns_answered(recipe) == 1 else "the answers of gen.max_turns turns, within render.max_length"
-        row("gen", answer_tokens, f"answer tokens (samples x {what}, an upper bound)", "gen",
-            "tokens_per_s", target_scale, "forward FLOPs ratio")
+        what = (
+            "gen.max_new_tokens"
+            if turns_answered(recipe) == 1
+            else "the answers of gen.max_turns turns, within render.max_length"
+        )
+        row(
+            "gen",
+            answer_tokens,
+            f"answer tokens (samples x {what}, an upper bound)",
+            "gen",
+            "tokens_per_s",
+            target_scale,
+            "forward FLOPs ratio",
+        )
     online = recipe.train.hidden == "online"
     served = recipe.train.hidden == "served"
     if online or served:
-        rows.append(_row("extract", 0, "tokens", 0.0, f"train.hidden = {recipe.train.hidden}: the target "
-                         + ("runs inside train instead" if online else "is served to train instead")))
+        rows.append(
+            _row(
+                "extract",
+                0,
+                "tokens",
+                0.0,
+                f"train.hidden = {recipe.train.hidden}: the target "
+                + ("runs inside train instead" if online else "is served to train instead"),
+            )
+        )
     else:
         row("extract", tokens["tokens"], "tokens", "extract", "tokens_per_s", target_scale, "forward FLOPs ratio")
     ref_train = refs["train"]
     # The drafter the reference rates were measured with: the default method's, on SmolLM2.
     ref_parts = drafter_parameters(named(DEFAULT).config_class(**REFERENCE_DRAFTER, draft_vocab_size=ref_train[2]))
     ref_parts = ref_parts["parts"]
-    train_scale = (train_flops_per_token(ref_parts, ref_train[3])
-                   / train_flops_per_token(parts, named(recipe.train.method).queries(recipe.train)))
-    row("train", train_work(recipe, tokens), "tokens x epochs (held-out samples excluded)", "train", "tokens_per_s",
-        train_scale, "drafter training FLOPs ratio")
+    train_scale = train_flops_per_token(ref_parts, ref_train[3]) / train_flops_per_token(
+        parts, named(recipe.train.method).queries(recipe.train)
+    )
+    row(
+        "train",
+        train_work(recipe, tokens),
+        "tokens x epochs (held-out samples excluded)",
+        "train",
+        "tokens_per_s",
+        train_scale,
+        "drafter training FLOPs ratio",
+    )
     if online and rows[-1]["source"].startswith("default"):  # a measured online rate includes the target
         extract_rate = refs["extract"][0] * target_scale * devices
         rows[-1]["seconds"] = round(rows[-1]["seconds"] + tokens["tokens"] * recipe.train.epochs / extract_rate, 1)
-        rows[-1]["source"] += (f"; + the target's forward every epoch at {extract_rate:,.0f} tok/s "
-                               f"(online hidden states)")
+        rows[-1]["source"] += (
+            f"; + the target's forward every epoch at {extract_rate:,.0f} tok/s (online hidden states)"
+        )
     if served:
         rows[-1]["passes"] = served_passes(recipe, tokens, spec.hidden_size, len(spec.target.aux_layer_ids) + 1)
-        _add_serving(rows[-1], recipe, tokens, stages, refs["extract"][0] * target_scale * devices, gpus,
-                     len(spec.target.aux_layer_ids) + 1, spec.hidden_size)
+        _add_serving(
+            rows[-1],
+            recipe,
+            tokens,
+            stages,
+            refs["extract"][0] * target_scale * devices,
+            gpus,
+            len(spec.target.aux_layer_ids) + 1,
+            spec.hidden_size,
+        )
     # Eval decodes each prompt three times (plainly, as a chain, as a tree), one prompt at a time on one
     # device: no data-parallel speedup; speculative decodes taken at about the plain rate.
-    row("eval", EVAL_DECODES * recipe.eval.num_prompts * recipe.eval.max_new_tokens,
-        "decoded tokens (3 decodes x eval.num_prompts x eval.max_new_tokens)", "eval", "autoregressive_tokens_per_s",
-        target_scale, "forward FLOPs ratio", devices=1)
+    row(
+        "eval",
+        EVAL_DECODES * recipe.eval.num_prompts * recipe.eval.max_new_tokens,
+        "decoded tokens (3 decodes x eval.num_prompts x eval.max_new_tokens)",
+        "eval",
+        "autoregressive_tokens_per_s",
+        target_scale,
+        "forward FLOPs ratio",
+        devices=1,
+    )
     return rows
 
 
@@ -574,8 +733,16 @@ def _serving_rate(stages: dict, reference_rate: float) -> tuple[float, str]:
     return reference_rate, f"default: extract's reference rate {reference_rate:,.0f} tok/s"
 
 
-def _add_serving(row: dict, recipe: Recipe, tokens: dict, stages: dict, reference_rate: float, gpus: int,
-                 n_states: int, hidden_size: int) -> None:
+def _add_serving(
+    row: dict,
+    recipe: Recipe,
+    tokens: dict,
+    stages: dict,
+    reference_rate: float,
+    gpus: int,
+    n_states: int,
+    hidden_size: int,
+) -> None:
     """The train row of a served run: the steps, and the states server computing every pass's states at
     its measured rate (the last served train's, else extract's, else the reference). On GPUs the server
     runs beside the trainer (the longer of the two, the trainer waiting the difference); on a CPU they
@@ -594,34 +761,49 @@ def _add_serving(row: dict, recipe: Recipe, tokens: dict, stages: dict, referenc
     seconds = max(train_s, serve_s) if gpus else train_s + serve_s
     wait = max(0.0, serve_s - train_s) / seconds if gpus and seconds else None
     row["seconds"] = round(seconds, 1)
-    row["serving"] = {"passes": round(passes, 3), "tokens": work, "rate_per_s": round(rate, 1),
-                      "seconds": round(serve_s, 1), "wait_share": round(wait, 3) if wait is not None else None}
-    row["source"] += (f"; + the states server: {work:,} tokens ({passes:.2f} passes, and the held-out samples "
-                      f"at each of {evals} scorings) at {rate:,.0f} tok/s [{source}], "
-                      + ("beside the trainer (the longer of the two" + (f"; the trainer waits {wait:.0%} of it)" if wait
-                                                                         else "; the trainer does not wait)")
-                         if gpus else "on the same cores (added)"))
+    row["serving"] = {
+        "passes": round(passes, 3),
+        "tokens": work,
+        "rate_per_s": round(rate, 1),
+        "seconds": round(serve_s, 1),
+        "wait_share": round(wait, 3) if wait is not None else None,
+    }
+    row["source"] += (
+        f"; + the states server: {work:,} tokens ({passes:.2f} passes, and the held-out samples "
+        f"at each of {evals} scorings) at {rate:,.0f} tok/s [{source}], "
+        + (
+            "beside the trainer (the longer of the two"
+            + (f"; the trainer waits {wait:.0%} of it)" if wait else "; the trainer does not wait)")
+            if gpus
+            else "on the same cores (added)"
+        )
+    )
 
 
 # --- the whole plan ------------------------------------------------------------------------------
+
 
 def machine(run_path: Path | None, gpus: int | None, gpu_memory_gib: float | None) -> dict:
     env = environment.describe(run_path or Path.cwd())
     detected = env["gpus"]
     n = len(detected) if gpus is None else gpus
-    memory = (gpu_memory_gib * GiB if gpu_memory_gib is not None
-              else detected[0]["memory_bytes"] if detected else None)
-    return {"hardware": environment.hardware_line(), "gpus": n,
-            "gpu_memory_bytes": int(memory) if memory else None,
-            "gpus_source": "detected" if gpus is None else "--gpus",
-            "ram_bytes": env["ram_bytes"], "disk_free_bytes": env["disk_free_bytes"],
-            "disk_path": str(run_path or Path.cwd())}
+    memory = gpu_memory_gib * GiB if gpu_memory_gib is not None else detected[0]["memory_bytes"] if detected else None
+    return {
+        "hardware": environment.hardware_line(),
+        "gpus": n,
+        "gpu_memory_bytes": int(memory) if memory else None,
+        "gpus_source": "detected" if gpus is None else "--gpus",
+        "ram_bytes": env["ram_bytes"],
+        "disk_free_bytes": env["disk_free_bytes"],
+        "disk_path": str(run_path or Path.cwd()),
+    }
 
 
 @dataclass(frozen=True)
 class MemoryModel:
     """What the training-memory bill is computed from: the target, the drafter's config and parameters,
     the expected tokens, the machine; `memory(fsdp, batch_tokens)` bills one device's training memory."""
+
     spec: TargetSpec
     recipe: Recipe
     tokens: dict
@@ -633,20 +815,33 @@ class MemoryModel:
     def memory(self, fsdp: bool, batch_tokens: int | None = None) -> dict:
         train = self.recipe.train
         batch_tokens = train.batch_tokens if batch_tokens is None else batch_tokens
-        return training_memory(self.dcfg, self.params, replace(train, batch_tokens=batch_tokens),
-                               row_tokens_for(batch_tokens, self.tokens["tokens_per_sample"]),
-                               max(1, self.mach["gpus"]), fsdp,
-                               self.spec.weight_bytes() if train.hidden == "online" else 0, self.spec.params["head"])
+        return training_memory(
+            self.dcfg,
+            self.params,
+            replace(train, batch_tokens=batch_tokens),
+            row_tokens_for(batch_tokens, self.tokens["tokens_per_sample"]),
+            max(1, self.mach["gpus"]),
+            fsdp,
+            self.spec.weight_bytes() if train.hidden == "online" else 0,
+            self.spec.params["head"],
+        )
 
     def fit_batch_tokens(self, limit: int) -> int:
         """The largest batch whose bill (the resident target of online hidden states included) fits `limit`."""
-        return fitting_batch_tokens(lambda bt: self.memory(self.sharded, bt)["total"],
-                                    self.recipe.train.batch_tokens, limit)
+        return fitting_batch_tokens(
+            lambda bt: self.memory(self.sharded, bt)["total"], self.recipe.train.batch_tokens, limit
+        )
 
 
-def memory_model(recipe: Recipe, folder: RunFolder | None = None, *, target: str | None = None,
-                 tokens_per_sample: int | None = None, gpus: int | None = None,
-                 gpu_memory_gib: float | None = None) -> MemoryModel:
+def memory_model(
+    recipe: Recipe,
+    folder: RunFolder | None = None,
+    *,
+    target: str | None = None,
+    tokens_per_sample: int | None = None,
+    gpus: int | None = None,
+    gpu_memory_gib: float | None = None,
+) -> MemoryModel:
     """The target as every stage reads it (its aux layers: the recipe's, sorted, or its family's default,
     checked against its depth), the recipe's ranges it and the method set refused as the stages would,
     and the drafter and machine the memory is billed for."""
@@ -657,9 +852,15 @@ def memory_model(recipe: Recipe, folder: RunFolder | None = None, *, target: str
     method.check_target(recipe, spec.target.vocab_size, spec.target.name)
     dcfg = method.plan_config(spec.target, recipe.train)
     mach = machine(folder.path if folder is not None else None, gpus, gpu_memory_gib)
-    return MemoryModel(spec, recipe, expected_tokens(recipe, folder, tokens_per_sample), dcfg,
-                       drafter_parameters(dcfg, frozen_head=recipe.train.lm_head_init == "target-frozen"), mach,
-                       sharded=recipe.train.parallel == "fsdp" and mach["gpus"] > 1)
+    return MemoryModel(
+        spec,
+        recipe,
+        expected_tokens(recipe, folder, tokens_per_sample),
+        dcfg,
+        drafter_parameters(dcfg, frozen_head=recipe.train.lm_head_init == "target-frozen"),
+        mach,
+        sharded=recipe.train.parallel == "fsdp" and mach["gpus"] > 1,
+    )
 
 
 @dataclass(frozen=True)
@@ -667,6 +868,7 @@ class TrainMemory:
     """The trainer's one question to the bill: does training fit the device's memory? `need_bytes` per
     device at the recipe's batch against `usable_bytes` (the memory less the headroom; None: GPUs of
     unknown memory); `fixes` what plan recommends to fit (FSDP, a smaller --batch-tokens)."""
+
     need_bytes: int
     usable_bytes: int | None
     text: str
@@ -689,13 +891,21 @@ def train_memory(recipe: Recipe, folder: RunFolder | None = None, **where) -> Tr
     return TrainMemory(check["need_bytes"], check["usable_bytes"], check["text"], tuple(r["do"] for r in fixes))
 
 
-def make_plan(recipe: Recipe, folder: RunFolder | None = None, *, target: str | None = None,
-              tokens_per_sample: int | None = None, gpus: int | None = None,
-              gpu_memory_gib: float | None = None, calibration: str = "off") -> dict:
+def make_plan(
+    recipe: Recipe,
+    folder: RunFolder | None = None,
+    *,
+    target: str | None = None,
+    tokens_per_sample: int | None = None,
+    gpus: int | None = None,
+    gpu_memory_gib: float | None = None,
+    calibration: str = "off",
+) -> dict:
     """The bill. `calibration`: "measure" times the work on this CPU where the target's weights are here
     (cached), "cached" uses a calibration already cached, "off" bills by FLOPs alone."""
-    model = memory_model(recipe, folder, target=target, tokens_per_sample=tokens_per_sample, gpus=gpus,
-                         gpu_memory_gib=gpu_memory_gib)
+    model = memory_model(
+        recipe, folder, target=target, tokens_per_sample=tokens_per_sample, gpus=gpus, gpu_memory_gib=gpu_memory_gib
+    )
     spec, tokens, dcfg, params, mach = model.spec, model.tokens, model.dcfg, model.params, model.mach
     aux = spec.target.aux_layer_ids
     store_dtype = recipe.extract.store_dtype  # bf16, or fp8 with a per-row scale
@@ -716,21 +926,33 @@ def make_plan(recipe: Recipe, folder: RunFolder | None = None, *, target: str | 
         "computed": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "target": spec.describe(),
         "aux_layer_ids": aux,
-        "aux_layer_ids_source": "recipe target.aux_layer_ids" if recipe.target.aux_layer_ids
+        "aux_layer_ids_source": "recipe target.aux_layer_ids"
+        if recipe.target.aux_layer_ids
         else "default (2, L//2, L-3)",
-        "hidden": {"mode": recipe.train.hidden, "store_dtype": store_dtype, "states_per_token": n_states,
-                   "bytes_per_token": per_token, "record_bytes_per_token": TOKEN_BYTES,
-                   "disk_bytes": (0 if online else recipe.train.served_scratch_bytes
-                                  if recipe.train.hidden == "served" else hidden_bytes),
-                   "disk_bytes_if_disk": hidden_bytes,
-                   # Shards already extracted take no more free disk than they have.
-                   "on_disk_bytes": (size_of(folder.hidden) or 0) if folder is not None else 0},
+        "hidden": {
+            "mode": recipe.train.hidden,
+            "store_dtype": store_dtype,
+            "states_per_token": n_states,
+            "bytes_per_token": per_token,
+            "record_bytes_per_token": TOKEN_BYTES,
+            "disk_bytes": (
+                0 if online else recipe.train.served_scratch_bytes if recipe.train.hidden == "served" else hidden_bytes
+            ),
+            "disk_bytes_if_disk": hidden_bytes,
+            # Shards already extracted take no more free disk than they have.
+            "on_disk_bytes": (size_of(folder.hidden) or 0) if folder is not None else 0,
+        },
         "tokens": tokens,
         "drafter": {"method": recipe.train.method, "config": dcfg.to_dict(), **params},
-        "train_memory": {"per_gpu": mem, "row_tokens": row_tokens,
-                         "activation": activation_bytes(dcfg, recipe.train.batch_tokens, row_tokens,
-                                                        named(recipe.train.method).queries(recipe.train)),
-                         "device": "gpu" if n_gpus else "cpu", "fsdp": model.sharded},
+        "train_memory": {
+            "per_gpu": mem,
+            "row_tokens": row_tokens,
+            "activation": activation_bytes(
+                dcfg, recipe.train.batch_tokens, row_tokens, named(recipe.train.method).queries(recipe.train)
+            ),
+            "device": "gpu" if n_gpus else "cpu",
+            "fsdp": model.sharded,
+        },
         "time": times,
         "total_seconds": round(sum(r["seconds"] for r in times), 1),
         "machine": mach,
@@ -750,31 +972,55 @@ def _check_disk(plan: dict, recipe: Recipe, spec: TargetSpec, tokens: dict) -> t
     free = mach["disk_free_bytes"]
     need = max(0, plan["hidden"]["disk_bytes"] - plan["hidden"]["on_disk_bytes"])
     usable = int(free * DISK_HEADROOM)
-    checks.append({"check": "disk", "ok": need <= usable, "need_bytes": need, "usable_bytes": usable,
-                   "text": f"hidden states still to write {human_bytes(need)} vs {human_bytes(usable)} usable of "
-                           f"{human_bytes(free)} free on {mach['disk_path']} ({DISK_HEADROOM:.0%})"})
+    checks.append(
+        {
+            "check": "disk",
+            "ok": need <= usable,
+            "need_bytes": need,
+            "usable_bytes": usable,
+            "text": f"hidden states still to write {human_bytes(need)} vs {human_bytes(usable)} usable of "
+            f"{human_bytes(free)} free on {mach['disk_path']} ({DISK_HEADROOM:.0%})",
+        }
+    )
     if need > usable:
-        recs.append({"do": "--set train.hidden=served",
-                     "why": f"writes no hidden/: a vLLM server computes the states as the trainer needs them, "
-                            f"through a scratch folder of train.served_scratch_bytes "
-                            f"({human_bytes(recipe.train.served_scratch_bytes)}); it recomputes them every epoch "
-                            f"({recipe.train.epochs} epochs) unless train.served_cache keeps them"})
-        recs.append({"do": "--set train.hidden=online",
-                     "why": f"writes nothing: saves {human_bytes(need)}; the target ({human_bytes(spec.weight_bytes())} "
-                            f"of weights) runs beside the trainer and repeats its forward every epoch "
-                            f"({recipe.train.epochs} epochs)"})
+        recs.append(
+            {
+                "do": "--set train.hidden=served",
+                "why": f"writes no hidden/: a vLLM server computes the states as the trainer needs them, "
+                f"through a scratch folder of train.served_scratch_bytes "
+                f"({human_bytes(recipe.train.served_scratch_bytes)}); it recomputes them every epoch "
+                f"({recipe.train.epochs} epochs) unless train.served_cache keeps them",
+            }
+        )
+        recs.append(
+            {
+                "do": "--set train.hidden=online",
+                "why": f"writes nothing: saves {human_bytes(need)}; the target ({human_bytes(spec.weight_bytes())} "
+                f"of weights) runs beside the trainer and repeats its forward every epoch "
+                f"({recipe.train.epochs} epochs)",
+            }
+        )
         if recipe.extract.store_dtype != "fp8_e4m3":
-            fp8 = tokens["tokens"] * disk_bytes_per_token(plan["hidden"]["states_per_token"], spec.hidden_size,
-                                                          "fp8_e4m3")
-            recs.append({"do": "--set extract.store_dtype=fp8_e4m3",
-                         "why": f"{human_bytes(fp8)} instead of {human_bytes(need)} "
-                                f"({'fits' if fp8 <= usable else 'still does not fit'}); its effect on tau is "
-                                f"measured by bench/fp8_tau.py, not assumed"})
+            fp8 = tokens["tokens"] * disk_bytes_per_token(
+                plan["hidden"]["states_per_token"], spec.hidden_size, "fp8_e4m3"
+            )
+            recs.append(
+                {
+                    "do": "--set extract.store_dtype=fp8_e4m3",
+                    "why": f"{human_bytes(fp8)} instead of {human_bytes(need)} "
+                    f"({'fits' if fp8 <= usable else 'still does not fit'}); its effect on tau is "
+                    f"measured by bench/fp8_tau.py, not assumed",
+                }
+            )
         per_token = plan["hidden"]["bytes_per_token"] + plan["hidden"]["record_bytes_per_token"]
         fitting = int(usable // (tokens["tokens_per_sample"] * per_token))
-        recs.append({"do": f"--num-train {fitting}",
-                     "why": f"{fitting:,} samples of ~{tokens['tokens_per_sample']:,.0f} tokens fit "
-                            f"{human_bytes(usable)} (of {tokens['samples']:,} planned)"})
+        recs.append(
+            {
+                "do": f"--num-train {fitting}",
+                "why": f"{fitting:,} samples of ~{tokens['tokens_per_sample']:,.0f} tokens fit "
+                f"{human_bytes(usable)} (of {tokens['samples']:,} planned)",
+            }
+        )
     return checks, recs
 
 
@@ -785,28 +1031,46 @@ def _check_memory(model: MemoryModel) -> tuple[dict, list]:
     mem = model.memory(model.sharded)
     if n_gpus and mach["gpu_memory_bytes"] is None:
         # --gpus on a machine without (that many) GPUs: nothing to read their memory from.
-        return {"check": "train memory", "ok": None, "need_bytes": mem["total"], "usable_bytes": None,
-                "text": f"training {human_bytes(mem['total'])} per device over {n_gpus} GPU(s) of unknown memory "
-                        f"(none detected here): give --gpu-memory-gib (141 for an H200) to check it"}, recs
+        return {
+            "check": "train memory",
+            "ok": None,
+            "need_bytes": mem["total"],
+            "usable_bytes": None,
+            "text": f"training {human_bytes(mem['total'])} per device over {n_gpus} GPU(s) of unknown memory "
+            f"(none detected here): give --gpu-memory-gib (141 for an H200) to check it",
+        }, recs
     if n_gpus:
         limit = int(mach["gpu_memory_bytes"] * MEMORY_HEADROOM)
         where = f"{n_gpus} GPU(s) of {human_bytes(mach['gpu_memory_bytes'])}"
     else:
         limit = int((mach["ram_bytes"] or 0) * MEMORY_HEADROOM)
         where = f"CPU RAM {human_bytes(mach['ram_bytes'] or 0)}"
-    check = {"check": "train memory", "ok": mem["total"] <= limit, "need_bytes": mem["total"], "usable_bytes": limit,
-             "text": f"training {human_bytes(mem['total'])} per device vs {human_bytes(limit)} usable ({where})"}
+    check = {
+        "check": "train memory",
+        "ok": mem["total"] <= limit,
+        "need_bytes": mem["total"],
+        "usable_bytes": limit,
+        "text": f"training {human_bytes(mem['total'])} per device vs {human_bytes(limit)} usable ({where})",
+    }
     if mem["total"] > limit and n_gpus > 1 and not model.sharded:
         sharded = model.memory(fsdp=True)
-        recs.append({"do": f"FSDP over {n_gpus} GPUs (torchrun)",
-                     "why": f"weights, grads and AdamW states sharded: {human_bytes(sharded['total'])} per GPU "
-                            f"({'fits' if sharded['total'] <= limit else 'still over'} {human_bytes(limit)})",
-                     "per_gpu_bytes": sharded["total"]})
+        recs.append(
+            {
+                "do": f"FSDP over {n_gpus} GPUs (torchrun)",
+                "why": f"weights, grads and AdamW states sharded: {human_bytes(sharded['total'])} per GPU "
+                f"({'fits' if sharded['total'] <= limit else 'still over'} {human_bytes(limit)})",
+                "per_gpu_bytes": sharded["total"],
+            }
+        )
     if mem["total"] > limit:
         fit = model.fit_batch_tokens(limit)
         if fit:
-            recs.append({"do": f"--batch-tokens {fit}",
-                         "why": f"the largest batch whose training memory fits {human_bytes(limit)}"})
+            recs.append(
+                {
+                    "do": f"--batch-tokens {fit}",
+                    "why": f"the largest batch whose training memory fits {human_bytes(limit)}",
+                }
+            )
     return check, recs
 
 
@@ -820,33 +1084,51 @@ def _tensor_parallel(vllm_args: list[str], gpus: int) -> int:
     return 1
 
 
-def served_bill(recipe: Recipe, spec: TargetSpec, tokens: dict, mach: dict, fit_batch_tokens,
-                train_bytes: int) -> dict:
+def served_bill(recipe: Recipe, spec: TargetSpec, tokens: dict, mach: dict, fit_batch_tokens, train_bytes: int) -> dict:
     """What train.hidden = "served" costs besides time: the scratch disk, the trainer's host memory for
     the states it holds, and where the states server and the trainer fit on the GPUs."""
     cfg = recipe.train
     n_states = len(spec.target.aux_layer_ids) + 1
     longest = min(recipe.render.max_length, max(1, round(tokens["tokens_per_sample"])))
-    file_bytes = state_file_bytes(longest, n_states, spec.hidden_size, recipe.extract.dtype
-                                  if recipe.extract.dtype != "auto" else "bfloat16")
+    file_bytes = state_file_bytes(
+        longest, n_states, spec.hidden_size, recipe.extract.dtype if recipe.extract.dtype != "auto" else "bfloat16"
+    )
     ahead = max(1, cfg.served_ahead) * max(1, len(cfg.served_endpoints))
-    out = {"scratch_cap_bytes": cfg.served_scratch_bytes, "sample_file_bytes": file_bytes,
-           "scratch_ok": file_bytes <= cfg.served_scratch_bytes,
-           "in_flight_at_cap": min(ahead, cfg.served_scratch_bytes // max(1, file_bytes)),
-           "cache": cfg.served_cache, "cache_bytes": cfg.served_cache_bytes if cfg.served_cache == "memory" else 0,
-           "host_memory_bytes": ahead * memory_bytes(longest, n_states, spec.hidden_size)
-           + (cfg.served_cache_bytes if cfg.served_cache == "memory" else 0),
-           "passes": round(served_passes(recipe, tokens, spec.hidden_size, n_states), 3),
-           "endpoints": cfg.served_endpoints or ["started by train on loopback"]}
+    out = {
+        "scratch_cap_bytes": cfg.served_scratch_bytes,
+        "sample_file_bytes": file_bytes,
+        "scratch_ok": file_bytes <= cfg.served_scratch_bytes,
+        "in_flight_at_cap": min(ahead, cfg.served_scratch_bytes // max(1, file_bytes)),
+        "cache": cfg.served_cache,
+        "cache_bytes": cfg.served_cache_bytes if cfg.served_cache == "memory" else 0,
+        "host_memory_bytes": ahead * memory_bytes(longest, n_states, spec.hidden_size)
+        + (cfg.served_cache_bytes if cfg.served_cache == "memory" else 0),
+        "passes": round(served_passes(recipe, tokens, spec.hidden_size, n_states), 3),
+        "endpoints": cfg.served_endpoints or ["started by train on loopback"],
+    }
     gpus, gpu_bytes = mach["gpus"], mach["gpu_memory_bytes"]
     if gpus and gpu_bytes:
-        out["topology"] = _topology(recipe, spec, gpus, gpu_bytes, ahead * longest * n_states * spec.hidden_size * 2,
-                                    fit_batch_tokens, train_bytes)
+        out["topology"] = _topology(
+            recipe,
+            spec,
+            gpus,
+            gpu_bytes,
+            ahead * longest * n_states * spec.hidden_size * 2,
+            fit_batch_tokens,
+            train_bytes,
+        )
     return out
 
 
-def _topology(recipe: Recipe, spec: TargetSpec, gpus: int, gpu_bytes: int, state_cache_bytes: int,
-              fit_batch_tokens, train_bytes: int) -> dict:
+def _topology(
+    recipe: Recipe,
+    spec: TargetSpec,
+    gpus: int,
+    gpu_bytes: int,
+    state_cache_bytes: int,
+    fit_batch_tokens,
+    train_bytes: int,
+) -> dict:
     """Where the states server (tensor parallel over `tp` GPUs, the target's weights split over them, plus
     the hidden-state cache of the requests in flight) and the trainer go on `gpus` GPUs: beside each other
     on the same GPUs, or the trainer on GPUs of its own; which fits, and by how much."""
@@ -855,31 +1137,50 @@ def _topology(recipe: Recipe, spec: TargetSpec, gpus: int, gpu_bytes: int, state
     server = spec.weight_bytes() // tp + state_cache_bytes // tp
     left = usable - server
     beside_fits = left >= train_bytes
-    topo = {"tensor_parallel": tp, "server_per_gpu_bytes": server, "left_per_gpu_bytes": left,
-            "trainer_per_gpu_bytes": train_bytes, "beside_fits": beside_fits,
-            "beside_batch_tokens": fit_batch_tokens(left) if left > 0 else 0,
-            "own_gpus": gpus - tp, "own_fits": gpus > tp and usable >= train_bytes}
-    what = (f"vLLM holds the target with TP = {tp}: {human_bytes(server)} per GPU (weights "
-            f"{human_bytes(spec.weight_bytes() // tp)} + the in-flight states' cache), {human_bytes(left)} left of "
-            f"{human_bytes(usable)} usable")
+    topo = {
+        "tensor_parallel": tp,
+        "server_per_gpu_bytes": server,
+        "left_per_gpu_bytes": left,
+        "trainer_per_gpu_bytes": train_bytes,
+        "beside_fits": beside_fits,
+        "beside_batch_tokens": fit_batch_tokens(left) if left > 0 else 0,
+        "own_gpus": gpus - tp,
+        "own_fits": gpus > tp and usable >= train_bytes,
+    }
+    what = (
+        f"vLLM holds the target with TP = {tp}: {human_bytes(server)} per GPU (weights "
+        f"{human_bytes(spec.weight_bytes() // tp)} + the in-flight states' cache), {human_bytes(left)} left of "
+        f"{human_bytes(usable)} usable"
+    )
     if beside_fits:
-        verdict = (f"the trainer fits beside it on the same GPUs ({human_bytes(train_bytes)} per GPU, "
-                   f"{human_bytes(left - train_bytes)} to spare): start vLLM with --gpu-memory-utilization "
-                   f"{math.floor(100 * (usable - train_bytes) / gpu_bytes) / 100:.2f} (in extract.vllm_args), "
-                   f"the rest of each GPU left to the trainer")
+        verdict = (
+            f"the trainer fits beside it on the same GPUs ({human_bytes(train_bytes)} per GPU, "
+            f"{human_bytes(left - train_bytes)} to spare): start vLLM with --gpu-memory-utilization "
+            f"{math.floor(100 * (usable - train_bytes) / gpu_bytes) / 100:.2f} (in extract.vllm_args), "
+            f"the rest of each GPU left to the trainer"
+        )
     elif topo["beside_batch_tokens"]:
-        verdict = (f"the trainer needs {human_bytes(train_bytes)} per GPU at train.batch_tokens = "
-                   f"{recipe.train.batch_tokens:,}: {human_bytes(train_bytes - left)} over; beside vLLM it fits at "
-                   f"--batch-tokens {topo['beside_batch_tokens']:,}")
+        verdict = (
+            f"the trainer needs {human_bytes(train_bytes)} per GPU at train.batch_tokens = "
+            f"{recipe.train.batch_tokens:,}: {human_bytes(train_bytes - left)} over; beside vLLM it fits at "
+            f"--batch-tokens {topo['beside_batch_tokens']:,}"
+        )
     else:
         verdict = f"the trainer does not fit beside it ({human_bytes(train_bytes)} per GPU needed)"
     if topo["own_gpus"] > 0:
-        own = (f"on its own {topo['own_gpus']} GPU(s) it " + ("fits" if topo["own_fits"] else "does not fit")
-               + " (FSDP then spans those GPUs only)")
+        own = (
+            f"on its own {topo['own_gpus']} GPU(s) it "
+            + ("fits" if topo["own_fits"] else "does not fit")
+            + " (FSDP then spans those GPUs only)"
+        )
     else:
-        own = (f"no GPU is left for a trainer of its own: TP = {tp} takes all {gpus} "
-               + (f"(TP = {tp // 2} would need {human_bytes(spec.weight_bytes() // (tp // 2))} of weights per GPU: "
-                  + ("fits" if spec.weight_bytes() // (tp // 2) <= usable else "does not fit") + ")" if tp > 1 else ""))
+        own = f"no GPU is left for a trainer of its own: TP = {tp} takes all {gpus} " + (
+            f"(TP = {tp // 2} would need {human_bytes(spec.weight_bytes() // (tp // 2))} of weights per GPU: "
+            + ("fits" if spec.weight_bytes() // (tp // 2) <= usable else "does not fit")
+            + ")"
+            if tp > 1
+            else ""
+        )
     topo["text"] = f"{what}; {verdict}; {own}"
     return topo
 
@@ -907,6 +1208,7 @@ def record(folder: RunFolder, plan: dict) -> None:
 
 # --- text ----------------------------------------------------------------------------------------
 
+
 def human_bytes(n: float) -> str:
     for unit, size in (("TiB", TiB), ("GiB", GiB), ("MiB", 2**20), ("KiB", 2**10)):
         if abs(n) >= size:
@@ -924,6 +1226,7 @@ def human_seconds(s: float) -> str:
 
 # --- sizing a run to a time budget ---------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class Shrinkable:
     """A recipe field that costs time, and the least it may be shrunk to."""
@@ -936,16 +1239,20 @@ class Shrinkable:
 # length shrink least far: the recipe's 448 answers of 128 tokens gave tau 1.45, and nothing
 # below half of that has been measured, so half is the floor; eval keeps 16 prompts for a tau worth
 # reading. Epochs and the drafter's shape stay: fewer steps on less data would learn less.
-DEMO_SHRINK = (Shrinkable("data.num_train", 224), Shrinkable("gen.max_new_tokens", 96),
-               Shrinkable("eval.num_prompts", 16))
+DEMO_SHRINK = (
+    Shrinkable("data.num_train", 224),
+    Shrinkable("gen.max_new_tokens", 96),
+    Shrinkable("eval.num_prompts", 16),
+)
 
 
 def plan_seconds(recipe: Recipe, spec: TargetSpec, cal: Calibration, prompt_tokens: float | None = None) -> float:
     """The calibrated seconds of gen, extract, train and eval for a recipe not yet run."""
-    parts = drafter_parameters(named(recipe.train.method).plan_config(spec.target, recipe.train),
-                               frozen_head=recipe.train.lm_head_init == "target-frozen")["parts"]
-    rows = calibrated_rows(recipe, spec, expected_tokens(recipe, None, None), parts, cal,
-                           prompt_tokens=prompt_tokens)
+    parts = drafter_parameters(
+        named(recipe.train.method).plan_config(spec.target, recipe.train),
+        frozen_head=recipe.train.lm_head_init == "target-frozen",
+    )["parts"]
+    rows = calibrated_rows(recipe, spec, expected_tokens(recipe, None, None), parts, cal, prompt_tokens=prompt_tokens)
     return sum(r["seconds"] for r in rows)
 
 
@@ -960,8 +1267,9 @@ def _scaled(recipe: Recipe, scale: float, fields=DEMO_SHRINK) -> Recipe:
     return out
 
 
-def size_to_budget(recipe: Recipe, spec: TargetSpec, cal: Calibration, budget_s: float,
-                   fields=DEMO_SHRINK) -> tuple[Recipe, dict]:
+def size_to_budget(
+    recipe: Recipe, spec: TargetSpec, cal: Calibration, budget_s: float, fields=DEMO_SHRINK
+) -> tuple[Recipe, dict]:
     """The recipe with `fields` shrunk by the largest common factor whose calibrated plan fits `budget_s`
     (each field no lower than its floor), and what was chosen and why."""
     prompt = mean_prompt_tokens(recipe, spec.target)
@@ -970,8 +1278,14 @@ def size_to_budget(recipe: Recipe, spec: TargetSpec, cal: Calibration, budget_s:
         return plan_seconds(r, spec, cal, prompt)
 
     full = seconds(recipe)
-    choice = {"budget_seconds": round(budget_s), "planned_seconds": round(full), "machine": cal.machine,
-              "dtype": cal.dtype, "scale": 1.0, "changed": {}}
+    choice = {
+        "budget_seconds": round(budget_s),
+        "planned_seconds": round(full),
+        "machine": cal.machine,
+        "dtype": cal.dtype,
+        "scale": 1.0,
+        "changed": {},
+    }
     if full <= budget_s:
         return recipe, choice
     lo, hi = 0.0, 1.0  # bisection on the factor: the plan's seconds grow with every field

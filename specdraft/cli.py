@@ -46,11 +46,13 @@ class _Parser(argparse.ArgumentParser):
 
 def _positive(kind):
     """An argparse type: a number of `kind` above zero."""
+
     def parse(text: str):
         value = kind(text)
         if value <= 0:
             raise argparse.ArgumentTypeError(f"must be above 0, got {text}")
         return value
+
     parse.__name__ = kind.__name__  # argparse names the type in "invalid int value"
     return parse
 
@@ -70,8 +72,10 @@ def _url(text: str) -> str:
     if not text.startswith(("http://", "https://")):
         raise argparse.ArgumentTypeError(f"not an http:// or https:// URL: {text!r}")
     if "@" in urlsplit(text).netloc:  # httpx would send it as a header, and the report records the URL
-        raise argparse.ArgumentTypeError("a user or password in the URL would be written in the report; give "
-                                         "the key in an environment variable (gen.api_key_env)")
+        raise argparse.ArgumentTypeError(
+            "a user or password in the URL would be written in the report; give "
+            "the key in an environment variable (gen.api_key_env)"
+        )
     return text
 
 
@@ -83,8 +87,13 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--recipe", help=f"a recipe name or .toml path (new runs default to {DEFAULT_RECIPE})")
         # --run-dir for torchrun, whose own parser takes `--run` as an abbreviation of its --run-path.
         p.add_argument("--run", "--run-dir", dest="run", help="the run folder (default runs/<recipe name>)")
-        p.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
-                       help="override any recipe field; repeatable")
+        p.add_argument(
+            "--set",
+            action="append",
+            default=[],
+            metavar="SECTION.FIELD=VALUE",
+            help="override any recipe field; repeatable",
+        )
 
     for stage in PIPELINE:
         name, section = stage.name, stage.section
@@ -93,20 +102,36 @@ def build_parser() -> argparse.ArgumentParser:
         for field_name, tp in stage_fields(section):
             # A bool flag alone (`--self-instruct`) means true.
             bare = {"nargs": "?", "const": "true"} if tp is bool else {}
-            p.add_argument(f"--{field_name.replace('_', '-')}", dest=f"{section}.{field_name}",
-                           default=None, metavar=_flag_help(tp).upper(), **bare)
+            p.add_argument(
+                f"--{field_name.replace('_', '-')}",
+                dest=f"{section}.{field_name}",
+                default=None,
+                metavar=_flag_help(tp).upper(),
+                **bare,
+            )
         if name == "gen":
-            p.add_argument("--endpoint", dest="gen.endpoints", action="append", metavar="URL",
-                           help="an OpenAI-compatible server to ask; repeatable (none: in-process)")
+            p.add_argument(
+                "--endpoint",
+                dest="gen.endpoints",
+                action="append",
+                metavar="URL",
+                help="an OpenAI-compatible server to ask; repeatable (none: in-process)",
+            )
     p = sub.add_parser("doctor", help="check an exported drafter folder for the failures that load but accept nothing")
     p.add_argument("folder", help="a drafter folder (speculators or flat format)")
     p.add_argument("--target", help="the target it drafts for (default: the run's recipe)")
     p.add_argument("--run", help="the run it came from (default: the run the folder is inside)")
-    p.add_argument("--no-measure", action="store_true",
-                   help="skip the checks that run the target on held-out conversations (targets too big for here)")
-    p = sub.add_parser("import", help="a published drafter (EAGLE-3: speculators or flat, midlayer.* or layers.0.*; "
-                                      "DFlash: vLLM's or speculators') -> a specdraft checkpoint, checked against "
-                                      "the target")
+    p.add_argument(
+        "--no-measure",
+        action="store_true",
+        help="skip the checks that run the target on held-out conversations (targets too big for here)",
+    )
+    p = sub.add_parser(
+        "import",
+        help="a published drafter (EAGLE-3: speculators or flat, midlayer.* or layers.0.*; "
+        "DFlash: vLLM's or speculators') -> a specdraft checkpoint, checked against "
+        "the target",
+    )
     common(p)
     p.add_argument("folder", help="the drafter folder (config.json + safetensors)")
     p.add_argument("--out", help="write a bare checkpoint folder here instead of into a run")
@@ -115,15 +140,27 @@ def build_parser() -> argparse.ArgumentParser:
     common(p)
     p = sub.add_parser("plan", help="the disk, memory and time bill of a recipe or run, from the target's config")
     p.add_argument("spec", help="a recipe name or .toml path, or a run folder (its plan is kept in its manifest)")
-    p.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
-                   help="override any recipe field; repeatable")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="SECTION.FIELD=VALUE",
+        help="override any recipe field; repeatable",
+    )
     p.add_argument("--target", help="the target's config.json, or a folder with one (default: the recipe's)")
-    p.add_argument("--tokens-per-sample", type=_positive(int), help="assumed tokens per sample when none are rendered yet")
+    p.add_argument(
+        "--tokens-per-sample", type=_positive(int), help="assumed tokens per sample when none are rendered yet"
+    )
     p.add_argument("--gpus", type=_positive(int), help="GPUs to plan for (default: those of this machine)")
-    p.add_argument("--gpu-memory-gib", type=_positive(float), help="memory per GPU to plan for (default: this machine's)")
+    p.add_argument(
+        "--gpu-memory-gib", type=_positive(float), help="memory per GPU to plan for (default: this machine's)"
+    )
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
-    p.add_argument("--no-calibrate", action="store_true",
-                   help="bill the CPU by FLOPs from a reference machine instead of timing a few steps here")
+    p.add_argument(
+        "--no-calibrate",
+        action="store_true",
+        help="bill the CPU by FLOPs from a reference machine instead of timing a few steps here",
+    )
     p = sub.add_parser("status", help="write STATUS.md: the state of a run, from its manifest")
     p.add_argument("run", help="the run folder")
     p.add_argument("--json", action="store_true", help="print the status as JSON instead of Markdown")
@@ -137,10 +174,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--concurrency", type=_levels, help="comma-separated levels (default 1, 2, 4 … --max-concurrency)")
     p.add_argument("--max-concurrency", type=_positive(int), default=128)
     p.add_argument("--requests", type=_positive(int), default=32, help="requests per level (at least the concurrency)")
-    p.add_argument("--duration", type=_positive(float), default=120.0, help="seconds per level before no new request starts")
+    p.add_argument(
+        "--duration", type=_positive(float), default=120.0, help="seconds per level before no new request starts"
+    )
     p.add_argument("--max-tokens", type=_positive(int), default=256)
     p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--prompts", type=_positive(int), default=None, help="held-out prompts to cycle (default eval.num_prompts)")
+    p.add_argument(
+        "--prompts", type=_positive(int), default=None, help="held-out prompts to cycle (default eval.num_prompts)"
+    )
     p.add_argument("--out", help="report folder (default runs/<name>/eval)")
     return parser
 
@@ -203,10 +244,17 @@ def size_demo(recipe, folder):
         return recipe
     sized, choice = size_to_budget(recipe, spec, cal, DEMO_BUDGET_S * DEMO_STAGE_SHARE)
     changed = ", ".join(f"{k} {a} -> {b}" for k, (a, b) in choice["changed"].items())
-    print(f"demo: planned {choice['planned_seconds']:,} s for the recipe on {cal.machine} ({cal.dtype}); "
-          + (f"sized to fit {choice['budget_seconds']:,} s: {changed} (planned {choice['sized_seconds']:,} s"
-             + ("" if choice["fits"] else ", still over: the floors keep enough data to learn") + ")"
-             if choice["changed"] else f"fits the {choice['budget_seconds']:,} s budget as it is"), flush=True)
+    print(
+        f"demo: planned {choice['planned_seconds']:,} s for the recipe on {cal.machine} ({cal.dtype}); "
+        + (
+            f"sized to fit {choice['budget_seconds']:,} s: {changed} (planned {choice['sized_seconds']:,} s"
+            + ("" if choice["fits"] else ", still over: the floors keep enough data to learn")
+            + ")"
+            if choice["changed"]
+            else f"fits the {choice['budget_seconds']:,} s budget as it is"
+        ),
+        flush=True,
+    )
     folder.runs_with(sized)  # the run's recipe once gen succeeds
     m = folder.manifest()
     m["demo_sizing"] = choice
@@ -260,8 +308,11 @@ def _signals_raise():
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    before = {s: signal.signal(s, _terminate) for s in (signal.SIGTERM, signal.SIGHUP)
-              if signal.getsignal(s) is signal.SIG_DFL}
+    before = {
+        s: signal.signal(s, _terminate)
+        for s in (signal.SIGTERM, signal.SIGHUP)
+        if signal.getsignal(s) is signal.SIG_DFL
+    }
     try:
         yield
     finally:
@@ -277,8 +328,11 @@ def main(argv: list[str] | None = None) -> int:
             return _command(args)
         except KeyboardInterrupt as e:
             signum = getattr(e, "signum", signal.SIGINT)
-            print(f"specdraft: interrupted ({signal.Signals(signum).name}): the servers it started are stopped; "
-                  "rerun the same command to resume", file=sys.stderr)
+            print(
+                f"specdraft: interrupted ({signal.Signals(signum).name}): the servers it started are stopped; "
+                "rerun the same command to resume",
+                file=sys.stderr,
+            )
             return 128 + signum
         except (ValueError, OSError, RuntimeError) as e:
             # Expected failures (bad input, missing files, stages out of order) are one line, no traceback.
@@ -309,10 +363,16 @@ def _command(args) -> int:
     if args.command == "plan":
         from specdraft.stages.plan import run_plan
 
-        return run_plan(args.spec, overrides=args.set, json_out=args.json, target=args.target,
-                        tokens_per_sample=args.tokens_per_sample, gpus=args.gpus,
-                        gpu_memory_gib=args.gpu_memory_gib,
-                        calibration="cached" if args.no_calibrate else "measure")
+        return run_plan(
+            args.spec,
+            overrides=args.set,
+            json_out=args.json,
+            target=args.target,
+            tokens_per_sample=args.tokens_per_sample,
+            gpus=args.gpus,
+            gpu_memory_gib=args.gpu_memory_gib,
+            calibration="cached" if args.no_calibrate else "measure",
+        )
     if args.command == "status":
         from specdraft.stages.status import run_status
 

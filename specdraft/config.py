@@ -35,6 +35,7 @@ class Range:
     checked when a recipe loads and when a flag sets it: an out-of-range number otherwise runs silently
     wrong (a negative grad_clip climbs the loss) or fails a stage hours in. A bound of None is no bound; an
     open end excludes the bound itself. Floats must also be finite. `note` says what a special value means."""
+
     low: float | None = None
     high: float | None = None
     low_open: bool = False
@@ -50,6 +51,7 @@ class Range:
 
     def describe(self) -> str:
         """The range as the error line and docs/configuration.md say it: `> 0`, `>= 0 and < 1 (...)`."""
+
         def num(x) -> str:
             return str(x) if isinstance(x, int) else f"{x:g}"
 
@@ -137,8 +139,10 @@ def refused_server_arg(arg: str) -> str | None:
 def _checked_env_name(value, where: str) -> str:
     # The value itself is not repeated: it may be the key, pasted where its variable's name belongs.
     if not isinstance(value, str) or not (value == "" or _ENV_NAME.fullmatch(value)):
-        raise ConfigError(f"{where}: expected the name of an environment variable (letters, digits and _; "
-                          f"\"\" for none), not the key itself: export KEY_VARIABLE=... and name it here")
+        raise ConfigError(
+            f"{where}: expected the name of an environment variable (letters, digits and _; "
+            f"\"\" for none), not the key itself: export KEY_VARIABLE=... and name it here"
+        )
     return value
 
 
@@ -148,25 +152,31 @@ def check_key_variable(name: str, default: str, where: str, environ=None) -> Non
     name check when it is letters and digits, and is caught here; so the name is not repeated either."""
     environ = os.environ if environ is None else environ
     if name and name != default and not environ.get(name, "").strip():
-        raise ConfigError(f"{where}: the environment variable it names is not set here (its name is not repeated: "
-                          f"it may be a key pasted in its place), so no key would be sent; export the variable "
-                          f"that holds the server's key and name it, or \"\" to send none")
+        raise ConfigError(
+            f"{where}: the environment variable it names is not set here (its name is not repeated: "
+            f"it may be a key pasted in its place), so no key would be sent; export the variable "
+            f"that holds the server's key and name it, or \"\" to send none"
+        )
 
 
 def _checked_env_reference(value, where: str) -> str:
     if isinstance(value, str) and _ENV_REFERENCE.fullmatch(value):
         return value
     # Not repeated either: it is the secret this refuses to write.
-    raise ConfigError(f"{where}: a header's value is given as \"${{NAME}}\", the environment variable that "
-                      f"holds it (export NAME=...), never written out: the recipe is recorded in the manifest")
+    raise ConfigError(
+        f"{where}: a header's value is given as \"${{NAME}}\", the environment variable that "
+        f"holds it (export NAME=...), never written out: the recipe is recorded in the manifest"
+    )
 
 
 def _checked_run_name(value, where: str) -> str:
     if isinstance(value, str) and _RUN_NAME.fullmatch(value) and value not in (".", ".."):
         return value
-    raise ConfigError(f"{where}: {value!r} is not a run name (letters, digits, '.', '_' and '-', not starting "
-                      f"with '.' or '-', at most 128): it names the folder under runs/; --run DIR puts a run "
-                      f"anywhere else")
+    raise ConfigError(
+        f"{where}: {value!r} is not a run name (letters, digits, '.', '_' and '-', not starting "
+        f"with '.' or '-', at most 128): it names the folder under runs/; --run DIR puts a run "
+        f"anywhere else"
+    )
 
 
 def _checked_server_arg(value, where: str) -> str:
@@ -182,13 +192,20 @@ def _checked_url(value, where: str) -> str:
     if not isinstance(value, str):
         raise ConfigError(f"{where}: expected str, got {value!r}")
     if "@" in urlsplit(value).netloc:
-        raise ConfigError(f"{where}: a user or password in the URL would be written in the manifest; give the "
-                          f"key in an environment variable (gen.api_key_env) or a header (gen.headers, as ${{NAME}})")
+        raise ConfigError(
+            f"{where}: a user or password in the URL would be written in the manifest; give the "
+            f"key in an environment variable (gen.api_key_env) or a header (gen.headers, as ${{NAME}})"
+        )
     return value
 
 
-_CHECKED = {EnvName: _checked_env_name, EnvReference: _checked_env_reference, RunName: _checked_run_name,
-            ServerArg: _checked_server_arg, Url: _checked_url}
+_CHECKED = {
+    EnvName: _checked_env_name,
+    EnvReference: _checked_env_reference,
+    RunName: _checked_run_name,
+    ServerArg: _checked_server_arg,
+    Url: _checked_url,
+}
 
 
 @dataclass
@@ -198,7 +215,8 @@ class TargetConfig:
     model: str = "smollm2"
     # EAGLE-3 low/mid/high layers; empty means the family default (2, L//2, L-3).
     aux_layer_ids: list[Annotated[int, Range(low=1, note="k: the residual stream after k layers")]] = field(
-        default_factory=list)
+        default_factory=list
+    )
 
 
 @dataclass
@@ -220,8 +238,9 @@ class DataConfig:
     input_ids_field: str = "input_ids"
     loss_mask_field: str = "loss_mask"
     # Share of conversations held out for eval, chosen by a hash of the conversation id.
-    eval_fraction: Annotated[float, Range(low=0, high=1, high_open=True,
-                                          note="0: no eval split; eval then needs eval.prompts_file")] = 0.05
+    eval_fraction: Annotated[
+        float, Range(low=0, high=1, high_open=True, note="0: no eval split; eval then needs eval.prompts_file")
+    ] = 0.05
     split_seed: Seed = 0
     # Only conversations whose first turn is the user's are used (the target answers them).
     # 0 means every usable one of the train split (the smollm2-h200 recipe trains on all of them).
@@ -383,8 +402,9 @@ class TrainConfig:
     # Samples requested ahead of the trainer, per endpoint (in flight or arrived and not yet trained on).
     served_ahead: PosInt = 8
     # The most bytes of state files the requests in flight may leave in the server's folder at once.
-    served_scratch_bytes: Annotated[int, Range(low=1, note="at least one sample's states, checked when training starts")] = (
-        256 * 2**20)
+    served_scratch_bytes: Annotated[
+        int, Range(low=1, note="at least one sample's states, checked when training starts")
+    ] = 256 * 2**20
     # Epochs after the first: "none" asks the server again; "memory" keeps up to served_cache_bytes of
     # states in the trainer's memory and asks again only for the samples beyond it.
     served_cache: Literal["none", "memory"] = "none"
@@ -619,18 +639,35 @@ def check_recipe(recipe: Recipe) -> Recipe:
     drafter method's own ranges are its package's (Method.check), asked by the stages that train it."""
     d, g, r, e = recipe.data, recipe.gen, recipe.render, recipe.eval
     if d.max_prompt_tokens >= r.max_length:
-        raise beyond("data.max_prompt_tokens", d.max_prompt_tokens, f"< render.max_length = {r.max_length}",
-                     "render cuts a sample there: the longest prompt kept would leave no answer token to train on")
+        raise beyond(
+            "data.max_prompt_tokens",
+            d.max_prompt_tokens,
+            f"< render.max_length = {r.max_length}",
+            "render cuts a sample there: the longest prompt kept would leave no answer token to train on",
+        )
     if g.answers == "target" and g.max_new_tokens > r.max_length:
-        raise beyond("gen.max_new_tokens", g.max_new_tokens, f"<= render.max_length = {r.max_length}",
-                     "render cuts every sample there: the answer tokens past it are generated for nothing")
+        raise beyond(
+            "gen.max_new_tokens",
+            g.max_new_tokens,
+            f"<= render.max_length = {r.max_length}",
+            "render cuts every sample there: the answer tokens past it are generated for nothing",
+        )
     if g.backoff_s > g.backoff_max_s:
-        raise beyond("gen.backoff_s", g.backoff_s, f"<= gen.backoff_max_s = {g.backoff_max_s!r}",
-                     "the cap of the retries' exponential wait")
-    nodes = e.tree_topk + (e.tree_depth - 1) * e.tree_topk ** 2
+        raise beyond(
+            "gen.backoff_s",
+            g.backoff_s,
+            f"<= gen.backoff_max_s = {g.backoff_max_s!r}",
+            "the cap of the retries' exponential wait",
+        )
+    nodes = e.tree_topk + (e.tree_depth - 1) * e.tree_topk**2
     if e.tree_tokens > nodes:
-        raise beyond("eval.tree_tokens", e.tree_tokens, f"<= {nodes}", f"the nodes a tree of eval.tree_topk = "
-                     f"{e.tree_topk} and eval.tree_depth = {e.tree_depth} drafts: no more can be verified")
+        raise beyond(
+            "eval.tree_tokens",
+            e.tree_tokens,
+            f"<= {nodes}",
+            f"the nodes a tree of eval.tree_topk = "
+            f"{e.tree_topk} and eval.tree_depth = {e.tree_depth} drafts: no more can be verified",
+        )
     return recipe
 
 
@@ -640,21 +677,34 @@ def check_target_limits(recipe: Recipe, *, vocab_size: int, max_positions: int |
     target (targets.check_fits), before any work; a method's own fields by its Method.check_target."""
     t, d = recipe.train, recipe.data
     if t.draft_vocab_size > vocab_size:
-        raise beyond("train.draft_vocab_size", t.draft_vocab_size, f"<= {vocab_size:,}",
-                     f"the vocabulary of {target}; 0 takes all of it")
+        raise beyond(
+            "train.draft_vocab_size",
+            t.draft_vocab_size,
+            f"<= {vocab_size:,}",
+            f"the vocabulary of {target}; 0 takes all of it",
+        )
     if max_positions is None:
         return
     if recipe.render.max_length > max_positions:
-        raise beyond("render.max_length", recipe.render.max_length, f"<= {max_positions:,}",
-                     f"max_position_embeddings of {target}")
+        raise beyond(
+            "render.max_length",
+            recipe.render.max_length,
+            f"<= {max_positions:,}",
+            f"max_position_embeddings of {target}",
+        )
     # A prompt of the longest kept and its answer: the target has no positions past its context.
     answers = [("eval.max_new_tokens", recipe.eval.max_new_tokens)]
     if recipe.gen.answers == "target":
         answers.insert(0, ("gen.max_new_tokens", recipe.gen.max_new_tokens))
     for name, new in answers:
         if d.max_prompt_tokens + new > max_positions:
-            raise beyond(name, new, f"<= {max_positions - d.max_prompt_tokens:,}", f"max_position_embeddings of "
-                          f"{target}, {max_positions:,}, less data.max_prompt_tokens, {d.max_prompt_tokens:,}")
+            raise beyond(
+                name,
+                new,
+                f"<= {max_positions - d.max_prompt_tokens:,}",
+                f"max_position_embeddings of "
+                f"{target}, {max_positions:,}, less data.max_prompt_tokens, {d.max_prompt_tokens:,}",
+            )
 
 
 # Fields declared under another name before, old dotted name -> new: a recipe or a run's recorded recipe
@@ -672,8 +722,10 @@ def _renamed(values: dict, where: str) -> dict:
         value = values[old_section].pop(old_key)
         given = values.setdefault(new_section, {}).setdefault(new_key, value)
         if given != value:
-            raise ConfigError(f"{where}: {old} = {value!r} and {new} = {given!r}: {old} is {new} now, one K "
-                              f"for eval and export; remove {old}")
+            raise ConfigError(
+                f"{where}: {old} = {value!r} and {new} = {given!r}: {old} is {new} now, one K "
+                f"for eval and export; remove {old}"
+            )
     return values
 
 

@@ -22,8 +22,9 @@ from specdraft.config import refused_server_arg
 from specdraft.data.client import REFUSED, Auth
 from specdraft.targets import resolve_device, resolve_dtype
 
-VLLM_PYTHON = Path(os.environ.get("SPECDRAFT_VLLM_PYTHON",
-                                  Path.home() / ".cache" / "specdraft" / "vllm-venv" / "bin" / "python"))
+VLLM_PYTHON = Path(
+    os.environ.get("SPECDRAFT_VLLM_PYTHON", Path.home() / ".cache" / "specdraft" / "vllm-venv" / "bin" / "python")
+)
 # The CPU backend's KV cache in GiB: 2 holds 2,048-token contexts for dozens of concurrent requests.
 CPU_KVCACHE_GIB = 2
 READY_TIMEOUT_S = 900.0
@@ -50,8 +51,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def serve_args(model: str | Path, *, max_model_len: int = 2048, dtype: str = "bfloat16",
-               speculative: dict | None = None, extra: list[str] | None = None) -> list[str]:
+def serve_args(
+    model: str | Path,
+    *,
+    max_model_len: int = 2048,
+    dtype: str = "bfloat16",
+    speculative: dict | None = None,
+    extra: list[str] | None = None,
+) -> list[str]:
     """The arguments after `vllm serve` (also what we print for users to run themselves). `extra` may not
     move the server off 127.0.0.1 or the port specdraft picked (config.refused_server_arg); the recipe's
     vllm_args were refused so when it loaded, and this refuses whatever else reaches here."""
@@ -72,17 +79,28 @@ class VllmServer:
     `Authorization: Bearer KEY`; vLLM redacts it in its own log) and polled with it until ready. The key is
     not part of `args`, the arguments printed for users to run."""
 
-    def __init__(self, model: str | Path, *, log_path: Path, speculative: dict | None = None,
-                 max_model_len: int = 2048, dtype: str = "auto", extra: list[str] | None = None,
-                 python: Path = VLLM_PYTHON, port: int | None = None, env: dict | None = None,
-                 api_key: str | None = None):
+    def __init__(
+        self,
+        model: str | Path,
+        *,
+        log_path: Path,
+        speculative: dict | None = None,
+        max_model_len: int = 2048,
+        dtype: str = "auto",
+        extra: list[str] | None = None,
+        python: Path = VLLM_PYTHON,
+        port: int | None = None,
+        env: dict | None = None,
+        api_key: str | None = None,
+    ):
 
         self.model = str(model)
         # "auto": bfloat16 where the machine multiplies it in hardware, else float32 (on a CPU without
         # bf16 instructions, vLLM's CPU backend in bf16 is several times slower than in float32).
         self.dtype = resolve_dtype(dtype, resolve_device("auto"))
-        self.args = serve_args(model, max_model_len=max_model_len, dtype=self.dtype, speculative=speculative,
-                               extra=extra)
+        self.args = serve_args(
+            model, max_model_len=max_model_len, dtype=self.dtype, speculative=speculative, extra=extra
+        )
         self.python = Path(python)
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -102,18 +120,30 @@ class VllmServer:
             raise ServerError(f"no vLLM interpreter at {self.python} (bash scripts/install_vllm.sh)")
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         model, *rest = self.args
-        cmd = [str(self.python), "-m", "vllm.entrypoints.openai.api_server", "--model", model,
-               "--host", "127.0.0.1", "--port", str(self.port), *rest]
+        cmd = [
+            str(self.python),
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            model,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            *rest,
+        ]
         if self.api_key:
             cmd += ["--api-key", self.api_key]
-        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", str(CPU_KVCACHE_GIB)),
-               **self.env}
+        env = {
+            **os.environ,
+            "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", str(CPU_KVCACHE_GIB)),
+            **self.env,
+        }
         t0 = time.time()
         self.stopped = False
         with open(self.log_path, "w") as log:
             # A session of its own, so stop() can end vLLM's worker processes with it.
-            self.process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                            start_new_session=True)
+            self.process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         try:
             self._wait_ready(t0)
         except BaseException:
@@ -183,8 +213,12 @@ def spec_decode_counters(metrics_text: str) -> dict:
     """{"drafts", "draft_tokens", "accepted", "accepted_per_pos": [..], "generation_tokens"} summed
     over label sets (one per served model)."""
     out = {"drafts": 0.0, "draft_tokens": 0.0, "accepted": 0.0, "accepted_per_pos": {}, "generation_tokens": 0.0}
-    names = {f"{PREFIX}num_drafts_total": "drafts", f"{PREFIX}num_draft_tokens_total": "draft_tokens",
-             f"{PREFIX}num_accepted_tokens_total": "accepted", GENERATION_TOKENS: "generation_tokens"}
+    names = {
+        f"{PREFIX}num_drafts_total": "drafts",
+        f"{PREFIX}num_draft_tokens_total": "draft_tokens",
+        f"{PREFIX}num_accepted_tokens_total": "accepted",
+        GENERATION_TOKENS: "generation_tokens",
+    }
     for line in metrics_text.splitlines():
         m = _LINE.match(line.strip())
         if not m:
@@ -203,8 +237,10 @@ def acceptance(before: dict, after: dict) -> dict:
     """Mean acceptance length (1 + accepted per draft, vLLM's definition) and per-position rates."""
     drafts = after["drafts"] - before["drafts"]
     accepted = after["accepted"] - before["accepted"]
-    per_pos = [a - (before["accepted_per_pos"][i] if i < len(before["accepted_per_pos"]) else 0.0)
-               for i, a in enumerate(after["accepted_per_pos"])]
+    per_pos = [
+        a - (before["accepted_per_pos"][i] if i < len(before["accepted_per_pos"]) else 0.0)
+        for i, a in enumerate(after["accepted_per_pos"])
+    ]
     return {
         "drafts": drafts,
         "draft_tokens": after["draft_tokens"] - before["draft_tokens"],
@@ -255,5 +291,6 @@ def settled_metrics_text(url: str, auth: Auth | None = None) -> str:
 
 def spec_lines(text: str) -> str:
     """The /metrics lines the figures are computed from, kept in the report so they can be checked."""
-    return "\n".join(line for line in text.splitlines()
-                     if line.startswith((PREFIX, GENERATION_TOKENS)) and not line.startswith("#"))
+    return "\n".join(
+        line for line in text.splitlines() if line.startswith((PREFIX, GENERATION_TOKENS)) and not line.startswith("#")
+    )

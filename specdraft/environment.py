@@ -60,8 +60,9 @@ def _nvidia_smi(*args: str) -> str | None:
     if shutil.which("nvidia-smi") is None:
         return None
     try:
-        out = subprocess.run(["nvidia-smi", *args], capture_output=True, text=True, timeout=NVIDIA_SMI_TIMEOUT_S,
-                             check=False)
+        out = subprocess.run(
+            ["nvidia-smi", *args], capture_output=True, text=True, timeout=NVIDIA_SMI_TIMEOUT_S, check=False
+        )
     except (OSError, subprocess.TimeoutExpired):
         return None
     return out.stdout if out.returncode == 0 else None
@@ -74,8 +75,11 @@ def _gpu_topology() -> dict | None:
     if not matrix:
         return None
     # Tab-separated cells; the header row starts with an empty cell above the row labels.
-    table = [[re.sub(r"\x1b\[[0-9;]*m", "", c).strip() for c in line.split("\t")]
-             for line in matrix.splitlines() if "\t" in line]
+    table = [
+        [re.sub(r"\x1b\[[0-9;]*m", "", c).strip() for c in line.split("\t")]
+        for line in matrix.splitlines()
+        if "\t" in line
+    ]
     header = next((r for r in table if "NUMA Affinity" in r), [])
     rows = [r for r in table if re.fullmatch(r"GPU\d+", r[0])]
     # GPU-to-GPU cells only (NIC columns say how the NICs attach, not the GPUs).
@@ -86,8 +90,7 @@ def _gpu_topology() -> dict | None:
         col = header.index("NUMA Affinity")
         numa = {r[0]: r[col] for r in rows if len(r) > col}
     kind = "NVLink" if any(c.startswith("NV") for c in links) else "PCIe" if links else None  # None: one GPU
-    return {"links": kind,
-            "link_kinds": sorted(links), "numa_affinity": numa, "matrix": matrix.strip()}
+    return {"links": kind, "link_kinds": sorted(links), "numa_affinity": numa, "matrix": matrix.strip()}
 
 
 def _numa_nodes() -> dict:

@@ -79,6 +79,7 @@ def _not_found(path: Path, fix: str) -> FileError:
 
 # --- JSON ------------------------------------------------------------------------------------------
 
+
 def _utf8(data: bytes, path: Path, fix: str, line: int | None = None) -> str:
     """`data` decoded; a byte that is not UTF-8 is named with its line (counted in `data` when not given)."""
     try:
@@ -86,8 +87,7 @@ def _utf8(data: bytes, path: Path, fix: str, line: int | None = None) -> str:
     except UnicodeDecodeError as e:
         at = line if line is not None else data.count(b"\n", 0, e.start) + 1
         column = e.start - (data.rfind(b"\n", 0, e.start) + 1) + 1
-        raise FileError(f"{path}:{at}: not UTF-8 text (byte 0x{data[e.start]:02x} at column {column}); "
-                        f"{fix}") from None
+        raise FileError(f"{path}:{at}: not UTF-8 text (byte 0x{data[e.start]:02x} at column {column}); {fix}") from None
 
 
 def parse_json(text: str, path: Path, fix: str, line: int | None = None):
@@ -125,8 +125,15 @@ def read_json(path, *, fix: str, kind: type | None = dict, what: str | None = No
 
 
 def _json_type(value) -> str:
-    names = {dict: "object", list: "array", str: "string", bool: "boolean", int: "number", float: "number",
-             type(None): "null"}
+    names = {
+        dict: "object",
+        list: "array",
+        str: "string",
+        bool: "boolean",
+        int: "number",
+        float: "number",
+        type(None): "null",
+    }
     return names.get(type(value), type(value).__name__)
 
 
@@ -152,12 +159,14 @@ def read_jsonl(path, *, fix: str, kind: type | None = dict, torn_tail: bool = Fa
                     return
                 raise
             if kind is not None and not isinstance(value, kind):
-                raise FileError(f"{path}:{lineno}: a JSON {_json_type(value)} where {_kind_name(kind)} should be; "
-                                f"{fix}")
+                raise FileError(
+                    f"{path}:{lineno}: a JSON {_json_type(value)} where {_kind_name(kind)} should be; {fix}"
+                )
             yield lineno, value
 
 
 # --- safetensors -----------------------------------------------------------------------------------
+
 
 def _safetensors_problem(e: Exception) -> str:
     """What a SafetensorError says about the file, as a reason a person acts on."""
@@ -170,8 +179,10 @@ def _safetensors_problem(e: Exception) -> str:
 def _check_names(path: Path, have: Iterable[str], need: Iterable[str], fix: str) -> None:
     missing = [n for n in need if n not in set(have)]
     if missing:
-        raise FileError(f"{path}: a safetensors file without the tensor(s) {missing} it should hold "
-                        f"(another program's file?); {fix}")
+        raise FileError(
+            f"{path}: a safetensors file without the tensor(s) {missing} it should hold "
+            f"(another program's file?); {fix}"
+        )
 
 
 def load_safetensors(path, *, fix: str, need: Iterable[str] = (), device: str = "cpu") -> dict:

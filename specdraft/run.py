@@ -253,8 +253,9 @@ class RunFolder:
     def manifest(self) -> dict:
         if not self.exists():
             return {"stages": {}}
-        return check_manifest(files.read_json(self.manifest_path, fix=MANIFEST_FIX, what="the run's manifest"),
-                              self.manifest_path)
+        return check_manifest(
+            files.read_json(self.manifest_path, fix=MANIFEST_FIX, what="the run's manifest"), self.manifest_path
+        )
 
     def save_manifest(self, manifest: dict) -> None:
         write_json(self.manifest_path, manifest)
@@ -287,8 +288,17 @@ class RunFolder:
         """The recipe this command runs with, recorded with its stage's done record."""
         self.command_recipe = recipe
 
-    def record(self, stage: str, *, state: str, config=None, counts=None, metrics=None,
-               seconds: float | None = None, extra: dict | None = None) -> dict:
+    def record(
+        self,
+        stage: str,
+        *,
+        state: str,
+        config=None,
+        counts=None,
+        metrics=None,
+        seconds: float | None = None,
+        extra: dict | None = None,
+    ) -> dict:
         """Record a stage's state (done / partial / failed) with what it counted and measured.
 
         `done` replaces the stage's record and writes the command's recipe (its --set values) as the run's.
@@ -366,8 +376,10 @@ class RunFolder:
         if entry.get("attempt") and known is not None and known.intact is not None and not known.intact(self):
             attempt = entry["attempt"]
             why = f" ({attempt['error']})" if attempt.get("error") else ""
-            raise RuntimeError(f"stage {stage!r} was run again in {self.path} and did not finish{why}, leaving "
-                               f"its outputs part rewritten; rerun `specdraft {stage}` to finish it")
+            raise RuntimeError(
+                f"stage {stage!r} was run again in {self.path} and did not finish{why}, leaving "
+                f"its outputs part rewritten; rerun `specdraft {stage}` to finish it"
+            )
         return entry
 
     def set_aside_checkpoints(self) -> None:
@@ -378,8 +390,11 @@ class RunFolder:
         m = self.manifest()
         entry = m.get("stages", {}).get("train") or {}
         kept = entry.get("checkpoint", "checkpoints/final")
-        if (entry.get("state") == "done" and kept.startswith(f"{self.checkpoints.name}/")
-                and (self.path / kept).exists()):
+        if (
+            entry.get("state") == "done"
+            and kept.startswith(f"{self.checkpoints.name}/")
+            and (self.path / kept).exists()
+        ):
             shutil.rmtree(self.previous_checkpoints, ignore_errors=True)
             self.checkpoints.rename(self.previous_checkpoints)
             entry["checkpoint"] = f"{self.previous_checkpoints.name}/{kept.split('/', 1)[1]}"
@@ -411,8 +426,12 @@ class RunFolder:
         entry = m.get("stages", {}).get("train") or {}
         kept = entry.get("checkpoint", "checkpoints/final")
         moved = self.previous_checkpoints / kept.split("/", 1)[-1]
-        if (entry.get("state") == "done" and kept.startswith(f"{self.checkpoints.name}/")
-                and not (self.path / kept).exists() and moved.exists()):
+        if (
+            entry.get("state") == "done"
+            and kept.startswith(f"{self.checkpoints.name}/")
+            and not (self.path / kept).exists()
+            and moved.exists()
+        ):
             entry["checkpoint"] = str(moved.relative_to(self.path))
             self.save_manifest(m)
 
@@ -455,19 +474,28 @@ def check_new_or_ours(path: Path, ours: Callable[[Path], bool], what: str, fix: 
 
 # --- how far along a stage is that has not recorded itself done --------------------------------
 
+
 def _gen_progress(folder: RunFolder, recipe: dict) -> dict | None:
     if not folder.conversations.exists():
         return None
     # A torn last line is skipped: gen repairs it when it resumes.
-    lines = files.read_jsonl(folder.conversations, torn_tail=True,
-                             fix="remove the line (gen answers its prompt again) or start over in a new run folder")
+    lines = files.read_jsonl(
+        folder.conversations,
+        torn_tail=True,
+        fix="remove the line (gen answers its prompt again) or start over in a new run folder",
+    )
     records = sum("id" in record for _, record in lines)
     # gen.num_samples (when the recipe sets it) or data.num_train conversations make gen done; both 0
     # means every usable one, a count gen alone knows (fraction None: started, share unknown).
     of = recipe["gen"].get("num_samples") or recipe["data"]["num_train"]
     fraction = min(1.0, records / of) if of else (None if records else 0.0)
-    return {"records": records, "of": of or "all", "unit": "conversations", "fraction": fraction,
-            "source": "conversations.jsonl lines, of gen.num_samples or data.num_train"}
+    return {
+        "records": records,
+        "of": of or "all",
+        "unit": "conversations",
+        "fraction": fraction,
+        "source": "conversations.jsonl lines, of gen.num_samples or data.num_train",
+    }
 
 
 def _extract_progress(folder: RunFolder, recipe: dict) -> dict | None:
@@ -485,10 +513,17 @@ def _extract_progress(folder: RunFolder, recipe: dict) -> dict | None:
         tokens = sum(s["tokens"] for s in done)
     except (KeyError, TypeError) as e:
         raise files.FileError(f"{index_path}: not extract's index ({type(e).__name__}: {e}); {fix}") from None
-    return {"shards": len(written), "shards_of": len(names), "samples": len(done),
-            "samples_of": len(index["samples"]), "tokens": tokens, "tokens_of": total_tokens,
-            "fraction": tokens / max(1, total_tokens), "index_state": index.get("state"),
-            "source": "hidden/index.json and the shard files present"}
+    return {
+        "shards": len(written),
+        "shards_of": len(names),
+        "samples": len(done),
+        "samples_of": len(index["samples"]),
+        "tokens": tokens,
+        "tokens_of": total_tokens,
+        "fraction": tokens / max(1, total_tokens),
+        "index_state": index.get("state"),
+        "source": "hidden/index.json and the shard files present",
+    }
 
 
 def _extract_intact(folder: RunFolder) -> bool:
@@ -502,11 +537,14 @@ def _train_progress(folder: RunFolder, recipe: dict) -> dict | None:
     config = folder.checkpoint("latest") / "config.json"
     if not (folder.checkpoint("latest") / "COMPLETE").exists() or not config.exists():
         return None
-    step = files.read_json(config, fix="rerun `specdraft train` (it resumes from the last whole checkpoint)").get("step")
+    step = files.read_json(config, fix="rerun `specdraft train` (it resumes from the last whole checkpoint)").get(
+        "step"
+    )
     return {"latest_checkpoint_step": step, "source": "checkpoints/latest/config.json"}
 
 
 # --- the stages, in pipeline order ---------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class Stage:
@@ -534,13 +572,22 @@ STAGES = {s.name: s for s in PIPELINE}
 def check_run_folder(path: Path) -> None:
     """Refuse a --run folder that is not a specdraft run's and not new or empty: specdraft would write
     its manifest and stage outputs among the user's files."""
-    check_new_or_ours(path, is_run_folder, "--run",
-                      "a run's manifest and outputs would be written among them: give a new or empty folder, "
-                      "or a run folder specdraft made (it holds manifest.json)")
+    check_new_or_ours(
+        path,
+        is_run_folder,
+        "--run",
+        "a run's manifest and outputs would be written among them: give a new or empty folder, "
+        "or a run folder specdraft made (it holds manifest.json)",
+    )
 
 
-def open_run(recipe_name: str | None, run_dir: str | None, sets: list[str], flags: dict | None = None,
-             check: Callable[[Recipe], None] | None = None) -> tuple[Recipe, RunFolder]:
+def open_run(
+    recipe_name: str | None,
+    run_dir: str | None,
+    sets: list[str],
+    flags: dict | None = None,
+    check: Callable[[Recipe], None] | None = None,
+) -> tuple[Recipe, RunFolder]:
     """The recipe and run folder a command works on: the run's recorded recipe when no recipe is named
     and the run exists, else the named (or default) recipe; then `--set` items and stage flags
     (`{"train.epochs": "3"}`) on top. Once `check` (the command's own refusals, e.g. a key variable that

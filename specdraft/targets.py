@@ -31,20 +31,23 @@ def refuse_pickled_weights(folder: Path) -> None:
     command that converts them: a .bin is a pickle, and reading one runs whatever code it holds (torch's
     weights_only guard has been bypassed before, CVE-2025-32434), so specdraft never opens one."""
     if any(Path(folder).glob("pytorch_model*.bin")):
-        raise ValueError(f"{folder}: its weights are pytorch_model*.bin, a pickle, which specdraft never loads "
-                         f"(unpickling runs any code the file holds); where you trust the file, convert them to "
-                         f"model.safetensors and rerun: {bin_to_safetensors_command(folder)}")
+        raise ValueError(
+            f"{folder}: its weights are pytorch_model*.bin, a pickle, which specdraft never loads "
+            f"(unpickling runs any code the file holds); where you trust the file, convert them to "
+            f"model.safetensors and rerun: {bin_to_safetensors_command(folder)}"
+        )
 
 
 def bin_to_safetensors_command(folder: Path) -> str:
     """A shell command (torch + safetensors, no specdraft) writing `folder`'s pytorch_model*.bin tensors
     to model.safetensors: copies, so tensors that shared storage in the pickle can be saved."""
     # % rather than an f-string: the code has braces of its own.
-    code = ("import glob, torch; from safetensors.torch import save_file; "  # noqa: UP031
-            "save_file({k: v.contiguous().clone() for f in sorted(glob.glob(%s)) "
-            "for k, v in torch.load(f, map_location=\"cpu\", weights_only=True).items()}, %s)"
-            % (json.dumps(str(Path(folder) / "pytorch_model*.bin")),
-               json.dumps(str(Path(folder) / "model.safetensors"))))
+    code = (
+        "import glob, torch; from safetensors.torch import save_file; "  # noqa: UP031
+        "save_file({k: v.contiguous().clone() for f in sorted(glob.glob(%s)) "
+        "for k, v in torch.load(f, map_location=\"cpu\", weights_only=True).items()}, %s)"
+        % (json.dumps(str(Path(folder) / "pytorch_model*.bin")), json.dumps(str(Path(folder) / "model.safetensors")))
+    )
     return f"python -c {shlex.quote(code)}"
 
 
@@ -54,8 +57,10 @@ class TargetError(ValueError):
 
 # What to do about a target's file that cannot be read: the model folder is the user's (or, for a bundled
 # target, a conversion cached under ~/.cache/specdraft/targets, made again when its folder is removed).
-TARGET_FIX = ("copy the model folder again from where it came (a bundled target: remove its folder under "
-              "the cache's targets/ and it is converted again)")
+TARGET_FIX = (
+    "copy the model folder again from where it came (a bundled target: remove its folder under "
+    "the cache's targets/ and it is converted again)"
+)
 
 
 def eagle3_aux_layers(num_layers: int) -> list[int]:
@@ -117,10 +122,16 @@ FAMILIES: dict[str, Family] = {
     # model.language_model (decoder) + lm_head; the published checkpoint names its tensors
     # language_model.model.* and language_model.lm_head.* (transformers renames them on load and save).
     "kimi_k25": Family(
-        decoder="model.language_model", layers="model.language_model.layers", norm="model.language_model.norm",
-        embed="language_model.model.embed_tokens.weight", head="language_model.lm_head.weight",
-        norm_weight="language_model.model.norm.weight", auto_class="AutoModelForImageTextToText", **_MLA,
-        **_SERVED),
+        decoder="model.language_model",
+        layers="model.language_model.layers",
+        norm="model.language_model.norm",
+        embed="language_model.model.embed_tokens.weight",
+        head="language_model.lm_head.weight",
+        norm_weight="language_model.model.norm.weight",
+        auto_class="AutoModelForImageTextToText",
+        **_MLA,
+        **_SERVED,
+    ),
     "gpt_oss": Family(attention="gqa+sliding", **_SERVED),
     # (1 + w) final norm. vLLM 0.32 captures no EAGLE-3 aux states from Gemma 3; SGLang unchecked, so
     # marked not served rather than guessed.
@@ -154,8 +165,12 @@ def family_of(config, text_config) -> Family:
 # Reasoning markers around a thinking model's reasoning, (start, end), most common first: as added
 # tokens in its tokenizer (Qwen3, DeepSeek-R1, Kimi-K2: <think>) or as its chat template writes them
 # (Kimi-VL-Thinking's ◁think▷, gpt-oss's analysis channel, whose start is two pieces of text).
-THINKING_MARKERS = [("<think>", "</think>"), ("<thinking>", "</thinking>"), ("◁think▷", "◁/think▷"),
-                    ("<|channel|>analysis", "<|end|>")]
+THINKING_MARKERS = [
+    ("<think>", "</think>"),
+    ("<thinking>", "</thinking>"),
+    ("◁think▷", "◁/think▷"),
+    ("<|channel|>analysis", "<|end|>"),
+]
 
 
 def tokenizer_thinking_markers(tokenizer) -> tuple[str, str] | None:
@@ -258,8 +273,7 @@ def convert_gguf(gguf: Path, out: Path) -> Path:
         model.generation_config.pad_token_id = tokenizer.pad_token_id
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        (tmp / "specdraft_source.json").write_text(
-            json.dumps({"gguf": str(gguf), "bytes": gguf.stat().st_size}) + "\n")
+        (tmp / "specdraft_source.json").write_text(json.dumps({"gguf": str(gguf), "bytes": gguf.stat().st_size}) + "\n")
         os.replace(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -309,14 +323,17 @@ def _load_config(config_file: Path) -> tuple[dict, object, object]:
         raise TargetError(str(e)) from None
     try:
         # A folder's config.json is read through its folder (what transformers records as its name).
-        config = AutoConfig.from_pretrained(str(config_file.parent if config_file.name == "config.json"
-                                                else config_file))
+        config = AutoConfig.from_pretrained(
+            str(config_file.parent if config_file.name == "config.json" else config_file)
+        )
     except (ValueError, KeyError):
         # A wrapper transformers does not know: its language model is a known architecture under
         # text_config (as Kimi-K2.5's was before transformers had kimi_k25).
         if "text_config" not in raw:
-            raise TargetError(f"{config_file}: model_type {raw.get('model_type')!r} is unknown to transformers "
-                              f"and the config has no text_config") from None
+            raise TargetError(
+                f"{config_file}: model_type {raw.get('model_type')!r} is unknown to transformers "
+                f"and the config has no text_config"
+            ) from None
         config = PretrainedConfig(**{k: v for k, v in raw.items() if k != "text_config"})
         config.text_config = AutoConfig.for_model(**raw["text_config"])
     return raw, config, getattr(config, "text_config", None) or config
@@ -358,14 +375,20 @@ class Target:
     def check_fits(self, recipe) -> None:
         """The recipe's ranges that this target sets (config.check_target_limits): its vocabulary and,
         where its config gives one, its context length."""
-        check_target_limits(recipe, vocab_size=self.vocab_size, target=self.name,
-                            max_positions=getattr(self.text_config, "max_position_embeddings", None))
+        check_target_limits(
+            recipe,
+            vocab_size=self.vocab_size,
+            target=self.name,
+            max_positions=getattr(self.text_config, "max_position_embeddings", None),
+        )
 
     @property
     def tied(self) -> bool:
         """Whether lm_head is the embedding (a wrapper may say so at its top level or in its text config)."""
-        return bool(getattr(self.text_config, "tie_word_embeddings", False) or (
-            self.config is not self.text_config and getattr(self.config, "tie_word_embeddings", False)))
+        return bool(
+            getattr(self.text_config, "tie_word_embeddings", False)
+            or (self.config is not self.text_config and getattr(self.config, "tie_word_embeddings", False))
+        )
 
     @property
     def mtp_layers(self) -> int:
@@ -458,11 +481,13 @@ class Target:
     def eos_token_id(self) -> int:
         return self.tokenizer.eos_token_id
 
-    def chat_ids(self, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None = None
-                 ) -> list[int]:
+    def chat_ids(self, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None = None) -> list[int]:
         """Token ids of `messages` (with the tool definitions `tools`) rendered by the target's own chat template."""
-        return list(self.tokenizer.apply_chat_template(
-            messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False))
+        return list(
+            self.tokenizer.apply_chat_template(
+                messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False
+            )
+        )
 
     def describe(self) -> dict:
         return {
@@ -497,8 +522,9 @@ class Target:
         if not any(self.path.glob("*.safetensors")):
             refuse_pickled_weights(self.path)
         if device_map:
-            return auto.from_pretrained(self.path, dtype=getattr(torch, dtype), device_map=device_map,
-                                        use_safetensors=True).eval()
+            return auto.from_pretrained(
+                self.path, dtype=getattr(torch, dtype), device_map=device_map, use_safetensors=True
+            ).eval()
         model = auto.from_pretrained(self.path, dtype=getattr(torch, dtype), use_safetensors=True)
         return model.to(resolve_device(device)).eval()
 
@@ -552,9 +578,14 @@ def _quantization(quant: dict | None) -> dict | None:
         return None
     weights = next(iter(quant.get("config_groups", {}).values()), {}).get("weights", {})
     method, bits = quant.get("quant_method"), weights.get("num_bits")
-    out = {"method": method, "format": quant.get("format") or quant.get("fmt"),
-           "bits": bits, "group_size": weights.get("group_size"), "block": quant.get("weight_block_size"),
-           "kind": method if method in ("fp8", "mxfp4") else f"int{bits}" if bits else method}
+    out = {
+        "method": method,
+        "format": quant.get("format") or quant.get("fmt"),
+        "bits": bits,
+        "group_size": weights.get("group_size"),
+        "block": quant.get("weight_block_size"),
+        "kind": method if method in ("fp8", "mxfp4") else f"int{bits}" if bits else method,
+    }
     return {k: v for k, v in out.items() if v is not None}
 
 
@@ -588,6 +619,7 @@ def tap_hidden_states(model, family: Family, layer_ids: list[int]):
     def keep(key):
         def hook(_module, _inputs, output):
             captured[key] = output[0] if isinstance(output, tuple) else output
+
         return hook
 
     for k in layer_ids:

@@ -35,8 +35,9 @@ if TYPE_CHECKING:
 
 
 @torch.no_grad()
-def target_top_tokens(source, head: torch.Tensor, indices=None, device: torch.device | None = None
-                      ) -> dict[int, torch.Tensor]:
+def target_top_tokens(
+    source, head: torch.Tensor, indices=None, device: torch.device | None = None
+) -> dict[int, torch.Tensor]:
     """The target's top token (over its full vocab) at every position of the given samples.
 
     Computed once before training, on the training device: the full-vocab logits cost ~10x the
@@ -47,8 +48,10 @@ def target_top_tokens(source, head: torch.Tensor, indices=None, device: torch.de
     device = device or torch.device("cpu")
     head = top_head(head, device)
     indices = range(len(source)) if indices is None else indices
-    return {i: top_tokens(source.last(i, device), head)
-            for i in tqdm(indices, desc="target top tokens", unit="sample", leave=False)}
+    return {
+        i: top_tokens(source.last(i, device), head)
+        for i in tqdm(indices, desc="target top tokens", unit="sample", leave=False)
+    }
 
 
 def top_head(head: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -122,8 +125,18 @@ class PackedRows(torch.utils.data.Dataset):
         return collate(self.source, [self.rows[k]], self.tops, self.budget, self.fixed)
 
 
-def step_batches(source, tops, train_idx, lengths, cfg: TrainConfig, step: int, steps_per_epoch: int,
-                 rank: int, world: int, device: torch.device):
+def step_batches(
+    source,
+    tops,
+    train_idx,
+    lengths,
+    cfg: TrainConfig,
+    step: int,
+    steps_per_epoch: int,
+    rank: int,
+    world: int,
+    device: torch.device,
+):
     """(epoch, this process's packed batches of the step) for every step from `step` to the end: each
     step takes `micro_batches` consecutive rows of the epoch's order, this rank every world-th of them.
     One loader serves every epoch left: its workers start once, not once per epoch (a run of many
@@ -135,17 +148,24 @@ def step_batches(source, tops, train_idx, lengths, cfg: TrainConfig, step: int, 
     for epoch in range(first_epoch, cfg.epochs):
         first = step - epoch * steps_per_epoch if epoch == first_epoch else 0
         rows = epoch_rows(train_idx, lengths, cfg, epoch)
-        plan += [(epoch, rows[s * cfg.micro_batches:(s + 1) * cfg.micro_batches][rank::world])
-                 for s in range(first, steps_per_epoch)]
-    rows_of_mine = PackedRows(source, [row for _, mine in plan for row in mine], tops, cfg.batch_tokens,
-                              fixed_shape(cfg, device))
+        plan += [
+            (epoch, rows[s * cfg.micro_batches : (s + 1) * cfg.micro_batches][rank::world])
+            for s in range(first, steps_per_epoch)
+        ]
+    rows_of_mine = PackedRows(
+        source, [row for _, mine in plan for row in mine], tops, cfg.batch_tokens, fixed_shape(cfg, device)
+    )
     if cfg.hidden == "served":  # its requests follow the order the rows will be read in
         source.expect([i for row in rows_of_mine.rows for i in row])
     # Its own generator: a loader drawing its workers' seed from torch's RNG would move the stream the
     # steps draw from (hidden_noise) by one draw per loader started, and a resumed run starts one.
-    loader = torch.utils.data.DataLoader(rows_of_mine, batch_size=None, num_workers=workers,
-                                         pin_memory=device.type == "cuda",
-                                         generator=torch.Generator().manual_seed(cfg.seed + first_epoch))
+    loader = torch.utils.data.DataLoader(
+        rows_of_mine,
+        batch_size=None,
+        num_workers=workers,
+        pin_memory=device.type == "cuda",
+        generator=torch.Generator().manual_seed(cfg.seed + first_epoch),
+    )
     it = iter(loader)
     for epoch, mine in plan:
         yield epoch, [next(it) for _ in mine]
@@ -305,8 +325,11 @@ def plot_curves(log_path: Path, png: Path, method: Method) -> list[str]:
         axes[0].plot([r["step"] for r in train], [r["loss"][i] for r in train], label=label)
         axes[1].plot([r["step"] for r in train], [r["acc"][i] for r in train], label=label)
     axes[2].plot([r["step"] for r in held], [r["tau"] for r in held], marker="o")
-    titles = (f"train loss per {method.position}", f"train top-1 accuracy per {method.position}",
-              "held-out simulated tau")
+    titles = (
+        f"train loss per {method.position}",
+        f"train top-1 accuracy per {method.position}",
+        "held-out simulated tau",
+    )
     for ax, title in zip(axes, titles):
         ax.set_title(title)
         ax.set_xlabel("optimizer step")

@@ -63,8 +63,14 @@ class FixtureTimes:
         yield
         seconds = time.perf_counter() - t0
         if seconds >= 0.5:
-            self.times.append({"fixture": fixturedef.argname, "scope": fixturedef.scope,
-                               "seconds": round(seconds, 2), "first_test": request.node.nodeid})
+            self.times.append(
+                {
+                    "fixture": fixturedef.argname,
+                    "scope": fixturedef.scope,
+                    "seconds": round(seconds, 2),
+                    "first_test": request.node.nodeid,
+                }
+            )
 
     def pytest_sessionfinish(self, session):
         import json
@@ -110,8 +116,9 @@ def vllm_target(target, tmp_path_factory):
     from specdraft.engines import VllmServer
 
     need_vllm()
-    with VllmServer(target.path, log_path=tmp_path_factory.mktemp("vllm-target") / "vllm.log",
-                    extra=VLLM_EAGER) as server:
+    with VllmServer(
+        target.path, log_path=tmp_path_factory.mktemp("vllm-target") / "vllm.log", extra=VLLM_EAGER
+    ) as server:
         yield server
 
 
@@ -275,7 +282,5 @@ def training_conversations(run_path: Path, n: int = 8, answer_tokens: int = 48) 
     for ids, mask in samples[:n]:
         ids, mask = list(map(int, ids)), list(map(int, mask))
         start = mask.index(1)
-        out.append((ids[:start], ids[start:start + answer_tokens]))
+        out.append((ids[:start], ids[start : start + answer_tokens]))
     return out
-
-

@@ -28,9 +28,16 @@ REASONS = {200: "OK", 429: "Too Many Requests", 500: "Internal Server Error"}
 
 
 class FaultProxy:
-    def __init__(self, upstream: str, *, fault_every: int = 0, faults: tuple[str, ...] = FAULTS,
-                 delay_s: float = 30.0, reasoning_field: str | None = None,
-                 think: tuple[str, str] = ("<think>", "</think>")):
+    def __init__(
+        self,
+        upstream: str,
+        *,
+        fault_every: int = 0,
+        faults: tuple[str, ...] = FAULTS,
+        delay_s: float = 30.0,
+        reasoning_field: str | None = None,
+        think: tuple[str, str] = ("<think>", "</think>"),
+    ):
         self.upstream = upstream.rstrip("/")
         self.fault_every = fault_every
         self.faults = faults
@@ -56,8 +63,7 @@ class FaultProxy:
         return self
 
     async def _start(self) -> int:
-        self._client = httpx.AsyncClient(base_url=self.upstream, timeout=None,
-                                         limits=httpx.Limits(max_connections=256))
+        self._client = httpx.AsyncClient(base_url=self.upstream, timeout=None, limits=httpx.Limits(max_connections=256))
         self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
         return self._server.sockets[0].getsockname()[1]
 
@@ -65,6 +71,7 @@ class FaultProxy:
         async def _stop():
             self._server.close()
             await self._client.aclose()
+
         asyncio.run_coroutine_threadsafe(_stop(), self._loop).result(timeout=30)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=30)
@@ -149,8 +156,12 @@ class FaultProxy:
 
     @staticmethod
     def _head(status: int, length: int, content_type: str, extra: dict) -> bytes:
-        lines = [f"HTTP/1.1 {status} {REASONS.get(status, 'Status')}", f"content-type: {content_type}",
-                 f"content-length: {length}", *(f"{k}: {v}" for k, v in extra.items())]
+        lines = [
+            f"HTTP/1.1 {status} {REASONS.get(status, 'Status')}",
+            f"content-type: {content_type}",
+            f"content-length: {length}",
+            *(f"{k}: {v}" for k, v in extra.items()),
+        ]
         return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
 
     async def _respond(self, writer, status, payload, content_type, extra) -> None:

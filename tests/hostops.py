@@ -12,9 +12,18 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from specdraft.decoding.static import StepGraphs
 
 # aten ops by name (or name.overload) that read values on the host, or make a tensor of host data.
-REFUSED_OPS = {"aten.item", "aten._local_scalar_dense", "aten.is_nonzero", "aten.equal", "aten.nonzero",
-               "aten.masked_select", "aten._unique2", "aten.lift_fresh",
-               "aten.repeat_interleave.Tensor", "aten.repeat_interleave.self_Tensor"}
+REFUSED_OPS = {
+    "aten.item",
+    "aten._local_scalar_dense",
+    "aten.is_nonzero",
+    "aten.equal",
+    "aten.nonzero",
+    "aten.masked_select",
+    "aten._unique2",
+    "aten.lift_fresh",
+    "aten.repeat_interleave.Tensor",
+    "aten.repeat_interleave.self_Tensor",
+}
 # Tensor methods that read values without an aten op of their own.
 REFUSED_METHODS = {"tolist", "numpy", "__bool__", "__int__", "__float__", "__index__"}
 
@@ -23,9 +32,11 @@ class NoHostOps(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = str(func)  # aten.op.overload
         boolean_index = name == "aten.index.Tensor" and any(
-            i is not None and i.dtype in (torch.bool, torch.uint8) for i in args[1])
-        assert not boolean_index and name not in REFUSED_OPS and name.rsplit(".", 1)[0] not in REFUSED_OPS, \
+            i is not None and i.dtype in (torch.bool, torch.uint8) for i in args[1]
+        )
+        assert not boolean_index and name not in REFUSED_OPS and name.rsplit(".", 1)[0] not in REFUSED_OPS, (
             f"{name} in a CUDA graph step"
+        )
         return func(*args, **(kwargs or {}))
 
 

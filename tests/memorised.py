@@ -50,8 +50,12 @@ def _without_docstrings(tree: ast.Module) -> ast.Module:
     for node in ast.walk(tree):
         if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
             body = node.body
-            if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) \
-                    and isinstance(body[0].value.value, str):
+            if (
+                body
+                and isinstance(body[0], ast.Expr)
+                and isinstance(body[0].value, ast.Constant)
+                and isinstance(body[0].value.value, str)
+            ):
                 node.body = body[1:] or [ast.Pass()]
     return tree
 
@@ -59,8 +63,11 @@ def _without_docstrings(tree: ast.Module) -> ast.Module:
 def build_closure(root: Path = PACKAGE) -> dict[str, str]:
     """{module: its syntax tree without docstrings, dumped} for the code a memorised run is built with.
     A module's parent packages count too (their `__init__` runs on import)."""
-    other_stages = {f"specdraft.stages.{p.stem}" for p in (root / "stages").glob("*.py")
-                    if p.stem not in BUILD_STAGES and p.stem != "__init__"}
+    other_stages = {
+        f"specdraft.stages.{p.stem}"
+        for p in (root / "stages").glob("*.py")
+        if p.stem not in BUILD_STAGES and p.stem != "__init__"
+    }
     todo = ["specdraft.cli", *(f"specdraft.stages.{s}" for s in BUILD_STAGES)]
     seen: dict[str, str] = {}
     while todo:

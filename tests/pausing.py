@@ -43,15 +43,28 @@ sys.exit(main(sys.argv[5:]))
 """
 
 
-def kill_at(where: str, nth: int, argv: list[str], marker_dir: Path, *, when: str = "after",
-            env: dict | None = None, timeout: float = 900) -> str:
+def kill_at(
+    where: str,
+    nth: int,
+    argv: list[str],
+    marker_dir: Path,
+    *,
+    when: str = "after",
+    env: dict | None = None,
+    timeout: float = 900,
+) -> str:
     """Run `specdraft argv` with `where` ("module:attr.path") pausing at its `nth` call, kill -9 the
     process group there, and return what it printed. Fails if the stage never got there."""
     marker = Path(marker_dir) / f"paused-{where.replace(':', '-')}-{nth}"
     marker.unlink(missing_ok=True)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TQDM_DISABLE": "1", **(env or {})}
-    child = subprocess.Popen([sys.executable, "-c", CHILD, str(marker), where, str(nth), when, *argv], env=env,
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    child = subprocess.Popen(
+        [sys.executable, "-c", CHILD, str(marker), where, str(nth), when, *argv],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     deadline = time.time() + timeout
     while not marker.exists() and child.poll() is None and time.time() < deadline:
         time.sleep(0.05)

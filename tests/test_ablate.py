@@ -45,15 +45,32 @@ def test_each_variant_changes_what_the_recipe_sets(target):
 
 
 def row(name, factor, tau3, state="done", step=100):
-    return {"name": name, "factor": factor, "label": name, "state": state, "step": step, "tau_3": tau3,
-            "tau_7": tau3 + 0.1, "cond_accept": [0.5, 0.5, 0.5], "acc0": 0.5, "train_acc0": 0.6, "samples": 3000,
-            "steps": step, "train_seconds": 10.0, "trainable_params": 1e6}
+    return {
+        "name": name,
+        "factor": factor,
+        "label": name,
+        "state": state,
+        "step": step,
+        "tau_3": tau3,
+        "tau_7": tau3 + 0.1,
+        "cond_accept": [0.5, 0.5, 0.5],
+        "acc0": 0.5,
+        "train_acc0": 0.6,
+        "samples": 3000,
+        "steps": step,
+        "train_seconds": 10.0,
+        "trainable_params": 1e6,
+    }
 
 
 def test_report_bolds_the_best_and_marks_partial_rows(tmp_path):
-    lines = [row("base", "base", 2.0), row("ttt-3", "TTT steps", 2.2), row("ttt-1", "TTT steps", 1.7),
-             row("kl", "loss", 1.9, state="partial", step=50),
-             {"name": "lk", "factor": "loss", "label": "lk", "state": "not started"}]
+    lines = [
+        row("base", "base", 2.0),
+        row("ttt-3", "TTT steps", 2.2),
+        row("ttt-1", "TTT steps", 1.7),
+        row("kl", "loss", 1.9, state="partial", step=50),
+        {"name": "lk", "factor": "loss", "label": "lk", "state": "not started"},
+    ]
     md = tmp_path / "ablations.md"
     ablate().report(lines, md, "test machine", 2)
     text = md.read_text()
@@ -117,8 +134,14 @@ def test_each_training_gets_its_share_of_loader_workers(tmp_path):
 
 
 def test_report_shows_the_decoded_tau_where_a_row_has_it(tmp_path):
-    decoded = {**row("base", "base", 2.0), "decoded_tau_chain": 1.9, "decoded_tau_tree": 3.1,
-               "decode_prompts": 16, "decode_new_tokens": 128, "decode_tree": [10, 8, 64]}
+    decoded = {
+        **row("base", "base", 2.0),
+        "decoded_tau_chain": 1.9,
+        "decoded_tau_tree": 3.1,
+        "decode_prompts": 16,
+        "decode_new_tokens": 128,
+        "decode_tree": [10, 8, 64],
+    }
     md = tmp_path / "ablations.md"
     ablate().report([decoded, row("ttt-1", "TTT steps", 1.7)], md, "test machine", 2)
     text = md.read_text()
@@ -126,8 +149,11 @@ def test_report_shows_the_decoded_tau_where_a_row_has_it(tmp_path):
     assert "the recipe's tree (top-10, depth 8, 64 tokens)" in text
     assert text.count("decoded τ chain / tree") == 1
     # rows from calls that ran different counts side by side say so; every row has the header's columns
-    lines = [dict(decoded, parallel=3), dict(row("ttt-1", "TTT steps", 1.7), parallel=5),
-             {"name": "lk", "factor": "loss", "label": "lk", "state": "not started"}]
+    lines = [
+        dict(decoded, parallel=3),
+        dict(row("ttt-1", "TTT steps", 1.7), parallel=5),
+        {"name": "lk", "factor": "loss", "label": "lk", "state": "not started"},
+    ]
     ablate().report(lines, md, "test machine", 2)
     table = [x for x in md.read_text().splitlines() if x.startswith("|")]
     assert "3 to 5 trainings side by side" in md.read_text()

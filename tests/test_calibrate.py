@@ -20,8 +20,16 @@ from specdraft.stages.status import collect, render_markdown
 @pytest.fixture
 def small_shapes(monkeypatch):
     """The calibration's shapes shrunk: the test checks what it measures, not how well."""
-    for name, value in {"FORWARD_TOKENS": 64, "FORWARD_ROW": 32, "PROMPT_TOKENS": 8, "DECODE_STEPS": 2,
-                        "TRAIN_TOKENS": 64, "TRAIN_STEPS": 1, "TOP_TOKENS": 64, "REPEATS": 1}.items():
+    for name, value in {
+        "FORWARD_TOKENS": 64,
+        "FORWARD_ROW": 32,
+        "PROMPT_TOKENS": 8,
+        "DECODE_STEPS": 2,
+        "TRAIN_TOKENS": 64,
+        "TRAIN_STEPS": 1,
+        "TOP_TOKENS": 64,
+        "REPEATS": 1,
+    }.items():
         monkeypatch.setattr(cal_mod, name, value)
 
 
@@ -32,10 +40,21 @@ def _recipe(tiny_recipe):
 
 
 def _calibration(**rates) -> Calibration:
-    fields = {"machine": "test CPU", "target": "smollm2", "dtype": "float32", "eval_dtype": "float32",
-              "train_dtype": "float32", "forward_tokens_per_s": 200.0, "decode_step_s": 0.5, "decode_batch": 32,
-              "eval_step_s": 0.05, "verify_step_s": {"4": 0.06, "16": 0.1}, "train_tokens_per_s": 250.0,
-              "top_tokens_per_s": 1000.0, "seconds": 1.0}
+    fields = {
+        "machine": "test CPU",
+        "target": "smollm2",
+        "dtype": "float32",
+        "eval_dtype": "float32",
+        "train_dtype": "float32",
+        "forward_tokens_per_s": 200.0,
+        "decode_step_s": 0.5,
+        "decode_batch": 32,
+        "eval_step_s": 0.05,
+        "verify_step_s": {"4": 0.06, "16": 0.1},
+        "train_tokens_per_s": 250.0,
+        "top_tokens_per_s": 1000.0,
+        "seconds": 1.0,
+    }
     return Calibration(**{**fields, **rates})
 
 
@@ -43,8 +62,14 @@ def test_calibration_rates_are_positive_and_cached(tiny_recipe, target, small_sh
     recipe = _recipe(tiny_recipe)
     cache = tmp_path / "calibration.json"
     first = cal_mod.calibrate(recipe, target, cache)
-    rates = [first.forward_tokens_per_s, first.decode_step_s, first.eval_step_s, first.train_tokens_per_s,
-             first.top_tokens_per_s, *first.verify_step_s.values()]
+    rates = [
+        first.forward_tokens_per_s,
+        first.decode_step_s,
+        first.eval_step_s,
+        first.train_tokens_per_s,
+        first.top_tokens_per_s,
+        *first.verify_step_s.values(),
+    ]
     assert all(r > 0 and math.isfinite(r) for r in rates)
     assert set(first.verify_step_s) == {str(recipe.eval.draft_tokens + 1), str(recipe.eval.tree_tokens)}
     assert first.decode_batch == 2

@@ -79,8 +79,17 @@ def test_load_training_refuses_pickle_and_missing_state(tmp_path):
         load_training(tmp_path / "empty", model, optimizers, schedulers)
 
 
-CFG = DrafterConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=64,
-                    vocab_size=50, draft_vocab_size=50, target_hidden_size=32, aux_layer_ids=[0, 1, 2])
+CFG = DrafterConfig(
+    hidden_size=32,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    intermediate_size=64,
+    vocab_size=50,
+    draft_vocab_size=50,
+    target_hidden_size=32,
+    aux_layer_ids=[0, 1, 2],
+)
 
 
 def trainer(seed: int, optimizer: str = "adamw"):
@@ -151,9 +160,14 @@ def test_skeleton_keeps_every_python_type_and_refuses_objects():
     and bf16 tensors; an object it cannot write without pickle is refused when saving, by its path."""
     from specdraft.drafters.checkpoint import flatten_state, unflatten_state
 
-    state = {"state": {0: {"step": torch.tensor(3.0), "buf": torch.randn(2, 3).bfloat16()}},
-             "groups": [{"betas": (0.9, 0.999), "params": [0, 1], "foreach": None, "name": "x/y"}],
-             "rng": (3, tuple(range(5)), None), "inf": math.inf, "flag": True, "__tuple__": [1]}
+    state = {
+        "state": {0: {"step": torch.tensor(3.0), "buf": torch.randn(2, 3).bfloat16()}},
+        "groups": [{"betas": (0.9, 0.999), "params": [0, 1], "foreach": None, "name": "x/y"}],
+        "rng": (3, tuple(range(5)), None),
+        "inf": math.inf,
+        "flag": True,
+        "__tuple__": [1],
+    }
     tensors, skeleton = flatten_state(state)
     back = unflatten_state(json.loads(json.dumps(skeleton)), tensors)
     assert back["groups"] == state["groups"] and back["rng"] == state["rng"] and back["inf"] == math.inf
@@ -173,9 +187,24 @@ def test_resume_continues_the_random_stream(extracted_run, tmp_path, monkeypatch
     from specdraft.stages.train import Trainer
 
     recipe = extracted_run.parent / "tiny.toml"
-    args = ["--recipe", str(recipe), "--set", "train.hidden_noise=0.3", "--set", "train.batch_tokens=160",
-            "--set", "train.holdout=0.25", "--set", "train.epochs=2", "--set", "train.checkpoint_every=2",
-            "--set", "train.eval_every=3", "--set", "train.warmup_steps=2"]
+    args = [
+        "--recipe",
+        str(recipe),
+        "--set",
+        "train.hidden_noise=0.3",
+        "--set",
+        "train.batch_tokens=160",
+        "--set",
+        "train.holdout=0.25",
+        "--set",
+        "train.epochs=2",
+        "--set",
+        "train.checkpoint_every=2",
+        "--set",
+        "train.eval_every=3",
+        "--set",
+        "train.warmup_steps=2",
+    ]
 
     def copy(name):
         run = tmp_path / name

@@ -26,8 +26,12 @@ SECTIONS = (GenConfig, ExtractConfig, TrainConfig, ExportConfig, EvalConfig)
 
 
 def test_the_typed_fields_and_their_choices():
-    typed = {f"{cls.__name__}.{f.name}": field_choices(cls, f.name)
-             for cls in SECTIONS for f in dataclasses.fields(cls) if field_choices(cls, f.name)}
+    typed = {
+        f"{cls.__name__}.{f.name}": field_choices(cls, f.name)
+        for cls in SECTIONS
+        for f in dataclasses.fields(cls)
+        if field_choices(cls, f.name)
+    }
     assert typed == {
         "GenConfig.dtype": ("auto", "bfloat16", "float16", "float32"),
         "GenConfig.answers": ("target", "source"),
@@ -71,16 +75,23 @@ def test_every_allowed_choice_is_declared_once():
     from specdraft.methods import METHODS
     from specdraft.stages.export import FORMATS
 
-    declared = {frozenset(field_choices(cls, f.name)): f"{cls.__name__}.{f.name}"
-                for cls in SECTIONS for f in dataclasses.fields(cls) if field_choices(cls, f.name)}
+    declared = {
+        frozenset(field_choices(cls, f.name)): f"{cls.__name__}.{f.name}"
+        for cls in SECTIONS
+        for f in dataclasses.fields(cls)
+        if field_choices(cls, f.name)
+    }
     root = Path(specdraft.__file__).parent
     twins = []
     for path in sorted(root.rglob("*.py")):
         if path.name == "config.py":
             continue
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, (ast.Tuple, ast.List, ast.Set)) and len(node.elts) > 1 and all(
-                    isinstance(e, ast.Constant) and isinstance(e.value, str) for e in node.elts):
+            if (
+                isinstance(node, (ast.Tuple, ast.List, ast.Set))
+                and len(node.elts) > 1
+                and all(isinstance(e, ast.Constant) and isinstance(e.value, str) for e in node.elts)
+            ):
                 field = declared.get(frozenset(e.value for e in node.elts))
                 if field:
                     twins.append(f"{path.relative_to(root)}:{node.lineno} repeats {field}'s choices")
@@ -118,8 +129,16 @@ def test_expect_reasoning_takes_a_bool_s_spellings():
     assert recipe_from_dict({"gen": {"expect_reasoning": True}}).gen.expect_reasoning == "true"
     assert recipe_from_dict({"gen": {"expect_reasoning": False}}).gen.expect_reasoning == "false"
     r = Recipe()
-    for spelled, value in (("yes", "true"), ("On", "true"), ("1", "true"), ("no", "false"), ("OFF", "false"),
-                           ("0", "false"), ("auto", "auto"), ("true", "true")):
+    for spelled, value in (
+        ("yes", "true"),
+        ("On", "true"),
+        ("1", "true"),
+        ("no", "false"),
+        ("OFF", "false"),
+        ("0", "false"),
+        ("auto", "auto"),
+        ("true", "true"),
+    ):
         apply_override(r, "gen.expect_reasoning", spelled)
         assert r.gen.expect_reasoning == value, spelled
     with pytest.raises(ConfigError, match=r"'maybe' is not one of 'auto', 'true', 'false'"):
@@ -127,8 +146,9 @@ def test_expect_reasoning_takes_a_bool_s_spellings():
 
 
 def test_free_strings_stay_free():
-    r = recipe_from_dict({"gen": {"device": "cuda:1", "reasoning_effort": "minimal"},
-                          "extract": {"device": "cpu", "device_map": "auto"}})
+    r = recipe_from_dict(
+        {"gen": {"device": "cuda:1", "reasoning_effort": "minimal"}, "extract": {"device": "cpu", "device_map": "auto"}}
+    )
     assert (r.gen.device, r.gen.reasoning_effort, r.extract.device_map) == ("cuda:1", "minimal", "auto")
 
 

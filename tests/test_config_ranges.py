@@ -88,8 +88,31 @@ def test_the_user_docs_list_every_range_as_declared():
 
 # --- the property: load exactly, or one line naming the field ----------------------------------------
 
-SPECIAL = [0, 1, -1, 2, 7, 10**30, -(10**30), 2**63, 2**64 + 1, 0.0, -0.0, 0.5, 2.5, 3.0, -1.5, 1e-320, 1e300,
-           -1e300, math.inf, -math.inf, math.nan, True, False]
+SPECIAL = [
+    0,
+    1,
+    -1,
+    2,
+    7,
+    10**30,
+    -(10**30),
+    2**63,
+    2**64 + 1,
+    0.0,
+    -0.0,
+    0.5,
+    2.5,
+    3.0,
+    -1.5,
+    1e-320,
+    1e300,
+    -1e300,
+    math.inf,
+    -math.inf,
+    math.nan,
+    True,
+    False,
+]
 TEXTS = ["1e3", " 7 ", "0x10", "1_000", "+5", "-0", "3.0", "nan", "inf", "-inf", "1e400", "", "abc", "1,2"]
 
 
@@ -110,8 +133,14 @@ def values(cls, name: str, kind) -> st.SearchStrategy:
         inside = st.integers(min_value=rng.low, max_value=rng.high)
         anything = st.integers()
     else:
-        inside = st.floats(min_value=rng.low, max_value=rng.high, exclude_min=rng.low_open,
-                           exclude_max=rng.high_open, allow_nan=False, allow_infinity=False)
+        inside = st.floats(
+            min_value=rng.low,
+            max_value=rng.high,
+            exclude_min=rng.low_open,
+            exclude_max=rng.high_open,
+            allow_nan=False,
+            allow_infinity=False,
+        )
         anything = st.floats()
     return st.one_of(st.sampled_from(SPECIAL + _bounds(rng, kind)), inside, anything)
 
@@ -165,8 +194,14 @@ PROPERTY = settings(max_examples=40, deadline=None, suppress_health_check=[Healt
 def test_a_drawn_number_loads_exactly_or_is_one_line_naming_its_field(section, name, kind, is_list, data):
     cls = SECTIONS[section]
     value = data.draw(st.one_of(values(cls, name, kind), st.sampled_from(TEXTS)), label="recipe value")
-    check_outcome(lambda: recipe_from_dict({section: {name: [value] if is_list else value}}, "r.toml"),
-                  section, name, kind, is_list, value)
+    check_outcome(
+        lambda: recipe_from_dict({section: {name: [value] if is_list else value}}, "r.toml"),
+        section,
+        name,
+        kind,
+        is_list,
+        value,
+    )
     # The same number as a flag gives it: text, through --set (a list field takes one item).
     text = data.draw(st.one_of(values(cls, name, kind).map(repr), st.sampled_from(TEXTS)), label="--set text")
     if not (is_list and ("," in text or not text.strip())):  # "" is the empty list, "1,2" two items
@@ -175,22 +210,32 @@ def test_a_drawn_number_loads_exactly_or_is_one_line_naming_its_field(section, n
 
 # --- across fields, and the fields the target sets ---------------------------------------------------
 
-@pytest.mark.parametrize("sets, named", [
-    (["gen.backoff_s=100"], f"gen.backoff_s: 100.0{R}<= gen.backoff_max_s = 60.0"),
-    (["render.max_length=256", "data.max_prompt_tokens=256"], f"data.max_prompt_tokens: 256{R}< render.max_length = 256"),
-    (["gen.max_new_tokens=100000000"], f"gen.max_new_tokens: 100000000{R}<= render.max_length = 2048"),
-    (["eval.tree_topk=1", "eval.tree_depth=2"], f"eval.tree_tokens: 16{R}<= 2"),
-])
+
+@pytest.mark.parametrize(
+    "sets, named",
+    [
+        (["gen.backoff_s=100"], f"gen.backoff_s: 100.0{R}<= gen.backoff_max_s = 60.0"),
+        (
+            ["render.max_length=256", "data.max_prompt_tokens=256"],
+            f"data.max_prompt_tokens: 256{R}< render.max_length = 256",
+        ),
+        (["gen.max_new_tokens=100000000"], f"gen.max_new_tokens: 100000000{R}<= render.max_length = 2048"),
+        (["eval.tree_topk=1", "eval.tree_depth=2"], f"eval.tree_tokens: 16{R}<= 2"),
+    ],
+)
 def test_fields_that_disagree_are_refused_once_every_flag_is_in(sets, named):
     with pytest.raises(ConfigError) as e:
         apply_sets(Recipe(), sets)
     assert named in str(e.value)
 
 
-@pytest.mark.parametrize("sets, named", [
-    (["train.batch_tokens=1"], f"train.batch_tokens: 1{R}>= train.ttt_steps + 2 = "),
-    (["train.method=dflash", "train.block_size=4096"], f"train.block_size: 4096{R}<= "),
-])
+@pytest.mark.parametrize(
+    "sets, named",
+    [
+        (["train.batch_tokens=1"], f"train.batch_tokens: 1{R}>= train.ttt_steps + 2 = "),
+        (["train.method=dflash", "train.block_size=4096"], f"train.block_size: 4096{R}<= "),
+    ],
+)
 def test_a_methods_own_ranges_are_refused_by_the_stages_that_train_it(sets, named, tmp_path, monkeypatch, capsys):
     """The drafter method's package checks its fields (Method.check): train before the run is written,
     plan before its bill; the stages that never train a drafter take the recipe."""
@@ -215,9 +260,23 @@ def test_only_the_end_state_of_the_flags_is_checked_across_fields(tmp_path, monk
         recipe_from_dict({"gen": {"backoff_s": 9.0, "backoff_max_s": 1.0}}, "x.toml")
     # A stage's flags come after its --set items (run.open_run): the pair is checked once both are in.
     monkeypatch.chdir(tmp_path)
-    argv = ["gen", "--run", "r", "--set", "render.max_length=64", "--max-new-tokens", "32", "--set",
-            "data.max_prompt_tokens=16", "--set", "gen.model=x", "--endpoint", "http://127.0.0.1:9",
-            "--set", "data.source=/no/such.jsonl"]
+    argv = [
+        "gen",
+        "--run",
+        "r",
+        "--set",
+        "render.max_length=64",
+        "--max-new-tokens",
+        "32",
+        "--set",
+        "data.max_prompt_tokens=16",
+        "--set",
+        "gen.model=x",
+        "--endpoint",
+        "http://127.0.0.1:9",
+        "--set",
+        "data.source=/no/such.jsonl",
+    ]
     assert main(argv) == 2
     assert "/no/such.jsonl" in _one_error(capsys)  # past the ranges, to the stage itself
 
@@ -230,9 +289,11 @@ def test_the_target_sets_the_vocabulary_and_the_context():
     smollm2 = Target("smollm2")  # config only: no weights are read
     vocab = smollm2.vocab_size
     smollm2.check_fits(Recipe())
-    for sets, named in ((["train.draft_vocab_size=100000"], f"train.draft_vocab_size: 100000{R}<= {vocab:,}"),
-                        (["render.max_length=100000"], f"render.max_length: 100000{R}<= 8,192"),
-                        (["eval.max_new_tokens=8000"], f"eval.max_new_tokens: 8000{R}<= 7,680")):
+    for sets, named in (
+        (["train.draft_vocab_size=100000"], f"train.draft_vocab_size: 100000{R}<= {vocab:,}"),
+        (["render.max_length=100000"], f"render.max_length: 100000{R}<= 8,192"),
+        (["eval.max_new_tokens=8000"], f"eval.max_new_tokens: 8000{R}<= 7,680"),
+    ):
         with pytest.raises(ConfigError) as e:
             smollm2.check_fits(apply_sets(Recipe(), sets))
         assert named in str(e.value), e.value
@@ -263,6 +324,7 @@ def test_a_device_this_machine_lacks_is_one_line_naming_the_field():
 
 # --- through the command line: exit 2, one line, nothing written -------------------------------------
 
+
 def _one_error(capsys) -> str:
     err = capsys.readouterr().err
     lines = [line for line in err.splitlines() if line.startswith("specdraft: error:")]
@@ -270,17 +332,23 @@ def _one_error(capsys) -> str:
     return lines[0]
 
 
-@pytest.mark.parametrize("argv, says", [
-    (["train", "--set", "train.grad_clip=-1"], f"--set train.grad_clip: -1.0{R}> 0"),
-    (["train", "--set", "train.lr=inf"], f"--set train.lr: inf{R}> 0 (finite numbers only)"),
-    (["train", "--epochs", "0"], f"train.epochs: 0{R}>= 1"),
-    (["eval", "--set", "eval.max_new_tokens=0"], f"--set eval.max_new_tokens: 0{R}>= 1"),
-    (["gen", "--set", "gen.top_p=5"], f"--set gen.top_p: 5.0{R}> 0 and <= 1"),
-    (["demo", "--set", "gen.backoff_s=100"], f"gen.backoff_s: 100.0{R}<= gen.backoff_max_s"),
-    (["plan", "smollm2-cpu", "--set", "train.batch_tokens=0"], f"--set train.batch_tokens: 0{R}>= 1"),
-    (["plan", "smollm2-cpu", "--set", "train.draft_vocab_size=100000"], f"train.draft_vocab_size: 100000{R}<= 49,152"),
-    (["import", "drafter", "--out", "out", "--set", "train.holdout=2"], f"--set train.holdout: 2.0{R}>= 0 and < 1"),
-])
+@pytest.mark.parametrize(
+    "argv, says",
+    [
+        (["train", "--set", "train.grad_clip=-1"], f"--set train.grad_clip: -1.0{R}> 0"),
+        (["train", "--set", "train.lr=inf"], f"--set train.lr: inf{R}> 0 (finite numbers only)"),
+        (["train", "--epochs", "0"], f"train.epochs: 0{R}>= 1"),
+        (["eval", "--set", "eval.max_new_tokens=0"], f"--set eval.max_new_tokens: 0{R}>= 1"),
+        (["gen", "--set", "gen.top_p=5"], f"--set gen.top_p: 5.0{R}> 0 and <= 1"),
+        (["demo", "--set", "gen.backoff_s=100"], f"gen.backoff_s: 100.0{R}<= gen.backoff_max_s"),
+        (["plan", "smollm2-cpu", "--set", "train.batch_tokens=0"], f"--set train.batch_tokens: 0{R}>= 1"),
+        (
+            ["plan", "smollm2-cpu", "--set", "train.draft_vocab_size=100000"],
+            f"train.draft_vocab_size: 100000{R}<= 49,152",
+        ),
+        (["import", "drafter", "--out", "out", "--set", "train.holdout=2"], f"--set train.holdout: 2.0{R}>= 0 and < 1"),
+    ],
+)
 def test_the_command_line_refuses_before_anything_is_written(argv, says, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     assert main(argv) == 2

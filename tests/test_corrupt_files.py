@@ -76,6 +76,7 @@ def run(extracted_run, tmp_path, monkeypatch) -> Path:
 
 # --- tokens.safetensors, render's output, read by extract (and train online, doctor) ------------------
 
+
 def _foreign(path: Path) -> None:
     save_file({"x": torch.zeros(3)}, str(path))
 
@@ -85,16 +86,21 @@ def _token_id(value: int):
         t = load_file(str(path))
         t["input_ids"][5] = value
         save_file(t, str(path))
+
     return put
 
 
-@pytest.mark.parametrize("corrupt, problem", [
-    (truncate, "not a whole safetensors file"),
-    (garbage, "not a whole safetensors file"),
-    (_foreign, "without the tensor(s) ['input_ids', 'loss_mask', 'offsets']"),
-    (_token_id(-1), "token id -1 is outside the target's vocabulary"),
-    (_token_id(VOCAB), f"token id {VOCAB} is outside the target's vocabulary"),
-], ids=["truncated", "garbage", "foreign", "id-1", "id=vocab"])
+@pytest.mark.parametrize(
+    "corrupt, problem",
+    [
+        (truncate, "not a whole safetensors file"),
+        (garbage, "not a whole safetensors file"),
+        (_foreign, "without the tensor(s) ['input_ids', 'loss_mask', 'offsets']"),
+        (_token_id(-1), "token id -1 is outside the target's vocabulary"),
+        (_token_id(VOCAB), f"token id {VOCAB} is outside the target's vocabulary"),
+    ],
+    ids=["truncated", "garbage", "foreign", "id-1", "id=vocab"],
+)
 def test_a_corrupt_tokens_file_stops_extract_in_one_line(run, capsys, corrupt, problem):
     corrupt(run / "tokens" / "tokens.safetensors")
     code, lines = run_cli(["extract", "--run", "run"], capsys)
@@ -102,6 +108,7 @@ def test_a_corrupt_tokens_file_stops_extract_in_one_line(run, capsys, corrupt, p
 
 
 # --- hidden shards and index, extract's output, read by train ------------------------------------------
+
 
 def _narrow(path: Path) -> None:
     """The shard rewritten whole, its states half as wide: another target's."""
@@ -114,11 +121,15 @@ def _narrow(path: Path) -> None:
     save_file(t, str(path), metadata=metadata)
 
 
-@pytest.mark.parametrize("corrupt, problem", [
-    (truncate, "not a whole safetensors file"),
-    (garbage, "not a whole safetensors file"),
-    (_narrow, "states of shape"),
-], ids=["truncated", "garbage", "another-target"])
+@pytest.mark.parametrize(
+    "corrupt, problem",
+    [
+        (truncate, "not a whole safetensors file"),
+        (garbage, "not a whole safetensors file"),
+        (_narrow, "states of shape"),
+    ],
+    ids=["truncated", "garbage", "another-target"],
+)
 def test_a_bad_shard_stops_train_in_one_line(run, capsys, corrupt, problem):
     corrupt(run / "hidden" / "shard-00000.safetensors")
     code, lines = run_cli(["train", "--run", "run"], capsys)
@@ -147,16 +158,24 @@ def test_an_index_that_is_a_list_is_one_line(run, capsys):
 
 # --- the manifest ------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("argv", [["status", "run"], ["train", "--run", "run"], ["plan", "run", "--no-calibrate"],
-                                  ["export", "--run", "run"]])
+
+@pytest.mark.parametrize(
+    "argv",
+    [["status", "run"], ["train", "--run", "run"], ["plan", "run", "--no-calibrate"], ["export", "--run", "run"]],
+)
 def test_a_manifest_stage_without_state_is_one_line(run, capsys, argv):
     edit_manifest(run, lambda m: m["stages"]["extract"].pop("state"))
     code, lines = run_cli(argv, capsys)
     assert_one_line(code, lines, "run/manifest.json: stage 'extract' has no 'state'")
 
 
-@pytest.mark.parametrize("text, problem", [('{"stages": ', "run/manifest.json:1: not valid JSON"),
-                                           ("[]", "run/manifest.json: a JSON array where an object should be")])
+@pytest.mark.parametrize(
+    "text, problem",
+    [
+        ('{"stages": ', "run/manifest.json:1: not valid JSON"),
+        ("[]", "run/manifest.json: a JSON array where an object should be"),
+    ],
+)
 def test_a_manifest_that_is_not_one_is_one_line(run, capsys, text, problem):
     (run / "manifest.json").write_text(text)
     code, lines = run_cli(["status", "run"], capsys)
@@ -164,6 +183,7 @@ def test_a_manifest_that_is_not_one_is_one_line(run, capsys, text, problem):
 
 
 # --- checkpoints -------------------------------------------------------------------------------------
+
 
 @pytest.fixture
 def checkpoint(target, tmp_path) -> Path:
@@ -178,12 +198,18 @@ def checkpoint(target, tmp_path) -> Path:
     return path
 
 
-@pytest.mark.parametrize("corrupt, problem", [
-    (lambda c: truncate(c / "model.safetensors"), "model.safetensors: not a whole safetensors file"),
-    (lambda c: (c / "config.json").write_text("nope"), "config.json:1: not valid JSON"),
-    (lambda c: (c / "config.json").write_text('{"drafter": {"hidden_sizes": 3}, "aux_layer_ids": [1, 2]}'),
-     "config.json: its drafter config does not fit this specdraft"),
-], ids=["weights-truncated", "config-garbage", "config-foreign"])
+@pytest.mark.parametrize(
+    "corrupt, problem",
+    [
+        (lambda c: truncate(c / "model.safetensors"), "model.safetensors: not a whole safetensors file"),
+        (lambda c: (c / "config.json").write_text("nope"), "config.json:1: not valid JSON"),
+        (
+            lambda c: (c / "config.json").write_text('{"drafter": {"hidden_sizes": 3}, "aux_layer_ids": [1, 2]}'),
+            "config.json: its drafter config does not fit this specdraft",
+        ),
+    ],
+    ids=["weights-truncated", "config-garbage", "config-foreign"],
+)
 def test_a_corrupt_checkpoint_stops_export_in_one_line(run, checkpoint, capsys, corrupt, problem):
     shutil.copytree(checkpoint, run / "checkpoints" / "final")
     edit_manifest(run, lambda m: m["stages"].__setitem__("train", {"state": "done", "checkpoint": "checkpoints/final"}))
@@ -203,6 +229,7 @@ def test_a_garbage_trainer_state_names_the_fix_that_works(checkpoint):
 
 # --- drafter folders, read by doctor and import ---------------------------------------------------------
 
+
 @pytest.fixture
 def drafter_folder(target, tmp_path, monkeypatch) -> Path:
     from specdraft.methods.eagle3.drafter import DrafterConfig, Eagle3Drafter
@@ -211,15 +238,26 @@ def drafter_folder(target, tmp_path, monkeypatch) -> Path:
     monkeypatch.chdir(tmp_path)
     torch.manual_seed(0)
     d = Eagle3Drafter(DrafterConfig.from_target(target, 64))
-    return write_vllm(d, tmp_path / "drafter", verifier="smollm2", verifier_architectures=["LlamaForCausalLM"],
-                      speculative_tokens=3, include_embed=False, provenance={"by": "test"})
+    return write_vllm(
+        d,
+        tmp_path / "drafter",
+        verifier="smollm2",
+        verifier_architectures=["LlamaForCausalLM"],
+        speculative_tokens=3,
+        include_embed=False,
+        provenance={"by": "test"},
+    )
 
 
-@pytest.mark.parametrize("corrupt, problem", [
-    (lambda f: truncate(f / "model.safetensors"), "drafter/model.safetensors: not a whole safetensors file"),
-    (lambda f: garbage(f / "model.safetensors"), "drafter/model.safetensors: not a whole safetensors file"),
-    (lambda f: (f / "config.json").write_text("[1, 2]"), "drafter/config.json: a JSON array where an object"),
-], ids=["weights-truncated", "weights-garbage", "config-list"])
+@pytest.mark.parametrize(
+    "corrupt, problem",
+    [
+        (lambda f: truncate(f / "model.safetensors"), "drafter/model.safetensors: not a whole safetensors file"),
+        (lambda f: garbage(f / "model.safetensors"), "drafter/model.safetensors: not a whole safetensors file"),
+        (lambda f: (f / "config.json").write_text("[1, 2]"), "drafter/config.json: a JSON array where an object"),
+    ],
+    ids=["weights-truncated", "weights-garbage", "config-list"],
+)
 def test_import_of_a_corrupt_drafter_is_one_line(drafter_folder, capsys, corrupt, problem):
     corrupt(drafter_folder)
     code, lines = run_cli(["import", "drafter", "--out", "out"], capsys)
@@ -227,11 +265,18 @@ def test_import_of_a_corrupt_drafter_is_one_line(drafter_folder, capsys, corrupt
     assert not Path("out").exists()
 
 
-@pytest.mark.parametrize("corrupt, check, problem", [
-    (lambda f: truncate(f / "model.safetensors"), "drafter loads", "drafter/model.safetensors: not a whole"),
-    (lambda f: (f / "config.json").write_text("[1, 2]"), "config.json readable",
-     "drafter/config.json: a JSON array where an object should be"),
-], ids=["weights-truncated", "config-list"])
+@pytest.mark.parametrize(
+    "corrupt, check, problem",
+    [
+        (lambda f: truncate(f / "model.safetensors"), "drafter loads", "drafter/model.safetensors: not a whole"),
+        (
+            lambda f: (f / "config.json").write_text("[1, 2]"),
+            "config.json readable",
+            "drafter/config.json: a JSON array where an object should be",
+        ),
+    ],
+    ids=["weights-truncated", "config-list"],
+)
 def test_doctor_fails_a_corrupt_drafter_by_name(drafter_folder, capsys, corrupt, check, problem):
     """doctor's verdict on a folder is its FAIL lines (exit 1): the file and its problem, no traceback."""
     corrupt(drafter_folder)
@@ -244,6 +289,7 @@ def test_doctor_fails_a_corrupt_drafter_by_name(drafter_folder, capsys, corrupt,
 
 
 # --- JSON Lines: conversations and data sources, by line ------------------------------------------------
+
 
 def _conversations(run: Path, token_ids: list[int] | None = None, bad_byte: bool = False) -> None:
     """The run's conversations file replaced by four short ones; the third with `token_ids` for its answer,
@@ -262,8 +308,9 @@ def _conversations(run: Path, token_ids: list[int] | None = None, bad_byte: bool
 def test_render_refuses_token_ids_outside_the_vocabulary_by_line(run, capsys, bad):
     _conversations(run, token_ids=[9155, bad])
     code, lines = run_cli(["render", "--run", "run"], capsys)
-    assert_one_line(code, lines, "run/conversations.jsonl:3: ", f"holds {bad}, outside the target's vocabulary "
-                                                               f"[0, {VOCAB})")
+    assert_one_line(
+        code, lines, "run/conversations.jsonl:3: ", f"holds {bad}, outside the target's vocabulary [0, {VOCAB})"
+    )
 
 
 def test_a_non_utf8_byte_is_named_with_its_line(run, capsys):
@@ -277,8 +324,11 @@ def test_a_pre_rendered_row_with_a_negative_id_is_named(tmp_path):
     from specdraft.data.sources import DataError, read_rendered
 
     rows = tmp_path / "rows.jsonl"
-    rows.write_text("".join(json.dumps({"input_ids": ids, "loss_mask": [0, 1, 1]}) + "\n"
-                            for ids in ([1, 2, 3], [1, 2, 3], [4, -1, 5])))
+    rows.write_text(
+        "".join(
+            json.dumps({"input_ids": ids, "loss_mask": [0, 1, 1]}) + "\n" for ids in ([1, 2, 3], [1, 2, 3], [4, -1, 5])
+        )
+    )
     with pytest.raises(DataError, match=r"rows.jsonl:3: 'input_ids' holds -1 at position 1, which is no token id"):
         list(read_rendered(DataConfig(source=str(rows))))
 
@@ -311,6 +361,7 @@ def test_a_damaged_calibration_cache_is_one_line(run, capsys):
 
 # --- a full disk ---------------------------------------------------------------------------------------
 
+
 @pytest.fixture
 def small_disk(tmp_path):
     """A real tmpfs of 256 KiB mounted in tmp (needs the right to mount: root); skipped where there is none."""
@@ -318,8 +369,9 @@ def small_disk(tmp_path):
     mnt.mkdir()
     if shutil.which("mount") is None or os.geteuid() != 0:
         pytest.skip("mounting a tmpfs needs root")
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mnt)], capture_output=True,
-                          check=False)
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mnt)], capture_output=True, check=False
+    )
     if done.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
     try:
@@ -372,18 +424,31 @@ def test_a_full_disk_in_an_atomic_write_is_one_line_and_no_temporary(tmp_path):
 
 # --- any byte of a small file corrupted ------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def small_files(tmp_path_factory) -> dict[str, bytes]:
     root = tmp_path_factory.mktemp("small")
-    save_file({"input_ids": torch.arange(7, dtype=torch.int32), "loss_mask": torch.ones(7, dtype=torch.uint8),
-               "offsets": torch.tensor([0, 3, 7])}, str(root / "t.safetensors"), metadata={"plan": "p"})
-    return {"safetensors": (root / "t.safetensors").read_bytes(),
-            "json": json.dumps({"state": "done", "samples": [{"shard": "s", "tokens": 3}]}).encode()}
+    save_file(
+        {
+            "input_ids": torch.arange(7, dtype=torch.int32),
+            "loss_mask": torch.ones(7, dtype=torch.uint8),
+            "offsets": torch.tensor([0, 3, 7]),
+        },
+        str(root / "t.safetensors"),
+        metadata={"plan": "p"},
+    )
+    return {
+        "safetensors": (root / "t.safetensors").read_bytes(),
+        "json": json.dumps({"state": "done", "samples": [{"shard": "s", "tokens": 3}]}).encode(),
+    }
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(kind=st.sampled_from(["safetensors", "json"]), cut=st.none() | st.integers(0, 300),
-       flips=st.lists(st.tuples(st.integers(0, 300), st.integers(0, 255)), max_size=4))
+@given(
+    kind=st.sampled_from(["safetensors", "json"]),
+    cut=st.none() | st.integers(0, 300),
+    flips=st.lists(st.tuples(st.integers(0, 300), st.integers(0, 255)), max_size=4),
+)
 def test_any_corruption_reads_whole_or_as_one_named_line(small_files, tmp_path, kind, cut, flips):
     data = bytearray(small_files[kind])
     for at, byte in flips:

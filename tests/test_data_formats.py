@@ -19,20 +19,48 @@ from specdraft.run import RunFolder
 from specdraft.stages.render import ChatTemplate, render_conversation
 
 CHATS = [
-    {"id": "c1", "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."},
-                              {"role": "assistant", "content": "Blue."}]},
-    {"id": "c2", "messages": [{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "4."},
-                              {"role": "user", "content": "And 3+3?"}, {"role": "assistant", "content": "6."}]},
+    {
+        "id": "c1",
+        "messages": [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Name a colour."},
+            {"role": "assistant", "content": "Blue."},
+        ],
+    },
+    {
+        "id": "c2",
+        "messages": [
+            {"role": "user", "content": "What is 2+2?"},
+            {"role": "assistant", "content": "4."},
+            {"role": "user", "content": "And 3+3?"},
+            {"role": "assistant", "content": "6."},
+        ],
+    },
 ]
-TOOLS = [{"type": "function", "function": {
-    "name": "get_weather", "description": "The weather in a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
-TOOL_CHAT = {"id": "t1", "tools": TOOLS, "messages": [
-    {"role": "user", "content": "Weather in Paris?"},
-    {"role": "assistant", "content": "", "tool_calls": [
-        {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
-    {"role": "tool", "content": '{"temp_c": 20}', "tool_call_id": "call_1"},
-    {"role": "assistant", "content": "It is 20 degrees in Paris."}]}
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The weather in a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+        },
+    }
+]
+TOOL_CHAT = {
+    "id": "t1",
+    "tools": TOOLS,
+    "messages": [
+        {"role": "user", "content": "Weather in Paris?"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}],
+        },
+        {"role": "tool", "content": '{"temp_c": 20}', "tool_call_id": "call_1"},
+        {"role": "assistant", "content": "It is 20 degrees in Paris."},
+    ],
+}
 FORMATS = ("jsonl", "json", "parquet", "arrow", "datasets")
 
 
@@ -71,8 +99,10 @@ def source_path(tmp_path: Path, fmt: str, stem: str = "chats") -> Path:
 
 def recipe_file(tmp_path: Path, data: str, gen: str = "") -> Path:
     path = tmp_path / "r.toml"
-    path.write_text(f'name = "data"\n[data]\n{data}\neval_fraction = 0.0\nnum_train = 0\n'
-                    f'[gen]\n{gen}\n[extract]\nbatch_tokens = 512\n')
+    path.write_text(
+        f'name = "data"\n[data]\n{data}\neval_fraction = 0.0\nnum_train = 0\n'
+        f'[gen]\n{gen}\n[extract]\nbatch_tokens = 512\n'
+    )
     return path
 
 
@@ -85,9 +115,16 @@ def test_each_format_reads_the_conversations_it_was_written_with(tmp_path, fmt):
 
 @pytest.mark.parametrize("fmt", ["jsonl", "parquet"])
 def test_sharegpt_conversations_from_value(tmp_path, fmt):
-    rows = [{"id": "s1", "conversations": [{"from": "system", "value": "Be brief."},
-                                           {"from": "human", "value": "Name a colour."},
-                                           {"from": "gpt", "value": "Blue."}]}]
+    rows = [
+        {
+            "id": "s1",
+            "conversations": [
+                {"from": "system", "value": "Be brief."},
+                {"from": "human", "value": "Name a colour."},
+                {"from": "gpt", "value": "Blue."},
+            ],
+        }
+    ]
     (record,) = read_source(str(write(rows, source_path(tmp_path, fmt), fmt)))
     assert record["messages"] == CHATS[0]["messages"]
 
@@ -95,10 +132,12 @@ def test_sharegpt_conversations_from_value(tmp_path, fmt):
 def test_sharegpt_tool_turns_function_call_and_observation(tmp_path):
     """ShareGPT with tools as LLaMA-Factory lays it out: the call as JSON text in a `function_call` turn, the
     result in an `observation` turn, the tools as JSON text."""
-    turns = [{"from": "human", "value": "Weather in Paris?"},
-             {"from": "function_call", "value": json.dumps({"name": "get_weather", "arguments": {"city": "Paris"}})},
-             {"from": "observation", "value": '{"temp_c": 20}'},
-             {"from": "gpt", "value": "It is 20 degrees in Paris."}]
+    turns = [
+        {"from": "human", "value": "Weather in Paris?"},
+        {"from": "function_call", "value": json.dumps({"name": "get_weather", "arguments": {"city": "Paris"}})},
+        {"from": "observation", "value": '{"temp_c": 20}'},
+        {"from": "gpt", "value": "It is 20 degrees in Paris."},
+    ]
     path = write([{"id": "t1", "conversations": turns, "tools": json.dumps(TOOLS)}], tmp_path / "t.jsonl", "jsonl")
     (record,) = read_source(str(path))
     expected = [{k: v for k, v in m.items() if k != "tool_call_id"} for m in TOOL_CHAT["messages"]]
@@ -110,26 +149,48 @@ def test_sharegpt_tool_turns_function_call_and_observation(tmp_path):
 
 
 def test_reasoning_under_other_names_is_read_as_reasoning(tmp_path):
-    rows = [{"messages": [{"role": "user", "content": "2+2?"},
-                          {"role": "assistant", "content": "4.", "reasoning_content": "Two and two."},
-                          {"role": "user", "content": "3+3?"},
-                          {"role": "assistant", "content": "6.", "thinking": "Three and three."}]}]
+    rows = [
+        {
+            "messages": [
+                {"role": "user", "content": "2+2?"},
+                {"role": "assistant", "content": "4.", "reasoning_content": "Two and two."},
+                {"role": "user", "content": "3+3?"},
+                {"role": "assistant", "content": "6.", "thinking": "Three and three."},
+            ]
+        }
+    ]
     (record,) = read_source(str(write(rows, tmp_path / "r.parquet", "parquet")))
     assert [m.get("reasoning") for m in record["messages"]] == [None, "Two and two.", None, "Three and three."]
 
 
 def test_column_names_mapped_by_recipe_fields(tmp_path):
-    rows = [{"uid": "m1", "dialogue": [{"speaker": "user", "text": "Name a colour."},
-                                       {"speaker": "assistant", "text": "Blue."}]}]
+    rows = [
+        {
+            "uid": "m1",
+            "dialogue": [{"speaker": "user", "text": "Name a colour."}, {"speaker": "assistant", "text": "Blue."}],
+        }
+    ]
     path = write(rows, tmp_path / "mapped.parquet", "parquet")
-    recipe = load_recipe(str(recipe_file(tmp_path, f'source = "{path}"\nmessages_field = "dialogue"\n'
-                                                   f'role_field = "speaker"\ncontent_field = "text"\nid_field = "uid"')))
+    recipe = load_recipe(
+        str(
+            recipe_file(
+                tmp_path,
+                f'source = "{path}"\nmessages_field = "dialogue"\n'
+                f'role_field = "speaker"\ncontent_field = "text"\nid_field = "uid"',
+            )
+        )
+    )
     (record,) = read_source(str(path), recipe.data)
-    assert record["id"] == "m1" and record["messages"] == [{"role": "user", "content": "Name a colour."},
-                                                            {"role": "assistant", "content": "Blue."}]
+    assert record["id"] == "m1" and record["messages"] == [
+        {"role": "user", "content": "Name a colour."},
+        {"role": "assistant", "content": "Blue."},
+    ]
     # Unmapped, the row has no conversation where one is looked for: the error names the row and its columns.
-    with pytest.raises(DataError, match=r"mapped.parquet: row 0: 'messages' must be a non-empty list .*"
-                                        r"data.messages_field.*\['dialogue', 'uid'\]"):
+    with pytest.raises(
+        DataError,
+        match=r"mapped.parquet: row 0: 'messages' must be a non-empty list .*"
+        r"data.messages_field.*\['dialogue', 'uid'\]",
+    ):
         list(read_source(str(path)))
 
 
@@ -142,8 +203,16 @@ def test_data_format_is_a_choice_checked_when_the_recipe_loads(tmp_path):
     assert len(list(read_source(str(path), DataConfig(format="jsonl")))) == 2
 
 
-@pytest.mark.parametrize("fmt, where", [("jsonl", ":2: "), ("json", ": row 1: "), ("parquet", ": row 1: "),
-                                        ("arrow", ": row 1: "), ("datasets", ": row 1: ")])
+@pytest.mark.parametrize(
+    "fmt, where",
+    [
+        ("jsonl", ":2: "),
+        ("json", ": row 1: "),
+        ("parquet", ": row 1: "),
+        ("arrow", ": row 1: "),
+        ("datasets", ": row 1: "),
+    ],
+)
 def test_a_malformed_row_is_one_error_line_naming_its_file_and_row(tmp_path, capsys, fmt, where):
     bad = {"id": "b", "messages": [{"role": "robot", "content": "beep"}]}
     path = write([CHATS[0], bad], source_path(tmp_path, fmt, "bad"), fmt)
@@ -273,8 +342,9 @@ def _rendered_rows(target) -> list[dict]:
     for chat in CHATS:
         prompt = target.chat_ids(chat["messages"][:-1], add_generation_prompt=True)
         ids = target.chat_ids(chat["messages"], add_generation_prompt=False)
-        rows.append({"input_ids": ids, "loss_mask": [0] * len(prompt) + [1] * (len(ids) - len(prompt)),
-                     "seq_len": len(ids)})
+        rows.append(
+            {"input_ids": ids, "loss_mask": [0] * len(prompt) + [1] * (len(ids) - len(prompt)), "seq_len": len(ids)}
+        )
     return rows
 
 
@@ -312,11 +382,17 @@ def test_render_takes_pre_rendered_rows_without_gen(tmp_path, target):
     assert RunFolder(run).stage("render")["counts"]["samples"] == 2
 
 
-@pytest.mark.parametrize("row, problem", [
-    ({"input_ids": [1, 2, 3], "loss_mask": [0, 1]}, r"'loss_mask' must be a list of 0/1 as long as 'input_ids' \(3\)"),
-    ({"input_ids": [1, 2, 3], "loss_mask": [0, 0, 0]}, r"'loss_mask' trains no token"),
-    ({"input_ids": [1, 10**7, 3], "loss_mask": [0, 1, 1]}, r"token id 10000000 is outside the target's vocabulary"),
-])
+@pytest.mark.parametrize(
+    "row, problem",
+    [
+        (
+            {"input_ids": [1, 2, 3], "loss_mask": [0, 1]},
+            r"'loss_mask' must be a list of 0/1 as long as 'input_ids' \(3\)",
+        ),
+        ({"input_ids": [1, 2, 3], "loss_mask": [0, 0, 0]}, r"'loss_mask' trains no token"),
+        ({"input_ids": [1, 10**7, 3], "loss_mask": [0, 1, 1]}, r"token id 10000000 is outside the target's vocabulary"),
+    ],
+)
 def test_a_bad_pre_rendered_row_names_its_row(tmp_path, capsys, target, row, problem):
     path = write([{"input_ids": [1, 2], "loss_mask": [0, 1]}, row], tmp_path / "rendered.jsonl", "jsonl")
     recipe = recipe_file(tmp_path, f'source = "{path}"')
@@ -330,18 +406,47 @@ def _json_rows():
     the keys read, pre-rendered rows of any ids and masks, and any JSON at all."""
     from hypothesis import strategies as st
 
-    leaves = (st.none() | st.booleans() | st.integers(-2, 60_000) | st.floats(allow_nan=False) | st.text(max_size=6)
-              | st.sampled_from(["user", "assistant", "tool", "system", "human", "gpt", "robot"]))
-    anything = st.recursive(leaves, lambda inner: st.lists(inner, max_size=3)
-                            | st.dictionaries(st.text(max_size=4), inner, max_size=3), max_leaves=12)
-    call = st.fixed_dictionaries({}, optional={"type": anything, "function": st.fixed_dictionaries(
-        {}, optional={"name": anything, "arguments": anything}) | anything})
-    turn = st.fixed_dictionaries({}, optional={
-        k: anything for k in ("role", "content", "from", "value", "reasoning", "token_ids", "tool_call_id", "name")
-    } | {"tool_calls": st.lists(call, max_size=2) | anything}) | anything
+    leaves = (
+        st.none()
+        | st.booleans()
+        | st.integers(-2, 60_000)
+        | st.floats(allow_nan=False)
+        | st.text(max_size=6)
+        | st.sampled_from(["user", "assistant", "tool", "system", "human", "gpt", "robot"])
+    )
+    anything = st.recursive(
+        leaves,
+        lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner, max_size=3),
+        max_leaves=12,
+    )
+    call = st.fixed_dictionaries(
+        {},
+        optional={
+            "type": anything,
+            "function": st.fixed_dictionaries({}, optional={"name": anything, "arguments": anything}) | anything,
+        },
+    )
+    turn = (
+        st.fixed_dictionaries(
+            {},
+            optional={
+                k: anything
+                for k in ("role", "content", "from", "value", "reasoning", "token_ids", "tool_call_id", "name")
+            }
+            | {"tool_calls": st.lists(call, max_size=2) | anything},
+        )
+        | anything
+    )
     turns = st.lists(turn, max_size=3) | anything
-    conversation = st.fixed_dictionaries({}, optional={"id": anything, "messages": turns, "conversations": turns,
-                                                       "tools": st.lists(anything, max_size=2) | anything})
+    conversation = st.fixed_dictionaries(
+        {},
+        optional={
+            "id": anything,
+            "messages": turns,
+            "conversations": turns,
+            "tools": st.lists(anything, max_size=2) | anything,
+        },
+    )
     ids = st.lists(st.integers(-1, 9) | anything, max_size=4) | anything
     rendered = st.fixed_dictionaries({}, optional={"id": anything, "input_ids": ids, "loss_mask": ids})
     return st.lists(conversation | rendered | anything, min_size=1, max_size=3)
@@ -383,7 +488,9 @@ def test_pre_rendered_rows_keep_an_eval_split_whose_prompts_eval_drafts(tmp_path
 
     rows = [{**row, "id": f"r{i}-{j}"} for i in range(6) for j, row in enumerate(_rendered_rows(target))]
     path = write(rows, tmp_path / "rendered.jsonl", "jsonl")
-    recipe = recipe_file(tmp_path, f'source = "{path}"').read_text().replace("eval_fraction = 0.0", "eval_fraction = 0.5")
+    recipe = (
+        recipe_file(tmp_path, f'source = "{path}"').read_text().replace("eval_fraction = 0.0", "eval_fraction = 0.5")
+    )
     (tmp_path / "r.toml").write_text(recipe)
     held = [r for r in rows if split_of(r["id"], 0.5, 0) == "eval"]
     assert 0 < len(held) < len(rows)  # the split is by id: both sides have rows

@@ -20,10 +20,22 @@ def tiny(seed=0, **overrides) -> DFlashDrafter:
     """A random two-layer drafter with bf16-exact shared embedding / lm_head (a bf16 target's) and
     non-trivial norms (so a swapped or dropped norm changes the logits)."""
     torch.manual_seed(seed)
-    fields = {"hidden_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
-              "intermediate_size": 64, "num_layers": 2, "vocab_size": VOCAB, "draft_vocab_size": VOCAB,
-              "target_hidden_size": 32, "mask_token_id": 7, "block_size": BS, "aux_layer_ids": [1, 5, 9],
-              "rope_theta": 50000.0, "rms_norm_eps": 1e-6}
+    fields = {
+        "hidden_size": 32,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 8,
+        "intermediate_size": 64,
+        "num_layers": 2,
+        "vocab_size": VOCAB,
+        "draft_vocab_size": VOCAB,
+        "target_hidden_size": 32,
+        "mask_token_id": 7,
+        "block_size": BS,
+        "aux_layer_ids": [1, 5, 9],
+        "rope_theta": 50000.0,
+        "rms_norm_eps": 1e-6,
+    }
     d = DFlashDrafter(DFlashConfig(**{**fields, **overrides}))
     for name, t in d.state_dict().items():
         if name.endswith("norm.weight"):
@@ -67,12 +79,12 @@ def test_packed_blocks_equal_blocks_drafted_one_at_a_time():
     packed = blocks_at(d, aux, ids, anchors)  # [1, 4*bs, V]
     for n, a in enumerate(anchors):
         context = d.context(aux[:, :a], torch.arange(a)[None])
-        ids_a = d.block_inputs(ids[:, a:a + 1])
+        ids_a = d.block_inputs(ids[:, a : a + 1])
         with torch.no_grad():
             alone = d(ids_a, torch.arange(a, a + BS)[None], context, torch.ones(1, BS, a, dtype=torch.bool))
-        torch.testing.assert_close(packed[:, n * BS:(n + 1) * BS], alone, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(packed[:, n * BS : (n + 1) * BS], alone, rtol=1e-5, atol=1e-5)
     drafted = d.draft(d.context(aux[:, :5], torch.arange(5)[None]), int(ids[0, 5]), 5)
-    assert drafted == packed[0, 2 * BS + 1:3 * BS].argmax(-1).tolist()
+    assert drafted == packed[0, 2 * BS + 1 : 3 * BS].argmax(-1).tolist()
 
 
 def test_a_block_sees_its_context_before_the_anchor_and_its_whole_block_only():
@@ -121,8 +133,9 @@ def test_round_trip_gives_identical_logits(draft_vocab_size, tmp_path):
     served = read_dflash(out, embed, head)
     assert served.config == d.config
     aux, ids = inputs(d)
-    torch.testing.assert_close(blocks_at(served, aux, ids, [2, 6]), blocks_at(bf16(d), aux, ids, [2, 6]),
-                               rtol=0, atol=0)
+    torch.testing.assert_close(
+        blocks_at(served, aux, ids, [2, 6]), blocks_at(bf16(d), aux, ids, [2, 6]), rtol=0, atol=0
+    )
     assert torch.equal(served.d2t, d.d2t) and torch.equal(served.t2d, d.t2d)
 
 
@@ -130,12 +143,23 @@ def test_tensor_names_and_config_are_the_ones_vllm_reads(tmp_path):
     d = tiny()
     out = export(d, tmp_path / "dflash")
     tensors = load_file(str(out / "model.safetensors"))
-    layer = ["input_layernorm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-             "self_attn.q_norm", "self_attn.k_norm", "post_attention_layernorm", "mlp.gate_proj", "mlp.up_proj",
-             "mlp.down_proj"]
+    layer = [
+        "input_layernorm",
+        "self_attn.q_proj",
+        "self_attn.k_proj",
+        "self_attn.v_proj",
+        "self_attn.o_proj",
+        "self_attn.q_norm",
+        "self_attn.k_norm",
+        "post_attention_layernorm",
+        "mlp.gate_proj",
+        "mlp.up_proj",
+        "mlp.down_proj",
+    ]
     # No embedding and no lm_head: vLLM gives the drafter the target's (the mask row included).
-    assert set(tensors) == ({"fc.weight", "hidden_norm.weight", "norm.weight"}
-                            | {f"layers.{i}.{n}.weight" for i in range(2) for n in layer})
+    assert set(tensors) == (
+        {"fc.weight", "hidden_norm.weight", "norm.weight"} | {f"layers.{i}.{n}.weight" for i in range(2) for n in layer}
+    )
     for ours, t in d.state_dict().items():  # each under its own name, none swapped
         if ours in tensors:
             assert torch.equal(tensors[ours], t.to(torch.bfloat16)), ours
@@ -144,18 +168,40 @@ def test_tensor_names_and_config_are_the_ones_vllm_reads(tmp_path):
     assert config["architectures"] == ["DFlashDraftModel"] and config["model_type"] == "qwen3"
     # Both conventions name the same layers: vLLM's (residual after k layers) and DFlash's (output of layer j).
     assert config["eagle_aux_hidden_state_layer_ids"] == [1, 5, 9]
-    assert config["dflash_config"] == {"mask_token_id": 7, "target_layer_ids": [0, 4, 8], "causal": False,
-                                       "use_aux_hidden_state": True}
-    explicit = {"hidden_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
-                "intermediate_size": 64, "num_hidden_layers": 2, "hidden_act": "silu", "rms_norm_eps": 1e-6,
-                "rope_parameters": {"rope_type": "default", "rope_theta": 50000.0}, "is_neox_style": True,
-                "attention_bias": False, "tie_word_embeddings": False,
-                "layer_types": ["full_attention", "full_attention"], "use_sliding_window": False,
-                "sliding_window": None, "vocab_size": VOCAB, "draft_vocab_size": VOCAB, "target_hidden_size": 32,
-                "num_target_layers": TARGET_LAYERS, "block_size": BS}
+    assert config["dflash_config"] == {
+        "mask_token_id": 7,
+        "target_layer_ids": [0, 4, 8],
+        "causal": False,
+        "use_aux_hidden_state": True,
+    }
+    explicit = {
+        "hidden_size": 32,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 8,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-6,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 50000.0},
+        "is_neox_style": True,
+        "attention_bias": False,
+        "tie_word_embeddings": False,
+        "layer_types": ["full_attention", "full_attention"],
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "vocab_size": VOCAB,
+        "draft_vocab_size": VOCAB,
+        "target_hidden_size": 32,
+        "num_target_layers": TARGET_LAYERS,
+        "block_size": BS,
+    }
     assert {k: config.get(k) for k in explicit} == explicit
-    assert dflash_format.serve_spec(out, d.config) == {"method": "dflash", "model": str(out),
-                                                       "num_speculative_tokens": BS - 1}
+    assert dflash_format.serve_spec(out, d.config) == {
+        "method": "dflash",
+        "model": str(out),
+        "num_speculative_tokens": BS - 1,
+    }
 
 
 def test_a_draft_vocabulary_ships_its_lm_head_and_d2t(tmp_path):
@@ -165,18 +211,24 @@ def test_a_draft_vocabulary_ships_its_lm_head_and_d2t(tmp_path):
     assert tensors["d2t"].dtype == torch.int64 and torch.equal(tensors["d2t"], d.d2t)
 
 
-@pytest.mark.parametrize("overrides,match", [
-    ({"mask_token_id": VOCAB}, "mask_token_id 50 outside"),
-    ({"mask_token_id": -1}, "mask_token_id -1 outside"),
-    ({"aux_layer_ids": [1, 5, TARGET_LAYERS]}, "outside 1..11"),
-    ({"aux_layer_ids": [0, 5, 9]}, "outside 1..11"),
-    ({"aux_layer_ids": [9, 5, 1]}, "not strictly ascending"),
-    ({"block_size": 1}, "block_size 1"),
-    ({"target_hidden_size": 48}, "hidden_size 32 differs"),
-])
+@pytest.mark.parametrize(
+    "overrides,match",
+    [
+        ({"mask_token_id": VOCAB}, "mask_token_id 50 outside"),
+        ({"mask_token_id": -1}, "mask_token_id -1 outside"),
+        ({"aux_layer_ids": [1, 5, TARGET_LAYERS]}, "outside 1..11"),
+        ({"aux_layer_ids": [0, 5, 9]}, "outside 1..11"),
+        ({"aux_layer_ids": [9, 5, 1]}, "not strictly ascending"),
+        ({"block_size": 1}, "block_size 1"),
+        ({"target_hidden_size": 48}, "hidden_size 32 differs"),
+    ],
+)
 def test_export_refuses_what_vllm_would_refuse_or_serve_wrong(overrides, match, tmp_path):
-    d = tiny(**overrides) if "target_hidden_size" not in overrides else DFlashDrafter(
-        DFlashConfig(**{**tiny().config.to_dict(), **overrides}))
+    d = (
+        tiny(**overrides)
+        if "target_hidden_size" not in overrides
+        else DFlashDrafter(DFlashConfig(**{**tiny().config.to_dict(), **overrides}))
+    )
     with pytest.raises(ValueError, match=match):
         export(d, tmp_path / "dflash")
     assert not (tmp_path / "dflash").exists()
@@ -199,8 +251,12 @@ def test_reader_names_what_is_missing_or_disagrees(tmp_path):
     _edit(out, lambda c: c.update(eagle_aux_hidden_state_layer_ids=[0, 4, 8]))
     with pytest.raises(ValueError, match="different layers"):
         read_dflash(out, embed)
-    _edit(out, lambda c: c.update(eagle_aux_hidden_state_layer_ids=[1, 5, 9], dflash_config={
-        **c["dflash_config"], "causal": True}))
+    _edit(
+        out,
+        lambda c: c.update(
+            eagle_aux_hidden_state_layer_ids=[1, 5, 9], dflash_config={**c["dflash_config"], "causal": True}
+        ),
+    )
     with pytest.raises(ValueError, match="causal"):
         read_dflash(out, embed)
     _edit(out, lambda c: c.update(dflash_config={**c["dflash_config"], "causal": False}))
@@ -213,6 +269,7 @@ def test_reader_names_what_is_missing_or_disagrees(tmp_path):
 
 
 # --- the training objective ---------------------------------------------------------------------
+
 
 def packed_batch(d, seed=2):
     """Two rows: row 0 packs two documents (prompt then answer each), row 1 one document and padding;
@@ -230,9 +287,15 @@ def packed_batch(d, seed=2):
     loss_mask[0, 4:10], loss_mask[0, 15:], loss_mask[1, 6:18] = True, True, True
     head = d.lm_head.weight.detach()
     nxt = torch.cat([ids[:, 1:], ids[:, :1]], dim=1)
-    return {"input_ids": ids, "documents": documents, "positions": positions, "loss_mask": loss_mask,
-            "aux": torch.randn(B, L, 3 * d.config.target_hidden_size, generator=g),
-            "last": 8 * head[nxt] / head[nxt].norm(dim=-1, keepdim=True), "top": nxt}
+    return {
+        "input_ids": ids,
+        "documents": documents,
+        "positions": positions,
+        "loss_mask": loss_mask,
+        "aux": torch.randn(B, L, 3 * d.config.target_hidden_size, generator=g),
+        "last": 8 * head[nxt] / head[nxt].norm(dim=-1, keepdim=True),
+        "top": nxt,
+    }
 
 
 def test_blocks_see_and_are_supervised_only_inside_their_document():
@@ -247,7 +310,10 @@ def test_blocks_see_and_are_supervised_only_inside_their_document():
     for r in range(2):
         for n, a in enumerate(b["anchors"][r].tolist()):
             if not b["real"][r, n]:
-                assert not b["visible"][r, n * BS:(n + 1) * BS].any() and not b["supervised"][r, n * BS:(n + 1) * BS].any()
+                assert (
+                    not b["visible"][r, n * BS : (n + 1) * BS].any()
+                    and not b["supervised"][r, n * BS : (n + 1) * BS].any()
+                )
                 continue
             assert mask[r, a] and mask[r, a + 1] and docs[r, a + 1] == docs[r, a]  # an anchor with a label after it
             seen = b["visible"][r, n * BS].nonzero().flatten().tolist()
@@ -302,7 +368,7 @@ def test_the_objective_trains_a_drafter_to_draft_the_targets_tokens():
     assert before["tau"] < 1.3 and after["tau"] > 1 + 0.9 * (BS - 1), (before, after)
     # Drafting block by block at inference gives the target's tokens too: row 1, anchored at 8.
     context = d.context(batch["aux"][1:, :8], batch["positions"][1:, :8])
-    assert d.draft(context, int(batch["input_ids"][1, 8]), 8) == batch["input_ids"][1, 9:9 + BS - 1].tolist()
+    assert d.draft(context, int(batch["input_ids"][1, 8]), 8) == batch["input_ids"][1, 9 : 9 + BS - 1].tolist()
 
 
 def test_the_objective_teaches_the_drafter_to_read_the_context():
@@ -338,8 +404,10 @@ def test_default_mask_token_is_a_token_the_chat_template_never_writes(target):
     tok = target.tokenizer
     mask = default_mask_token(tok, target.vocab_size)
     assert tok.convert_ids_to_tokens(mask) == "<empty_output>"  # SmolLM2: no mask token, no spare row
-    chat = target.chat_ids([{"role": "user", "content": "Hi there"}, {"role": "assistant", "content": "Hello!"}],
-                           add_generation_prompt=False)
+    chat = target.chat_ids(
+        [{"role": "user", "content": "Hi there"}, {"role": "assistant", "content": "Hello!"}],
+        add_generation_prompt=False,
+    )
     assert mask not in chat  # the chat template never writes it (only a message quoting it literally would)
 
     class Tok(SimpleNamespace):
@@ -350,19 +418,32 @@ def test_default_mask_token_is_a_token_the_chat_template_never_writes(target):
     assert default_mask_token(Tok(mask_token_id=5, n=10), 10) == 5
     assert default_mask_token(Tok(mask_token_id=None, n=10), 16) == 10  # the first unused row (Qwen3's way)
     with pytest.raises(ValueError, match="no mask token"):
-        default_mask_token(Tok(mask_token_id=None, n=10, chat_template="<s>", bos_token_id=0, eos_token_id=1,
-                               added_tokens_decoder={0: SimpleNamespace(content="<s>", **vars(special)),
-                                                     1: SimpleNamespace(content="</s>", **vars(special))}), 10)
+        default_mask_token(
+            Tok(
+                mask_token_id=None,
+                n=10,
+                chat_template="<s>",
+                bos_token_id=0,
+                eos_token_id=1,
+                added_tokens_decoder={
+                    0: SimpleNamespace(content="<s>", **vars(special)),
+                    1: SimpleNamespace(content="</s>", **vars(special)),
+                },
+            ),
+            10,
+        )
 
 
 def test_train_warns_of_a_learning_rate_that_stalls_through_the_targets_lm_head(capsys):
     from specdraft.config import TrainConfig
     from specdraft.methods.dflash import warn_of_stalling
 
-    for cfg, warned in [(TrainConfig(method="dflash", draft_vocab_size=0, lr=3e-3, warmup_steps=5), True),
-                        (TrainConfig(method="dflash", draft_vocab_size=512, lm_head_init="target", lr=3e-3), True),
-                        (TrainConfig(method="dflash", draft_vocab_size=0, lr=3e-4, warmup_steps=5), False),
-                        (TrainConfig(method="dflash", draft_vocab_size=0, lr=1e-3, warmup_steps=50), False),
-                        (TrainConfig(method="dflash", draft_vocab_size=512, lr=3e-3), False)]:  # its own random head
+    for cfg, warned in [
+        (TrainConfig(method="dflash", draft_vocab_size=0, lr=3e-3, warmup_steps=5), True),
+        (TrainConfig(method="dflash", draft_vocab_size=512, lm_head_init="target", lr=3e-3), True),
+        (TrainConfig(method="dflash", draft_vocab_size=0, lr=3e-4, warmup_steps=5), False),
+        (TrainConfig(method="dflash", draft_vocab_size=0, lr=1e-3, warmup_steps=50), False),
+        (TrainConfig(method="dflash", draft_vocab_size=512, lr=3e-3), False),
+    ]:  # its own random head
         warn_of_stalling(cfg)
         assert ("stalled at the unigram" in capsys.readouterr().out) == warned, cfg

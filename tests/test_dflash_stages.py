@@ -15,9 +15,26 @@ from specdraft.cli import main
 from specdraft.run import RunFolder
 
 BLOCK = 4  # 3 drafted tokens per round: small blocks keep the CPU test short
-DFLASH = ["--set", "train.method=dflash", "--set", f"train.block_size={BLOCK}", "--set", "train.dflash_anchors=16",
-          "--set", "train.batch_tokens=160", "--set", "train.holdout=0.25", "--set", "train.epochs=2",
-          "--set", "train.eval_every=3", "--set", "train.checkpoint_every=2", "--set", "train.warmup_steps=2"]
+DFLASH = [
+    "--set",
+    "train.method=dflash",
+    "--set",
+    f"train.block_size={BLOCK}",
+    "--set",
+    "train.dflash_anchors=16",
+    "--set",
+    "train.batch_tokens=160",
+    "--set",
+    "train.holdout=0.25",
+    "--set",
+    "train.epochs=2",
+    "--set",
+    "train.eval_every=3",
+    "--set",
+    "train.checkpoint_every=2",
+    "--set",
+    "train.warmup_steps=2",
+]
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +76,9 @@ def test_eval_decodes_blocks_exactly_and_names_the_method(dflash_run):
     assert report["method"] == "dflash" and report["drafting"] == ["block"]
     assert report["exact_prompts"] == report["prompts"] == 3
     block = report["block"]
-    assert len(block["accepted_length_histogram"]) == BLOCK and sum(block["accepted_length_histogram"]) == block["rounds"]
+    assert (
+        len(block["accepted_length_histogram"]) == BLOCK and sum(block["accepted_length_histogram"]) == block["rounds"]
+    )
     assert len(block["per_position_acceptance"]) == BLOCK - 1
     assert block["tau"] == report["tau"] >= 1.0
     assert (folder.eval / "report.md").read_text().startswith("# Drafter evaluation: dflash")
@@ -88,18 +107,27 @@ def test_doctor_passes_the_export(dflash_run, capsys):
     assert "PASS  mask_token_id = trained" in out and "PASS  served K = block_size - 1" in out
 
 
-@pytest.mark.parametrize("edit,failed", [
-    # eos: a token of every answer, and not the one trained with
-    (lambda c: c["dflash_config"].update(mask_token_id=2), ["mask token id", "mask_token_id = trained"]),
-    # the top-level list's numbers written in DFlash's convention: vLLM would read the neighbouring layers
-    (lambda c: c["dflash_config"].update(target_layer_ids=c["eagle_aux_hidden_state_layer_ids"]),
-     ["target layer ids in both conventions"]),
-    (lambda c: c.update(eagle_aux_hidden_state_layer_ids=[k + 1 for k in c["eagle_aux_hidden_state_layer_ids"]],
-                        dflash_config={**c["dflash_config"], "target_layer_ids": c["eagle_aux_hidden_state_layer_ids"]}),
-     ["aux_layer_ids = trained", "aux layer ids = extracted ones"]),
-    (lambda c: c.update(block_size=BLOCK + 4), ["block_size = trained", "served K = block_size - 1"]),
-    (lambda c: c["dflash_config"].pop("mask_token_id"), ["mask token id", "drafter loads"]),
-])
+@pytest.mark.parametrize(
+    "edit,failed",
+    [
+        # eos: a token of every answer, and not the one trained with
+        (lambda c: c["dflash_config"].update(mask_token_id=2), ["mask token id", "mask_token_id = trained"]),
+        # the top-level list's numbers written in DFlash's convention: vLLM would read the neighbouring layers
+        (
+            lambda c: c["dflash_config"].update(target_layer_ids=c["eagle_aux_hidden_state_layer_ids"]),
+            ["target layer ids in both conventions"],
+        ),
+        (
+            lambda c: c.update(
+                eagle_aux_hidden_state_layer_ids=[k + 1 for k in c["eagle_aux_hidden_state_layer_ids"]],
+                dflash_config={**c["dflash_config"], "target_layer_ids": c["eagle_aux_hidden_state_layer_ids"]},
+            ),
+            ["aux_layer_ids = trained", "aux layer ids = extracted ones"],
+        ),
+        (lambda c: c.update(block_size=BLOCK + 4), ["block_size = trained", "served K = block_size - 1"]),
+        (lambda c: c["dflash_config"].pop("mask_token_id"), ["mask token id", "drafter loads"]),
+    ],
+)
 def test_doctor_fails_a_broken_dflash_folder(dflash_run, tmp_path, capsys, edit, failed):
     rc, out = doctor(broken_copy(dflash_run, tmp_path, edit), dflash_run, capsys)
     assert rc == 1
@@ -115,8 +143,18 @@ def test_resume_refuses_a_method_change_in_one_line(dflash_run, extracted_run, t
     manifest["stages"]["train"]["state"] = "partial"  # as a run killed after its last checkpoint leaves it
     folder.save_manifest(manifest)
     capsys.readouterr()
-    rc = main(["train", "--recipe", str(extracted_run.parent / "tiny.toml"), "--run", str(run), *DFLASH,
-               "--set", "train.method=eagle3"])
+    rc = main(
+        [
+            "train",
+            "--recipe",
+            str(extracted_run.parent / "tiny.toml"),
+            "--run",
+            str(run),
+            *DFLASH,
+            "--set",
+            "train.method=eagle3",
+        ]
+    )
     err = capsys.readouterr().err
     assert rc == 2
     assert err.count("\n") == 1 and err.startswith("specdraft: error: ")
@@ -153,12 +191,12 @@ def test_the_static_engine_drafts_blocks_as_the_eager_one(dflash_run):
     _, aux = eager.forward(prompt)
     first = len(prompt) - 8
     for c in contexts:
-        c.advance(aux[:first], prompt[1:first + 1], 0)
+        c.advance(aux[:first], prompt[1 : first + 1], 0)
     for m in (3, 1, 4):  # rounds accepting 2, 0 and 3 drafts: the static advance pads each to a block
         drafts = [c.draft() for c in contexts]
         assert drafts[0] == drafts[1] and len(drafts[0]) == BLOCK - 1
         for c in contexts:
-            c.advance(aux[first:first + m], prompt[first + 1:first + m + 1], first)
+            c.advance(aux[first : first + m], prompt[first + 1 : first + m + 1], first)
         first += m
     outs = []
     for runner in (eager, static):

@@ -30,8 +30,15 @@ def sound(tmp_path_factory, target):
     d.t2d.copy_(t2d)
     d.embed_tokens.weight.data.copy_(target.embed_weight().float())
     root = tmp_path_factory.mktemp("doctor")
-    write_vllm(d, root / "vllm", verifier=str(target.path), verifier_architectures=["LlamaForCausalLM"],
-               speculative_tokens=3, include_embed=False, provenance=provenance("t"))
+    write_vllm(
+        d,
+        root / "vllm",
+        verifier=str(target.path),
+        verifier_architectures=["LlamaForCausalLM"],
+        speculative_tokens=3,
+        include_embed=False,
+        provenance=provenance("t"),
+    )
     write_sglang(d, root / "sglang", include_embed=False, provenance=provenance("t"))
     return root
 
@@ -117,12 +124,20 @@ def test_run_disagreements(sound, target, tmp_path):
     (run / "hidden").mkdir(parents=True)
     (run / "hidden" / "index.json").write_text(json.dumps({"aux_layer_ids": [3, 15, 27]}))
     (run / "tokens").mkdir()
-    save_file({"input_ids": torch.tensor([5, 6, 7], dtype=torch.int32),
-               "loss_mask": torch.tensor([0, 1, 1], dtype=torch.uint8),
-               "offsets": torch.tensor([0, 3])}, str(run / "tokens" / "tokens.safetensors"))
+    save_file(
+        {
+            "input_ids": torch.tensor([5, 6, 7], dtype=torch.int32),
+            "loss_mask": torch.tensor([0, 1, 1], dtype=torch.uint8),
+            "offsets": torch.tensor([0, 3]),
+        },
+        str(run / "tokens" / "tokens.safetensors"),
+    )
     (run / "tokens" / "index.json").write_text(json.dumps({"chat_template_sha256": "0" * 16}))
     assert failed(diagnose(sound / "vllm", target, run, measured=False)) == {
-        "aux layer ids = extracted ones", "chat template = training data's", "draft vocab covers the training answers"}
+        "aux layer ids = extracted ones",
+        "chat template = training data's",
+        "draft vocab covers the training answers",
+    }
 
 
 def test_head_dim_of_another_attention_shape(target, tmp_path):
@@ -133,8 +148,15 @@ def test_head_dim_of_another_attention_shape(target, tmp_path):
     d2t, t2d = vocab.build(torch.arange(target.vocab_size), 64)
     d.d2t.copy_(d2t)
     d.t2d.copy_(t2d)
-    write_vllm(d, tmp_path / "vllm", verifier="smollm2", verifier_architectures=[], speculative_tokens=3,
-               include_embed=False, provenance={})
+    write_vllm(
+        d,
+        tmp_path / "vllm",
+        verifier="smollm2",
+        verifier_architectures=[],
+        speculative_tokens=3,
+        include_embed=False,
+        provenance={},
+    )
     assert failed(diagnose(tmp_path / "vllm", target, measured=False)) == {"head dim"}
 
 
@@ -158,7 +180,9 @@ def test_norm_flag_the_flat_engines_read_differently(sound, target, tmp_path):
     bad = edit_config(sound / "sglang", tmp_path / "bad", lambda c: c.update(norm_before_residual=True))
     checks = diagnose(bad, target, measured=False)
     assert failed(checks) == {"norm_before_residual as served"}
-    assert "vLLM reads True, SGLang reads False" in next(c.detail for c in checks if c.name == "norm_before_residual as served")
+    assert "vLLM reads True, SGLang reads False" in next(
+        c.detail for c in checks if c.name == "norm_before_residual as served"
+    )
 
 
 def test_norm_flag_left_to_the_engine_against_what_was_trained(sound, target, tmp_path):
@@ -170,12 +194,14 @@ def test_norm_flag_left_to_the_engine_against_what_was_trained(sound, target, tm
     run = RunFolder(tmp_path / "run")
     (run.path / "checkpoints" / "final").mkdir(parents=True)
     (run.path / "checkpoints" / "final" / "config.json").write_text(
-        json.dumps({"drafter": DrafterConfig.from_target(target, 64).to_dict()}))
+        json.dumps({"drafter": DrafterConfig.from_target(target, 64).to_dict()})
+    )
     run.record("train", state="done", extra={"checkpoint": "checkpoints/final"})
     checks = diagnose(bad, target, run.path, measured=False)
     assert failed(checks) == {"norm_before_residual written", "norm_before_residual as served"}
     assert "trained False, written None, vLLM reads True" in next(
-        c.detail for c in checks if c.name == "norm_before_residual as served")
+        c.detail for c in checks if c.name == "norm_before_residual as served"
+    )
 
 
 def test_eagle31_norm_the_drafter_lacks(sound, target, tmp_path):
@@ -185,6 +211,7 @@ def test_eagle31_norm_the_drafter_lacks(sound, target, tmp_path):
 
 # The measured checks, on a drafter that drafts: the memorised run's (conftest), measured on the
 # conversations it learnt (a drafter memorising 8 answers need not generalise to held-out ones).
+
 
 @pytest.fixture(scope="module")
 def learnt(memorised_run):
@@ -196,14 +223,18 @@ def memorised_checks(memorised_run, target, learnt):
     return {c.name: c for c in diagnose(memorised_run / "export" / "vllm", target, memorised_run, conversations=learnt)}
 
 
-MEASURED = {"top-1 agreement with the target", "draft vocab covers the target's answers",
-            "frequent draft tokens are target tokens"}
+MEASURED = {
+    "top-1 agreement with the target",
+    "draft vocab covers the target's answers",
+    "frequent draft tokens are target tokens",
+}
 
 
 def test_sound_drafter_passes_the_measured_checks(memorised_checks):
     assert MEASURED <= set(memorised_checks)
-    assert {name for name, c in memorised_checks.items() if not c.ok} == set(), \
-        [c.line() for c in memorised_checks.values()]
+    assert {name for name, c in memorised_checks.items() if not c.ok} == set(), [
+        c.line() for c in memorised_checks.values()
+    ]
 
 
 def test_doctor_measures_on_held_out_conversations_by_default(memorised_run, memorised_checks, target):
@@ -228,8 +259,11 @@ def test_wrong_aux_ids_drop_the_agreement(memorised_run, memorised_checks, targe
     """Other layers than trained (in range, ascending: only the run's index and the measurement can tell).
     Measured on the learnt conversations: 0.87-0.97 with the trained layers [2, 15, 27], 0.66 with [4, 12, 22],
     0.28 with [1, 5, 10] (the token embeddings alone carry a memorised answer far)."""
-    bad = edit_config(memorised_run / "export" / "vllm", tmp_path / "bad",
-                      lambda c: c.update(eagle_aux_hidden_state_layer_ids=[1, 5, 10]))
+    bad = edit_config(
+        memorised_run / "export" / "vllm",
+        tmp_path / "bad",
+        lambda c: c.update(eagle_aux_hidden_state_layer_ids=[1, 5, 10]),
+    )
     checks = {c.name: c for c in diagnose(bad, target, memorised_run, conversations=learnt)}
     assert "aux layer ids = extracted ones" in {name for name, c in checks.items() if not c.ok}
     agreement, sound = checks["top-1 agreement with the target"], memorised_checks["top-1 agreement with the target"]
@@ -240,6 +274,7 @@ def test_wrong_aux_ids_drop_the_agreement(memorised_run, memorised_checks, targe
 def test_draft_vocab_in_another_order_fails_the_frequent_tokens(memorised_run, target, learnt, tmp_path):
     """d2t for the same set of tokens, in reverse order (as if lm_head rows were sorted by frequency and
     d2t by id): t2d, range and coverage are all fine, the predictions land on other tokens."""
+
     def reverse(d2t):
         targets = torch.arange(d2t.numel()) + d2t
         return targets.flip(0) - torch.arange(d2t.numel())
@@ -270,7 +305,8 @@ def test_lost_d2t_fails_the_coverage_without_a_run(memorised_run, target, learnt
     checks = {c.name: c for c in diagnose(bad, target, conversations=learnt)}
     print([c.line() for c in checks.values() if c.name in MEASURED])
     assert {"d2t is a real mapping", "draft vocab covers the target's answers"} <= {
-        name for name, c in checks.items() if not c.ok}
+        name for name, c in checks.items() if not c.ok
+    }
     assert checks["draft vocab covers the target's answers"].value < 0.6
 
 
@@ -284,8 +320,12 @@ def test_doctor_through_the_command_line(sound, tmp_path, broken):
     folder = sound / "vllm"
     if broken:
         folder = edit_config(folder, tmp_path / "bad", lambda c: c.pop("eagle_aux_hidden_state_layer_ids"))
-    proc = subprocess.run([sys.executable, "-m", "specdraft.cli", "doctor", str(folder), "--target", "smollm2",
-                           "--no-measure"], capture_output=True, text=True, check=False)
+    proc = subprocess.run(
+        [sys.executable, "-m", "specdraft.cli", "doctor", str(folder), "--target", "smollm2", "--no-measure"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     lines = proc.stdout.splitlines()
     fails = [line for line in lines if line.startswith("FAIL")]
     assert any(line.startswith("PASS") for line in lines), proc.stdout

@@ -9,9 +9,18 @@ from specdraft.methods.eagle3.objective import TTT, unroll
 
 
 def small_config(**kw) -> DrafterConfig:
-    shape = dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=64,
-                 vocab_size=50, draft_vocab_size=50, target_hidden_size=32, aux_layer_ids=[1, 2, 3],
-                 rope_theta=10000.0)
+    shape = dict(
+        hidden_size=32,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        intermediate_size=64,
+        vocab_size=50,
+        draft_vocab_size=50,
+        target_hidden_size=32,
+        aux_layer_ids=[1, 2, 3],
+        rope_theta=10000.0,
+    )
     return DrafterConfig(**{**shape, **kw})
 
 
@@ -35,12 +44,18 @@ def draft_at(d, aux, ids, t, steps):
     """Inference path: step 0 over the prefix 0..t, then one query per step at position t with the
     drafter's cache and the chain so far (true tokens stand in for accepted drafts)."""
     hidden = d.project(aux[:, : t + 1])
-    logits, h, base = d(hidden, ids[:, 1: t + 2], torch.arange(t + 1)[None])
+    logits, h, base = d(hidden, ids[:, 1 : t + 2], torch.arange(t + 1)[None])
     out = [logits[0, -1]]
     h, diag = h[:, -1:], []
     for i in range(1, steps):
-        logits, h, kv = d(h, ids[:, t + 1 + i: t + 2 + i], torch.tensor([[t + i]]), base=base, diag=diag,
-                          q_offset=base[0].shape[2] - 1)
+        logits, h, kv = d(
+            h,
+            ids[:, t + 1 + i : t + 2 + i],
+            torch.tensor([[t + i]]),
+            base=base,
+            diag=diag,
+            q_offset=base[0].shape[2] - 1,
+        )
         diag = diag + [kv]
         out.append(logits[0, -1])
     return out
@@ -86,26 +101,37 @@ def packed_and_alone(seed=1):
     g = torch.Generator().manual_seed(seed)
     lengths = [7, 12, 5]
     vocab, hidden = 50, 32
-    docs = [{"input_ids": torch.randint(0, vocab, (n,), generator=g),
-             "loss_mask": torch.rand(n, generator=g) < 0.8,
-             "aux": torch.randn(n, 96, generator=g), "last": torch.randn(n, hidden, generator=g),
-             "top": torch.randint(0, vocab, (n,), generator=g)} for n in lengths]
+    docs = [
+        {
+            "input_ids": torch.randint(0, vocab, (n,), generator=g),
+            "loss_mask": torch.rand(n, generator=g) < 0.8,
+            "aux": torch.randn(n, 96, generator=g),
+            "last": torch.randn(n, hidden, generator=g),
+            "top": torch.randint(0, vocab, (n,), generator=g),
+        }
+        for n in lengths
+    ]
 
     def rows(groups):
         T = max(sum(lengths[i] for i in group) for group in groups)
         B = len(groups)
-        b = {"input_ids": torch.zeros(B, T, dtype=torch.long), "loss_mask": torch.zeros(B, T, dtype=torch.bool),
-             "documents": torch.full((B, T), PAD_DOCUMENT), "positions": torch.zeros(B, T, dtype=torch.long),
-             "top": torch.zeros(B, T, dtype=torch.long), "aux": torch.zeros(B, T, 96),
-             "last": torch.zeros(B, T, hidden)}
+        b = {
+            "input_ids": torch.zeros(B, T, dtype=torch.long),
+            "loss_mask": torch.zeros(B, T, dtype=torch.bool),
+            "documents": torch.full((B, T), PAD_DOCUMENT),
+            "positions": torch.zeros(B, T, dtype=torch.long),
+            "top": torch.zeros(B, T, dtype=torch.long),
+            "aux": torch.zeros(B, T, 96),
+            "last": torch.zeros(B, T, hidden),
+        }
         for r, group in enumerate(groups):
             at = 0
             for k, i in enumerate(group):
                 n = lengths[i]
                 for key in ("input_ids", "loss_mask", "top", "aux", "last"):
-                    b[key][r, at:at + n] = docs[i][key]
-                b["documents"][r, at:at + n] = k
-                b["positions"][r, at:at + n] = torch.arange(n)
+                    b[key][r, at : at + n] = docs[i][key]
+                b["documents"][r, at : at + n] = k
+                b["positions"][r, at : at + n] = torch.arange(n)
                 at += n
         return b
 
@@ -161,8 +187,9 @@ def test_flex_attention_equals_dense_on_cuda():
         flex = list(unroll(d, batch["aux"], batch["input_ids"], batch["documents"], batch["positions"], 3))
     dense_mask = document_mask(packed["documents"]).cuda()
     with torch.no_grad():
-        dense = list(unroll(d, batch["aux"], batch["input_ids"], batch["documents"], batch["positions"], 3,
-                            mask=dense_mask))
+        dense = list(
+            unroll(d, batch["aux"], batch["input_ids"], batch["documents"], batch["positions"], 3, mask=dense_mask)
+        )
     for a, b in zip(flex, dense):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
@@ -172,8 +199,9 @@ def test_gradient_checkpointing_changes_nothing_but_memory():
     results = []
     for checkpointing in (False, True):
         d = small_drafter(7)
-        model = TTT(d, torch.randn(50, 32, generator=torch.Generator().manual_seed(0)), 3, 0.8,
-                    checkpointing=checkpointing)
+        model = TTT(
+            d, torch.randn(50, 32, generator=torch.Generator().manual_seed(0)), 3, 0.8, checkpointing=checkpointing
+        )
         total, _ = model(packed)
         total.backward()
         results.append((total.detach(), [p.grad.clone() for p in d.parameters() if p.requires_grad]))

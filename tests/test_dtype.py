@@ -83,8 +83,9 @@ def test_the_cpu_trainers_freed_scores_are_reused_not_faulted_in_again():
 
     def faults(malloc: str) -> tuple[str, int]:
         env = {**os.environ, "SPECDRAFT_MALLOC": malloc}
-        out = subprocess.run([sys.executable, "-c", FAULTS_SCRIPT], env=env, capture_output=True, text=True,
-                             check=True).stdout.split()
+        out = subprocess.run(
+            [sys.executable, "-c", FAULTS_SCRIPT], env=env, capture_output=True, text=True, check=True
+        ).stdout.split()
         return out[0], int(out[1])
 
     (applied_default, default), (applied, reused) = faults("default"), faults("reuse")

@@ -11,9 +11,14 @@ import pytest
 
 
 def specdraft(*args, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "specdraft.cli", *args], cwd=cwd, capture_output=True,
-                          text=True, check=False, env={"PATH": "/usr/bin:/bin", "TQDM_DISABLE": "1",
-                                                       "HOME": str(Path.home())})
+    return subprocess.run(
+        [sys.executable, "-m", "specdraft.cli", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        check=False,
+        env={"PATH": "/usr/bin:/bin", "TQDM_DISABLE": "1", "HOME": str(Path.home())},
+    )
 
 
 def assert_one_line_error(proc, *needles):
@@ -28,8 +33,9 @@ def assert_one_line_error(proc, *needles):
 def leftovers(run: Path) -> list[str]:
     """Files a failed stage left behind beyond the run's records, manifest.json and STATUS.md (temporary
     names included)."""
-    return sorted(str(p.relative_to(run)) for p in run.rglob("*")
-                  if p.is_file() and p.name not in ("manifest.json", "STATUS.md"))
+    return sorted(
+        str(p.relative_to(run)) for p in run.rglob("*") if p.is_file() and p.name not in ("manifest.json", "STATUS.md")
+    )
 
 
 def test_missing_model_path(tmp_path):

@@ -169,7 +169,8 @@ def test_chain_and_tree_greedy_equal_target_greedy(engine):
         assert s["exact_prompts"] >= len(prompts) - 1  # fp32: a tie is rare
         assert sum(s["accepted_length_histogram"]) == s["rounds"]
         assert s["tau"] == pytest.approx(
-            sum((a + 1) * c for a, c in enumerate(s["accepted_length_histogram"])) / s["rounds"], abs=1e-3)
+            sum((a + 1) * c for a, c in enumerate(s["accepted_length_histogram"])) / s["rounds"], abs=1e-3
+        )
     # The memorised answers are drafted deep: multi-token acceptance happened in the tree.
     assert sum(r["tree"]["accepted_length_histogram"][2:]) > 0
     assert r["tree"]["tau"] > 1.5 and r["chain"]["tau"] > 1.5
@@ -187,16 +188,24 @@ def test_static_engine_decodes_as_the_eager_engine(engine):
     cfg.max_new_tokens = 12
     r = eval_stage.evaluate(static, drafter, prompts[:1], cfg, eos)  # raises if speculation differs from greedy
     assert r["engine"] == "static"
-    assert rounds.greedy(static, ids, cfg.max_new_tokens, eos)[0] == rounds.greedy(runner, ids, cfg.max_new_tokens, eos)[0]
-    for name, shape in (("chain", tree.TreeShape.chain(cfg.draft_tokens)),
-                        ("tree", tree.TreeShape(cfg.tree_topk, cfg.tree_depth, cfg.tree_tokens))):
+    assert (
+        rounds.greedy(static, ids, cfg.max_new_tokens, eos)[0] == rounds.greedy(runner, ids, cfg.max_new_tokens, eos)[0]
+    )
+    for name, shape in (
+        ("chain", tree.TreeShape.chain(cfg.draft_tokens)),
+        ("tree", tree.TreeShape(cfg.tree_topk, cfg.tree_depth, cfg.tree_tokens)),
+    ):
         stats = rounds.Stats(shape.depth)
         eagle3_decode.speculative(runner, drafter, ids, cfg.max_new_tokens, eos, shape, stats)
         assert r[name]["exact_prompts"] == 1
         assert r[name]["accepted_length_histogram"] == stats.accepted_hist
     assert sum(r["tree"]["accepted_length_histogram"][2:]) > 0
-    sampled = [eagle3_decode.speculative_sampled(rn, drafter, ids, 8, eos, 3, 1.0, rounds.Stats(3), torch.Generator().manual_seed(0))
-               for rn in (runner, static)]
+    sampled = [
+        eagle3_decode.speculative_sampled(
+            rn, drafter, ids, 8, eos, 3, 1.0, rounds.Stats(3), torch.Generator().manual_seed(0)
+        )
+        for rn in (runner, static)
+    ]
     assert sampled[0] == sampled[1]
 
 
@@ -205,8 +214,9 @@ def test_sampled_decoder_runs_and_counts(engine):
     runner, drafter, target, _, prompts = engine
     stats = rounds.Stats(3)
     g = torch.Generator().manual_seed(0)
-    out = eagle3_decode.speculative_sampled(runner, drafter, prompts[0]["prompt_ids"], 10, target.eos_token_id, 3, 1.0,
-                                stats, g)
+    out = eagle3_decode.speculative_sampled(
+        runner, drafter, prompts[0]["prompt_ids"], 10, target.eos_token_id, 3, 1.0, stats, g
+    )
     assert 1 <= len(out) <= 10 and all(0 <= t < target.vocab_size for t in out)
     assert stats.rounds > 0 and sum(stats.accepted_hist) == stats.rounds
     # each round yields accepted + 1 tokens; the prefill yields the first
@@ -216,12 +226,32 @@ def test_sampled_decoder_runs_and_counts(engine):
 @pytest.mark.slow
 def test_eval_cli_on_a_prompts_file_reports_categories(memorised, tmp_path):
     prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("\n".join(json.dumps(r) for r in [
-        {"prompt": "What is 2 + 2?", "category": "math"},
-        {"prompt": "Name a color.", "category": "chat"},
-    ]) + "\n")
-    assert main(["eval", "--run", str(memorised), "--prompts-file", str(prompts), "--max-new-tokens", "6",
-                 "--temperature", "1.0"]) == 0
+    prompts.write_text(
+        "\n".join(
+            json.dumps(r)
+            for r in [
+                {"prompt": "What is 2 + 2?", "category": "math"},
+                {"prompt": "Name a color.", "category": "chat"},
+            ]
+        )
+        + "\n"
+    )
+    assert (
+        main(
+            [
+                "eval",
+                "--run",
+                str(memorised),
+                "--prompts-file",
+                str(prompts),
+                "--max-new-tokens",
+                "6",
+                "--temperature",
+                "1.0",
+            ]
+        )
+        == 0
+    )
     r = json.loads((memorised / "eval" / "report.json").read_text())
     assert r["prompts"] == 2 and set(r["per_category"]) == {"math", "chat"}
     assert r["tree"]["exact_prompts"] + r["tree"]["numerical_ties"] == 2
@@ -257,7 +287,9 @@ def test_steps_for_cuda_graphs_never_read_the_device_on_the_host(engine):
     rounds.greedy(static, ids, 4, eos)
     for shape in (tree.TreeShape.chain(3), tree.TreeShape(4, 3, 8)):
         eagle3_decode.speculative(static, drafter, ids, 6, eos, shape, rounds.Stats(shape.depth))
-    eagle3_decode.speculative_sampled(static, drafter, ids, 6, eos, 3, 1.0, rounds.Stats(3), torch.Generator().manual_seed(0))
+    eagle3_decode.speculative_sampled(
+        static, drafter, ids, 6, eos, 3, 1.0, rounds.Stats(3), torch.Generator().manual_seed(0)
+    )
     assert {k[0] for k in checked.keys} == {"target", "draft", "advance", "step"}
 
 

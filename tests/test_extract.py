@@ -54,10 +54,14 @@ def _rendered_run(root: Path, recipe: Recipe) -> RunFolder:
 
     run = RunFolder(root)
     run.init(recipe)
-    records = [r for r in islice(read_sharegpt(), 200)
-               if len(r["messages"]) >= 2 and r["messages"][0]["role"] == "user"
-               and r["messages"][1]["role"] == "assistant"
-               and len(r["messages"][0]["content"]) < SHORT_PROMPT_CHARS][:NUM_SAMPLES]
+    records = [
+        r
+        for r in islice(read_sharegpt(), 200)
+        if len(r["messages"]) >= 2
+        and r["messages"][0]["role"] == "user"
+        and r["messages"][1]["role"] == "assistant"
+        and len(r["messages"][0]["content"]) < SHORT_PROMPT_CHARS
+    ][:NUM_SAMPLES]
     with open(root / "conversations.jsonl", "w") as f:
         f.writelines(json.dumps({"id": r["id"], "messages": r["messages"][:2]}) + "\n" for r in records)
     run.record("gen", state="done")
@@ -131,8 +135,7 @@ def test_index_ties_samples_layers_and_target(bf16_run, target):
         assert item["aux"].shape == (len(ids), 3 * 576) and item["last"].shape == (len(ids), 576)
         assert item["aux"].dtype == item["last"].dtype == torch.bfloat16
     m = bf16_run.manifest()["stages"]["extract"]
-    assert m["counts"]["disk_bytes"] == sum((bf16_run.hidden / s["name"]).stat().st_size
-                                            for s in index["shards"])
+    assert m["counts"]["disk_bytes"] == sum((bf16_run.hidden / s["name"]).stat().st_size for s in index["shards"])
 
 
 def test_stored_states_are_vllms_layers_and_the_final_norm(bf16_run, target):
@@ -141,7 +144,7 @@ def test_stored_states_are_vllms_layers_and_the_final_norm(bf16_run, target):
     item = store[3]
     ref = Reference(target, item["input_ids"])
     for j, k in enumerate((2, 15, 27)):
-        ref.assert_layer(item["aux"][:, j * 576:(j + 1) * 576], k)
+        ref.assert_layer(item["aux"][:, j * 576 : (j + 1) * 576], k)
     ref.assert_layer(item["last"], -1)
 
 
@@ -161,8 +164,9 @@ def test_fp8_round_trip_error_bound(bf16_run):
             bound = torch.maximum(x.abs() * 2**-4, s * 2**-10) + back.abs() * 2**-8
             assert ((back - x).abs() <= bound * (1 + 1e-6)).all(), (i, name)
             # The row maxima map to the largest finite e4m3 value: the whole range is used.
-            assert torch.allclose(q.float().abs().reshape(x.shape[0], rows, -1).amax(-1),
-                                  torch.full((x.shape[0], rows), FP8_E4M3_MAX))
+            assert torch.allclose(
+                q.float().abs().reshape(x.shape[0], rows, -1).amax(-1), torch.full((x.shape[0], rows), FP8_E4M3_MAX)
+            )
             rel = ((back - x).norm() / x.norm()).item()
             assert rel < 0.05, rel  # measured ~0.02 on SmolLM2's states
 

@@ -24,9 +24,19 @@ def tiny_drafter(seed=0, target_hidden_size=32, **overrides) -> Eagle3Drafter:
     """A random drafter with a real draft vocabulary (20 of 50 ids) and bf16-exact embeddings, as a
     bf16 target's are."""
     torch.manual_seed(seed)
-    fields = dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=64,
-                  vocab_size=VOCAB, draft_vocab_size=DRAFT_VOCAB, target_hidden_size=target_hidden_size,
-                  aux_layer_ids=[1, 5, 9], rope_theta=50000.0, rms_norm_eps=1e-6)
+    fields = dict(
+        hidden_size=32,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        intermediate_size=64,
+        vocab_size=VOCAB,
+        draft_vocab_size=DRAFT_VOCAB,
+        target_hidden_size=target_hidden_size,
+        aux_layer_ids=[1, 5, 9],
+        rope_theta=50000.0,
+        rms_norm_eps=1e-6,
+    )
     d = Eagle3Drafter(DrafterConfig(**{**fields, **overrides}))
     torch.nn.init.normal_(d.embed_tokens.weight)
     d.embed_tokens.weight.data = d.embed_tokens.weight.data.to(torch.bfloat16).float()
@@ -41,8 +51,15 @@ def tiny_drafter(seed=0, target_hidden_size=32, **overrides) -> Eagle3Drafter:
 
 def export(fmt, drafter, out, include_embed=False):
     if fmt == "vllm":
-        return write_vllm(drafter, out, verifier="tiny-target", verifier_architectures=["LlamaForCausalLM"],
-                          speculative_tokens=3, include_embed=include_embed, provenance={"run": "test"})
+        return write_vllm(
+            drafter,
+            out,
+            verifier="tiny-target",
+            verifier_architectures=["LlamaForCausalLM"],
+            speculative_tokens=3,
+            include_embed=include_embed,
+            provenance={"run": "test"},
+        )
     return write_sglang(drafter, out, include_embed=include_embed, provenance={"run": "test"})
 
 
@@ -96,10 +113,21 @@ def test_sglang_tensor_names_are_the_flat_ones(tmp_path):
     d = tiny_drafter()
     out = export("sglang", d, tmp_path / "sglang")
     tensors = load_file(str(out / "model.safetensors"))
-    layer = ["input_layernorm", "hidden_norm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
-             "self_attn.o_proj", "post_attention_layernorm", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]
-    assert set(tensors) == ({"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d"}
-                            | {f"midlayer.{n}.weight" for n in layer})
+    layer = [
+        "input_layernorm",
+        "hidden_norm",
+        "self_attn.q_proj",
+        "self_attn.k_proj",
+        "self_attn.v_proj",
+        "self_attn.o_proj",
+        "post_attention_layernorm",
+        "mlp.gate_proj",
+        "mlp.up_proj",
+        "mlp.down_proj",
+    ]
+    assert set(tensors) == (
+        {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d"} | {f"midlayer.{n}.weight" for n in layer}
+    )
     assert set(formats.SGLANG_KEYS.values()) == set(tensors)
     for ours, t in d.state_dict().items():  # each tensor under its own name, none swapped
         theirs = ours.replace("layers.0.", "midlayer.")
@@ -126,11 +154,24 @@ def test_flat_config_writes_every_flag_explicitly(tmp_path):
     assert config["eagle_aux_hidden_state_layer_ids"] == [1, 5, 9]
     assert config["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": [0, 4, 8], "use_aux_hidden_state": True}
     # Fields where a missing value would fall to a default that differs from the drafter (or between engines).
-    explicit = {"hidden_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
-                "intermediate_size": 64, "hidden_act": "silu", "rms_norm_eps": 1e-6, "rope_theta": 50000.0,
-                "max_position_embeddings": 8192, "tie_word_embeddings": False, "attention_bias": False,
-                "mlp_bias": False, "torch_dtype": "bfloat16", "norm_before_fc": False, "fc_norm": False,
-                "norm_output": False}
+    explicit = {
+        "hidden_size": 32,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 8,
+        "intermediate_size": 64,
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 50000.0,
+        "max_position_embeddings": 8192,
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "torch_dtype": "bfloat16",
+        "norm_before_fc": False,
+        "fc_norm": False,
+        "norm_output": False,
+    }
     assert {k: config.get(k) for k in explicit} == explicit
     assert config["rope_parameters"] == {"rope_type": "default", "rope_theta": 50000.0}
 
@@ -141,8 +182,13 @@ def _rename(folder, rename):
     save_file({rename(k): v for k, v in tensors.items()}, str(path))
 
 
-@pytest.mark.parametrize("rename", [lambda k: k.replace("midlayer.", "layers.0."),  # vLLM-style names
-                                    lambda k: "model." + k])  # as some checkpoints prefix them
+@pytest.mark.parametrize(
+    "rename",
+    [
+        lambda k: k.replace("midlayer.", "layers.0."),  # vLLM-style names
+        lambda k: "model." + k,
+    ],
+)  # as some checkpoints prefix them
 def test_flat_folder_with_other_layer_names_reads(rename, tmp_path):
     d = tiny_drafter(target_hidden_size=48)
     out = export("sglang", d, tmp_path / "sglang")
@@ -150,8 +196,15 @@ def test_flat_folder_with_other_layer_names_reads(rename, tmp_path):
     assert_same_drafter(d, read_drafter(out))
 
 
-@pytest.mark.parametrize("fmt,name", [("vllm", "layers.0.self_attn.k_proj.weight"), ("vllm", "lm_head.weight"),
-                                      ("sglang", "midlayer.self_attn.k_proj.weight"), ("sglang", "fc.weight")])
+@pytest.mark.parametrize(
+    "fmt,name",
+    [
+        ("vllm", "layers.0.self_attn.k_proj.weight"),
+        ("vllm", "lm_head.weight"),
+        ("sglang", "midlayer.self_attn.k_proj.weight"),
+        ("sglang", "fc.weight"),
+    ],
+)
 def test_missing_tensor_is_named(fmt, name, tmp_path):
     out = export(fmt, tiny_drafter(target_hidden_size=48), tmp_path / fmt)
     path = out / "model.safetensors"
@@ -228,8 +281,12 @@ def test_flat_aux_ids_from_either_engine_list_and_disagreement_refused(tmp_path)
     with pytest.raises(ValueError, match="no aux layer ids"):
         read_drafter(out)
     # The same list under both keys names different layers in the two engines.
-    _edit_config(out, lambda c: c.update(eagle_aux_hidden_state_layer_ids=[1, 5, 9],
-                                         eagle_config={"eagle_aux_hidden_state_layer_ids": [1, 5, 9]}))
+    _edit_config(
+        out,
+        lambda c: c.update(
+            eagle_aux_hidden_state_layer_ids=[1, 5, 9], eagle_config={"eagle_aux_hidden_state_layer_ids": [1, 5, 9]}
+        ),
+    )
     with pytest.raises(ValueError, match="different hidden states"):
         read_drafter(out)
 
@@ -243,11 +300,14 @@ def test_flat_norm_before_residual_defaults_to_false_when_absent(tmp_path):
     assert read_drafter(v).config.norm_before_residual is True  # the speculators path's default
 
 
-@pytest.mark.parametrize("overrides,include_embed,match", [
-    ({"aux_layer_ids": [3, 7]}, False, "exactly 3"),
-    ({"norm_before_residual": True}, False, "norm_before_residual"),
-    ({}, True, "replaces it"),
-])
+@pytest.mark.parametrize(
+    "overrides,include_embed,match",
+    [
+        ({"aux_layer_ids": [3, 7]}, False, "exactly 3"),
+        ({"norm_before_residual": True}, False, "norm_before_residual"),
+        ({}, True, "replaces it"),
+    ],
+)
 def test_sglang_refuses_what_it_would_serve_differently(overrides, include_embed, match, tmp_path):
     d = tiny_drafter(**overrides)
     with pytest.raises(ValueError, match=match):
@@ -272,9 +332,11 @@ def test_formats_and_serve_command():
         with pytest.raises(ValueError, match="known"):
             resolve_formats(bad)
     command = sglang_serve_command("/models/target", "/runs/x/export/sglang", 3)
-    assert command == ("python -m sglang.launch_server --model-path /models/target --speculative-algorithm EAGLE3 "
-                       "--speculative-draft-model-path /runs/x/export/sglang --speculative-num-steps 3 "
-                       "--speculative-eagle-topk 1 --speculative-num-draft-tokens 4 --dtype bfloat16")
+    assert command == (
+        "python -m sglang.launch_server --model-path /models/target --speculative-algorithm EAGLE3 "
+        "--speculative-draft-model-path /runs/x/export/sglang --speculative-num-steps 3 "
+        "--speculative-eagle-topk 1 --speculative-num-draft-tokens 4 --dtype bfloat16"
+    )
 
 
 def test_export_stage_writes_both_folders_and_serve_commands(tmp_path, monkeypatch, capsys):
@@ -285,14 +347,17 @@ def test_export_stage_writes_both_folders_and_serve_commands(tmp_path, monkeypat
 
     d = tiny_drafter()
     target = SimpleNamespace(path=tmp_path / "target", config=SimpleNamespace(architectures=["LlamaForCausalLM"]))
-    monkeypatch.setattr(export_stage, "load_trained",
-                        lambda recipe, run: (d, target, d.embed_tokens.weight.detach().to(torch.bfloat16)))
+    monkeypatch.setattr(
+        export_stage, "load_trained", lambda recipe, run: (d, target, d.embed_tokens.weight.detach().to(torch.bfloat16))
+    )
     recipe = Recipe()
     recipe.export.formats = ["both"]
     run = RunFolder(tmp_path / "run")
     entry = export_stage.run(recipe, run)
-    assert entry["folders"] == {"vllm": {"path": "export/vllm", "format": "speculators (Eagle3Speculator)"},
-                                "sglang": {"path": "export/sglang", "format": "flat (LlamaForCausalLMEagle3)"}}
+    assert entry["folders"] == {
+        "vllm": {"path": "export/vllm", "format": "speculators (Eagle3Speculator)"},
+        "sglang": {"path": "export/sglang", "format": "flat (LlamaForCausalLMEagle3)"},
+    }
     assert entry["embed_included"] is False
     assert entry["serve_command"] == entry["serve_commands"]["vllm"]
     assert "--speculative-num-draft-tokens 4" in entry["serve_commands"]["sglang"]
@@ -323,14 +388,17 @@ def test_export_takes_k_from_an_eval_newer_than_the_drafter(tmp_path, monkeypatc
 
     d = tiny_drafter()
     target = SimpleNamespace(path=tmp_path / "target", config=SimpleNamespace(architectures=["LlamaForCausalLM"]))
-    monkeypatch.setattr(export_stage, "load_trained",
-                        lambda recipe, run: (d, target, d.embed_tokens.weight.detach().to(torch.bfloat16)))
+    monkeypatch.setattr(
+        export_stage, "load_trained", lambda recipe, run: (d, target, d.embed_tokens.weight.detach().to(torch.bfloat16))
+    )
     recipe = Recipe()
     recipe.export.formats = ["both"]
     run = RunFolder(tmp_path / "run")
     run.record("train", state="done", extra={"finished": "2026-12-01T10:00:00+0000"})
-    write_json(run.path / "eval" / "report.json",
-                       {"per_position_acceptance": [0.292, 0.091, 0.028], "draft_to_target_cost": 0.04})
+    write_json(
+        run.path / "eval" / "report.json",
+        {"per_position_acceptance": [0.292, 0.091, 0.028], "draft_to_target_cost": 0.04},
+    )
     run.record("eval", state="done", extra={"finished": "2026-12-01T11:00:00+0000"})
     entry = export_stage.run(recipe, run)
     assert entry["speculative_tokens"]["value"] == 2 and entry["speculative_tokens"]["source"] == "eval/report.json"
@@ -356,8 +424,11 @@ def test_eagle31_norms_round_trip_through_vllm_and_are_refused_by_sglang(flag, t
     config = json.loads((out / "config.json").read_text())
     assert config[flag] is True and all(config[f] is False for f in formats.EAGLE31_FLAGS if f != flag)
     names = set(load_file(str(out / "model.safetensors")))
-    assert {"norm_before_fc": {"input_norm.weight"}, "fc_norm": {"fc_norm.0.weight", "fc_norm.1.weight",
-            "fc_norm.2.weight"}, "norm_output": set()}[flag] <= names
+    assert {
+        "norm_before_fc": {"input_norm.weight"},
+        "fc_norm": {"fc_norm.0.weight", "fc_norm.1.weight", "fc_norm.2.weight"},
+        "norm_output": set(),
+    }[flag] <= names
     assert_same_drafter(d, read_drafter(out))
     with pytest.raises(ValueError, match="EAGLE-3.1"):
         export("sglang", d, tmp_path / "sglang")

@@ -28,11 +28,20 @@ from specdraft.methods.eagle3.formats import write_sglang, write_vllm
 pytestmark = pytest.mark.slow  # reads the real target's config and embedding
 
 ODD_VALUES = st.one_of(
-    st.none(), st.booleans(), st.integers(-2**40, 2**40), st.floats(allow_nan=True, allow_infinity=True),
-    st.text(max_size=12), st.lists(st.integers(-5, 40), max_size=5), st.dictionaries(st.text(max_size=5),
-                                                                                    st.integers(), max_size=2))
-SETTINGS = settings(max_examples=60, deadline=None, derandomize=True,
-                    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**40), 2**40),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=12),
+    st.lists(st.integers(-5, 40), max_size=5),
+    st.dictionaries(st.text(max_size=5), st.integers(), max_size=2),
+)
+SETTINGS = settings(
+    max_examples=60,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
 
 
 @pytest.fixture(scope="module")
@@ -44,9 +53,18 @@ def folders(target, tmp_path_factory) -> dict[str, Path]:
     d.d2t.copy_(d2t)
     d.t2d.copy_(t2d)
     root = tmp_path_factory.mktemp("fuzz")
-    return {"vllm": write_vllm(d, root / "vllm", verifier="smollm2", verifier_architectures=["LlamaForCausalLM"],
-                               speculative_tokens=3, include_embed=False, provenance={}),
-            "sglang": write_sglang(d, root / "sglang", include_embed=False, provenance={})}
+    return {
+        "vllm": write_vllm(
+            d,
+            root / "vllm",
+            verifier="smollm2",
+            verifier_architectures=["LlamaForCausalLM"],
+            speculative_tokens=3,
+            include_embed=False,
+            provenance={},
+        ),
+        "sglang": write_sglang(d, root / "sglang", include_embed=False, provenance={}),
+    }
 
 
 def paths(config: dict, prefix=()) -> list[tuple]:

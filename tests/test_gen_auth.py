@@ -64,8 +64,9 @@ def keyed_vllm(target, tmp_path_factory):
 
     need_vllm()
     # The server's log stays outside every run folder (vLLM redacts the key there anyway).
-    with VllmServer(target.path, log_path=tmp_path_factory.mktemp("vllm-keyed") / "vllm.log", api_key=KEY,
-                    extra=VLLM_EAGER) as server:
+    with VllmServer(
+        target.path, log_path=tmp_path_factory.mktemp("vllm-keyed") / "vllm.log", api_key=KEY, extra=VLLM_EAGER
+    ) as server:
         yield server
 
 
@@ -73,8 +74,15 @@ def specdraft(args: list[str], env_extra: dict, cwd: Path) -> subprocess.Complet
     """The command line, with no key in the environment but what `env_extra` gives."""
     env = {k: v for k, v in os.environ.items() if k not in ("OPENAI_API_KEY", KEY_ENV)}
     env.update({"PYTHONPATH": str(ROOT), "TQDM_DISABLE": "1", **env_extra})
-    return subprocess.run([sys.executable, "-m", "specdraft.cli", *args], check=False, env=env, cwd=cwd,
-                          capture_output=True, text=True, timeout=900)
+    return subprocess.run(
+        [sys.executable, "-m", "specdraft.cli", *args],
+        check=False,
+        env=env,
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
 
 
 def files_holding(folder: Path, secret: str) -> list[str]:
@@ -99,8 +107,21 @@ def test_gen_render_and_bench_carry_the_key_and_write_it_nowhere(keyed_vllm, tmp
     run = tmp_path / "run"
     env = {KEY_ENV: KEY}
     outputs = []
-    gen = specdraft(["gen", "--recipe", str(tmp_path / "keyed.toml"), "--run", str(run), "--endpoint", keyed_vllm.url,
-                     "--api-key-env", KEY_ENV], env, tmp_path)
+    gen = specdraft(
+        [
+            "gen",
+            "--recipe",
+            str(tmp_path / "keyed.toml"),
+            "--run",
+            str(run),
+            "--endpoint",
+            keyed_vllm.url,
+            "--api-key-env",
+            KEY_ENV,
+        ],
+        env,
+        tmp_path,
+    )
     outputs.append(gen)
     assert gen.returncode == 0, gen.stdout[-2000:] + gen.stderr[-3000:]
     recs = conversations(run)
@@ -117,8 +138,25 @@ def test_gen_render_and_bench_carry_the_key_and_write_it_nowhere(keyed_vllm, tmp
     assert len(tokenize) == 4 and all(tokenize)
     assert json.loads((run / "manifest.json").read_text())["stages"]["render"]["counts"]["vllm_checked"] == 4
 
-    bench = specdraft(["bench", "--run", str(run), "--endpoint", keyed_vllm.url, "--concurrency", "1",
-                       "--requests", "2", "--max-tokens", "8", "--prompts", "2"], env, tmp_path)
+    bench = specdraft(
+        [
+            "bench",
+            "--run",
+            str(run),
+            "--endpoint",
+            keyed_vllm.url,
+            "--concurrency",
+            "1",
+            "--requests",
+            "2",
+            "--max-tokens",
+            "8",
+            "--prompts",
+            "2",
+        ],
+        env,
+        tmp_path,
+    )
     outputs.append(bench)
     assert bench.returncode == 0, bench.stdout[-2000:] + bench.stderr[-3000:]
     level = json.loads((run / "eval" / "bench.json").read_text())["configurations"][0]["levels"][0]
@@ -141,13 +179,19 @@ def test_gen_without_the_right_key_stops_at_once_with_one_line(keyed_vllm, tmp_p
     run = tmp_path / "run"
     args = ["gen", "--recipe", str(tmp_path / "keyed.toml"), "--run", str(run)]
     if case.endswith("named"):
-        args += ["--model", httpx.get(f"{keyed_vllm.url}/v1/models", headers={"Authorization": f"Bearer {KEY}"},
-                                      timeout=30).json()["data"][0]["id"]]
+        args += [
+            "--model",
+            httpx.get(f"{keyed_vllm.url}/v1/models", headers={"Authorization": f"Bearer {KEY}"}, timeout=30).json()[
+                "data"
+            ][0]["id"],
+        ]
     with KeyCheckingProxy(keyed_vllm.url, guard=False) as proxy:
         result = specdraft([*args, "--endpoint", proxy.url], env, tmp_path)
     line = one_error_line(result)
     assert " 401 " in line and "gen.api_key_env" in line
-    assert ("OPENAI_API_KEY is not set" if case.startswith("no key") else "refused the API key in $OPENAI_API_KEY") in line
+    assert (
+        "OPENAI_API_KEY is not set" if case.startswith("no key") else "refused the API key in $OPENAI_API_KEY"
+    ) in line
     assert conversations(run) == []
     gen_errors = RunFolder(run).gen_errors
     assert not gen_errors.exists() or gen_errors.read_text() == ""
@@ -168,20 +212,53 @@ def test_render_and_bench_without_the_key_stop_with_one_line(keyed_vllm, tmp_pat
     the request without a key (the default variable, unset) stops render at once with its 401."""
     (tmp_path / "keyed.toml").write_text(RECIPE)
     run = tmp_path / "run"
-    gen = specdraft(["gen", "--recipe", str(tmp_path / "keyed.toml"), "--run", str(run), "--endpoint",
-                     keyed_vllm.url, "--api-key-env", KEY_ENV], {KEY_ENV: KEY}, tmp_path)
+    gen = specdraft(
+        [
+            "gen",
+            "--recipe",
+            str(tmp_path / "keyed.toml"),
+            "--run",
+            str(run),
+            "--endpoint",
+            keyed_vllm.url,
+            "--api-key-env",
+            KEY_ENV,
+        ],
+        {KEY_ENV: KEY},
+        tmp_path,
+    )
     assert gen.returncode == 0, gen.stderr[-3000:]
     with KeyCheckingProxy(keyed_vllm.url, guard=True) as proxy:
         render = specdraft(["render", "--run", str(run), "--verify-endpoint", proxy.url], {}, tmp_path)
         line = one_error_line(render)
         assert "gen.api_key_env" in line and "not set" in line and proxy.seen == []
-        bench = specdraft(["bench", "--run", str(run), "--endpoint", proxy.url, "--concurrency", "1",
-                           "--requests", "1", "--max-tokens", "8", "--prompts", "1"], {}, tmp_path)
+        bench = specdraft(
+            [
+                "bench",
+                "--run",
+                str(run),
+                "--endpoint",
+                proxy.url,
+                "--concurrency",
+                "1",
+                "--requests",
+                "1",
+                "--max-tokens",
+                "8",
+                "--prompts",
+                "1",
+            ],
+            {},
+            tmp_path,
+        )
         line = one_error_line(bench)
         assert "gen.api_key_env" in line and "not set" in line and proxy.seen == []
         # the default variable, unset: no key sent, and the server's 401 stops render at once
-        render = specdraft(["render", "--run", str(run), "--verify-endpoint", proxy.url,
-                            "--set", "gen.api_key_env=OPENAI_API_KEY"], {}, tmp_path)
+        render = specdraft(
+            ["render", "--run", str(run), "--verify-endpoint", proxy.url, "--set", "gen.api_key_env=OPENAI_API_KEY"],
+            {},
+            tmp_path,
+        )
     line = one_error_line(render)
     assert "/tokenize answered 401" in line and "$OPENAI_API_KEY is not set" in line and "gen.api_key_env" in line
     assert not RunFolder(run).tokens.exists() or not any(RunFolder(run).tokens.iterdir())
@@ -190,8 +267,9 @@ def test_render_and_bench_without_the_key_stop_with_one_line(keyed_vllm, tmp_pat
 
 def test_a_key_pasted_where_its_variables_name_belongs_is_refused_before_anything_is_written(tmp_path):
     run = tmp_path / "run"
-    result = specdraft(["gen", "--run", str(run), "--endpoint", "http://127.0.0.1:9", "--api-key-env", KEY], {},
-                       tmp_path)
+    result = specdraft(
+        ["gen", "--run", str(run), "--endpoint", "http://127.0.0.1:9", "--api-key-env", KEY], {}, tmp_path
+    )
     line = one_error_line(result)
     assert "gen.api_key_env" in line and "name of an environment variable" in line and KEY not in line
     assert not run.exists() or files_holding(run, KEY) == []

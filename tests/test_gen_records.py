@@ -33,17 +33,20 @@ def test_a_torn_last_line_is_dropped_and_whole_lines_kept(tmp_path):
 THINK = ("<think>", "</think>")
 
 
-@pytest.mark.parametrize("message, expected", [
-    ({"content": "A", "reasoning": "R"}, ("A", "R", "reasoning")),
-    ({"content": "A", "reasoning": None, "reasoning_content": "R"}, ("A", "R", "reasoning_content")),
-    ({"content": "<think>\nR\n</think>\n\nA"}, ("A", "R", "inline")),
-    # The template opened the marker in the generation prompt: only the end marker is in the answer.
-    ({"content": "R\n</think>\n\nA"}, ("A", "R", "inline")),
-    # A marker quoted in the middle of an answer is not reasoning.
-    ({"content": "Use <think>x</think> tags."}, ("Use <think>x</think> tags.", "", "none")),
-    ({"content": "A", "reasoning": ""}, ("A", "", "none")),
-    ({"content": None}, ("", "", "none")),
-])
+@pytest.mark.parametrize(
+    "message, expected",
+    [
+        ({"content": "A", "reasoning": "R"}, ("A", "R", "reasoning")),
+        ({"content": "A", "reasoning": None, "reasoning_content": "R"}, ("A", "R", "reasoning_content")),
+        ({"content": "<think>\nR\n</think>\n\nA"}, ("A", "R", "inline")),
+        # The template opened the marker in the generation prompt: only the end marker is in the answer.
+        ({"content": "R\n</think>\n\nA"}, ("A", "R", "inline")),
+        # A marker quoted in the middle of an answer is not reasoning.
+        ({"content": "Use <think>x</think> tags."}, ("Use <think>x</think> tags.", "", "none")),
+        ({"content": "A", "reasoning": ""}, ("A", "", "none")),
+        ({"content": None}, ("", "", "none")),
+    ],
+)
 def test_reasoning_is_found_whatever_the_field(message, expected):
     assert split_reasoning(message, THINK) == expected
 
@@ -76,8 +79,9 @@ def test_chat_template_kwargs_from_a_flag_is_a_json_object():
 
 
 def test_gen_flags_take_repeated_endpoints_and_bare_switches():
-    args = build_parser().parse_args(["gen", "--endpoint", "http://a:1", "--endpoint", "http://b:2/v1",
-                                      "--self-instruct", "--num-samples", "7"])
+    args = build_parser().parse_args(
+        ["gen", "--endpoint", "http://a:1", "--endpoint", "http://b:2/v1", "--self-instruct", "--num-samples", "7"]
+    )
     values = vars(args)
     assert values["gen.endpoints"] == ["http://a:1", "http://b:2/v1"]
     assert values["gen.self_instruct"] == "true" and values["gen.num_samples"] == "7"
@@ -94,10 +98,14 @@ def test_thinking_markers_of_the_bundled_target_and_a_family_override(target, mo
 def test_render_reads_the_fields_gen_wrote_on_each_message(tmp_path):
     from specdraft.data.sources import read_jsonl
 
-    answer = {"role": "assistant", "content": "A", "reasoning": "R", "reasoning_source": "reasoning",
-              "token_ids": [1, 2, 3]}
+    answer = {
+        "role": "assistant",
+        "content": "A",
+        "reasoning": "R",
+        "reasoning_source": "reasoning",
+        "token_ids": [1, 2, 3],
+    }
     path = tmp_path / "conversations.jsonl"
     path.write_text(json.dumps({"id": "x", "messages": [{"role": "user", "content": "Q"}, answer]}) + "\n")
     (record,) = read_jsonl(path)
     assert record["messages"][1] == answer
-

@@ -42,12 +42,26 @@ backoff_max_s = 2.0
 """
 
 
-def make_recipe(tmp_path: Path, endpoint: str, *, num_samples: int, max_new_tokens: int = 16,
-                timeout_s: float = 20.0, max_turns: int = 1, concurrency: int = 8, extra: str = "",
-                data: str = "") -> Path:
+def make_recipe(
+    tmp_path: Path,
+    endpoint: str,
+    *,
+    num_samples: int,
+    max_new_tokens: int = 16,
+    timeout_s: float = 20.0,
+    max_turns: int = 1,
+    concurrency: int = 8,
+    extra: str = "",
+    data: str = "",
+) -> Path:
     path = tmp_path / "recipe.toml"
-    text = SERVER_RECIPE.format(num_samples=num_samples, max_new_tokens=max_new_tokens, timeout_s=timeout_s,
-                                max_turns=max_turns, concurrency=concurrency)
+    text = SERVER_RECIPE.format(
+        num_samples=num_samples,
+        max_new_tokens=max_new_tokens,
+        timeout_s=timeout_s,
+        max_turns=max_turns,
+        concurrency=concurrency,
+    )
     text = text.replace("[gen]\n", f"[gen]\nendpoints = [\"{endpoint}\"]\n{extra}\n")
     path.write_text(text.replace("[data]\n", f"[data]\n{data}\n"))
     return path
@@ -175,12 +189,23 @@ def test_multi_turn_is_replayed_on_the_targets_own_answers(vllm_target, tmp_path
         [("user", "Name a colour."), ("assistant", "ORIGINAL ANSWER"), ("user", "Now name another one.")],
         [("user", "What is 2 + 2?"), ("assistant", "ORIGINAL ANSWER"), ("user", "And times 3?")],
     ]
-    source.write_text("".join(json.dumps({"id": f"c{i}", "messages": [{"role": r, "content": c} for r, c in conv]})
-                              + "\n" for i, conv in enumerate(convs)))
+    source.write_text(
+        "".join(
+            json.dumps({"id": f"c{i}", "messages": [{"role": r, "content": c} for r, c in conv]}) + "\n"
+            for i, conv in enumerate(convs)
+        )
+    )
     # One request at a time, here and when asking again: greedy text is then the same (docs/engine-facts.md:
     # bf16 batches of other shapes can flip near-ties).
-    recipe = make_recipe(tmp_path, vllm_target.url, num_samples=2, max_new_tokens=24, max_turns=0, concurrency=1,
-                         data=f'source = "{source}"\neval_fraction = 0.0')
+    recipe = make_recipe(
+        tmp_path,
+        vllm_target.url,
+        num_samples=2,
+        max_new_tokens=24,
+        max_turns=0,
+        concurrency=1,
+        data=f'source = "{source}"\neval_fraction = 0.0',
+    )
     run = gen_inline(tmp_path, recipe)
     recs = {r["id"]: r for r in records(run.path)}
     assert set(recs) == {"c0", "c1"}
@@ -191,14 +216,18 @@ def test_multi_turn_is_replayed_on_the_targets_own_answers(vllm_target, tmp_path
         assert first["content"] != "ORIGINAL ANSWER" and first["token_ids"] and second["token_ids"]
         # Greedy: asking the server again with the target's own first answer gives the same second answer.
         wire = [{"role": m["role"], "content": m["content"]} for m in r["messages"][:3]]
-        again = httpx.post(f"{vllm_target.url}/v1/chat/completions", timeout=120, json={
-            "model": str(vllm_target.model), "messages": wire, "max_tokens": 24, "temperature": 0}).json()
+        again = httpx.post(
+            f"{vllm_target.url}/v1/chat/completions",
+            timeout=120,
+            json={"model": str(vllm_target.model), "messages": wire, "max_tokens": 24, "temperature": 0},
+        ).json()
         assert again["choices"][0]["message"]["content"] == second["content"]
 
 
 def test_self_instruct_writes_distinct_prompts(vllm_target, tmp_path):
-    recipe = make_recipe(tmp_path, vllm_target.url, num_samples=4, max_new_tokens=64,
-                         extra="self_instruct = true\ntemperature = 0.7")
+    recipe = make_recipe(
+        tmp_path, vllm_target.url, num_samples=4, max_new_tokens=64, extra="self_instruct = true\ntemperature = 0.7"
+    )
     run = gen_inline(tmp_path, recipe)
     recs = records(run.path)
     assert len(recs) == 4
@@ -210,8 +239,13 @@ def test_self_instruct_writes_distinct_prompts(vllm_target, tmp_path):
 def test_self_instruct_samples_follow_the_sources_conversations(vllm_target, tmp_path):
     """gen.self_instruct_samples through a server: the source's conversations first, then as many the target
     wrote itself, counted apart (a rerun asking one more writes one more, not one fewer)."""
-    recipe = make_recipe(tmp_path, vllm_target.url, num_samples=2, max_new_tokens=64,
-                         extra="self_instruct_samples = 2\ntemperature = 0.7")
+    recipe = make_recipe(
+        tmp_path,
+        vllm_target.url,
+        num_samples=2,
+        max_new_tokens=64,
+        extra="self_instruct_samples = 2\ntemperature = 0.7",
+    )
     run = gen_inline(tmp_path, recipe)
     recs = records(run.path)
     written = [r for r in recs if r["id"].startswith("magpie-")]

@@ -25,7 +25,7 @@ def _lines(run_dir: Path) -> list[str]:
 
 def _answer_after(messages: list[dict], n: int) -> str | None:
     """The source's answer to the prompt of its first n messages: the assistant turn right after it."""
-    following = messages[n: n + 1]
+    following = messages[n : n + 1]
     if following and following[0]["role"] == "assistant" and following[0]["content"].strip():
         return following[0]["content"]
     return None
@@ -57,8 +57,10 @@ def test_source_answers_for_the_prompts_in_process_gen_asks_then_render(source_r
     assert counts["skipped_too_long"] == too_long and counts["records"] == len(records) > 0
     for r, p in zip(records, answered):
         assert r["messages"][:-1] == p["messages"]
-        assert r["messages"][-1] == {"role": "assistant",
-                                     "content": _answer_after(originals[p["id"]], len(p["messages"]))}
+        assert r["messages"][-1] == {
+            "role": "assistant",
+            "content": _answer_after(originals[p["id"]], len(p["messages"])),
+        }
         assert r["generator"] == {"kind": "source", "source": "sharegpt"}
         assert "token_ids" not in r["messages"][-1]
 
@@ -73,7 +75,7 @@ def test_source_answers_for_the_prompts_in_process_gen_asks_then_render(source_r
         full_text = tok.apply_chat_template(r["messages"], tokenize=False)
         assert full_text.startswith(prompt_text)
         # The turn ends at the end-of-turn token; the template's newline after it is not trained.
-        answer_text = full_text[len(prompt_text):].removesuffix("\n")
+        answer_text = full_text[len(prompt_text) :].removesuffix("\n")
         expected = tok.encode(answer_text, add_special_tokens=False)
         assert expected[-1] == target.eos_token_id
         assert ids[: len(p["prompt_ids"])] == p["prompt_ids"]

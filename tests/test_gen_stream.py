@@ -31,6 +31,7 @@ max_new_tokens = 8
 dtype = "float32"
 """
 
+
 def records(run: Path) -> list[dict]:
     path = RunFolder(run).conversations
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
@@ -38,8 +39,13 @@ def records(run: Path) -> list[dict]:
 
 def kill_in_call(tmp_path: Path, recipe: Path, run: Path, pause_at: int) -> None:
     """Run gen in a child process and kill -9 it while its `pause_at`-th generate call is in flight."""
-    kill_at("specdraft.stages.gen:generate_batch", pause_at, ["gen", "--recipe", str(recipe), "--run", str(run)],
-            tmp_path, when="before")
+    kill_at(
+        "specdraft.stages.gen:generate_batch",
+        pause_at,
+        ["gen", "--recipe", str(recipe), "--run", str(run)],
+        tmp_path,
+        when="before",
+    )
 
 
 def test_a_killed_single_turn_gen_keeps_every_finished_call_and_resumes_to_an_uninterrupted_runs_records(tmp_path):
@@ -74,8 +80,12 @@ def test_a_killed_multi_turn_gen_loses_no_answered_turn(tmp_path):
     it ended are saved and those it moved on are in gen_in_flight.jsonl as they stand, so the kill loses
     only the call in flight; the rerun ends with each conversation once, the saved ones as they were."""
     recipe = tmp_path / "turns.toml"
-    recipe.write_text(RECIPE.replace("max_new_tokens = 8", "max_new_tokens = 8\nmax_turns = 0")
-                      .replace(f"num_train = {CONVERSATIONS}", "num_train = 6") + "[render]\nmax_length = 512\n")
+    recipe.write_text(
+        RECIPE.replace("max_new_tokens = 8", "max_new_tokens = 8\nmax_turns = 0").replace(
+            f"num_train = {CONVERSATIONS}", "num_train = 6"
+        )
+        + "[render]\nmax_length = 512\n"
+    )
     run = tmp_path / "run"
     kill_in_call(tmp_path, recipe, run, pause_at=2)  # mid first turn: 6 conversations in calls of 3
     folder = RunFolder(run)

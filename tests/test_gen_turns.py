@@ -34,8 +34,10 @@ def test_every_turn_answered_in_order_and_none_past_renders_cut(target, tmp_path
     records = [json.loads(line) for line in (RunFolder(run).conversations).read_text().splitlines()]
     recipe = load_recipe(str(tmp_path / "turns.toml"))
     d = recipe.data
-    source = {c["id"]: [m["content"] for m in c["messages"] if m["role"] == "user"]
-              for c in prompts(d.source, "train", d.eval_fraction, d.split_seed)}
+    source = {
+        c["id"]: [m["content"] for m in c["messages"] if m["role"] == "user"]
+        for c in prompts(d.source, "train", d.eval_fraction, d.split_seed)
+    }
     answered, cut = [], 0
     for r in records:
         msgs = r["messages"]
@@ -83,13 +85,21 @@ def test_a_killed_multi_turn_gen_resumes_its_unfinished_conversations_at_the_tur
     their saved turn (their earlier answers kept, not regenerated) and ends with each conversation once."""
     from pausing import kill_at
 
-    recipe = RECIPE.replace("num_train = 4", "num_train = 8").replace(f"max_turns = {MAX_TURNS}", "max_turns = 0") \
-        .replace(f"max_length = {MAX_LENGTH}", "max_length = 512").replace("batch_size = 4", "batch_size = 3\ndtype = \"float32\"")
+    recipe = (
+        RECIPE.replace("num_train = 4", "num_train = 8")
+        .replace(f"max_turns = {MAX_TURNS}", "max_turns = 0")
+        .replace(f"max_length = {MAX_LENGTH}", "max_length = 512")
+        .replace("batch_size = 4", "batch_size = 3\ndtype = \"float32\"")
+    )
     (tmp_path / "turns.toml").write_text(recipe)
     run = tmp_path / "run"
     # Killed once the first generate call's conversations are saved (finished ones and those in flight).
-    kill_at("specdraft.stages.gen:_CallSaver.__call__", 1,
-            ["gen", "--recipe", str(tmp_path / "turns.toml"), "--run", str(run)], tmp_path)
+    kill_at(
+        "specdraft.stages.gen:_CallSaver.__call__",
+        1,
+        ["gen", "--recipe", str(tmp_path / "turns.toml"), "--run", str(run)],
+        tmp_path,
+    )
     flight = RunFolder(run).gen_in_flight
     assert flight.exists() and flight.stat().st_size, "gen ended before a turn left conversations in flight"
     in_flight = {r["id"]: r for r in map(json.loads, flight.read_text().splitlines())}
@@ -122,8 +132,13 @@ def test_cut_turns_keeps_the_first_answers_of_the_carried_three_turn_answers(tar
     # the file holds single-turn conversations first (saved after turn 1), then the longer ones
     originals = [json.loads(line) for line in lines[:25] + lines[-25:]]
     text = "".join(json.dumps(r) + "\n" for r in originals)
-    cut = subprocess.run([sys.executable, str(root / "scripts/cut_turns.py"), "1", "smollm2"], input=text,
-                         capture_output=True, text=True, check=True).stdout.splitlines()
+    cut = subprocess.run(
+        [sys.executable, str(root / "scripts/cut_turns.py"), "1", "smollm2"],
+        input=text,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.splitlines()
     assert len(cut) == len(originals) and any(len(r["messages"]) > 2 for r in originals)
     for line, original in zip(cut, originals):
         r = json.loads(line)
@@ -197,8 +212,9 @@ def test_in_process_self_instruct_samples_come_after_the_sources_prompts(target,
     wrote itself; a rerun that wants one more keeps every record and writes only that one."""
     from specdraft.stages.gen import MAGPIE_PREFIX, magpie_id
 
-    recipe = SELF_INSTRUCT.replace("self_instruct = true\nnum_samples = 3",
-                                   "self_instruct_samples = 2").replace("[data]", "[data]\nnum_train = 2")
+    recipe = SELF_INSTRUCT.replace("self_instruct = true\nnum_samples = 3", "self_instruct_samples = 2").replace(
+        "[data]", "[data]\nnum_train = 2"
+    )
     (tmp_path / "m.toml").write_text(recipe)
     run = tmp_path / "run"
     assert main(["gen", "--recipe", str(tmp_path / "m.toml"), "--run", str(run)]) == 0

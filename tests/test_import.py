@@ -60,8 +60,15 @@ def assert_identical(trained, imported):
 
 def export(fmt, d, out):
     if fmt == "vllm":
-        return write_vllm(d, out, verifier="smollm2", verifier_architectures=["LlamaForCausalLM"],
-                          speculative_tokens=3, include_embed=False, provenance={"run": "test"})
+        return write_vllm(
+            d,
+            out,
+            verifier="smollm2",
+            verifier_architectures=["LlamaForCausalLM"],
+            speculative_tokens=3,
+            include_embed=False,
+            provenance={"run": "test"},
+        )
     return write_sglang(d, out, include_embed=False, provenance={"run": "test"})
 
 
@@ -72,7 +79,9 @@ def test_export_import_gives_identical_logits(fmt, drafter, target, tmp_path, ca
     imported, meta = load_checkpoint(tmp_path / "ckpt", target.embed_weight())
     assert_identical(drafter, imported)
     assert meta["aux_layer_ids"] == [2, 15, 27]
-    layout = "speculators (Eagle3Speculator, layers.0.*)" if fmt == "vllm" else "flat (LlamaForCausalLMEagle3, midlayer.*)"
+    layout = (
+        "speculators (Eagle3Speculator, layers.0.*)" if fmt == "vllm" else "flat (LlamaForCausalLMEagle3, midlayer.*)"
+    )
     assert meta["imported_from"]["layout"] == layout
     out = capsys.readouterr().out
     assert layout in out and "d2t: present" in out and "embed_tokens: not in the folder" in out
@@ -97,6 +106,7 @@ def test_import_into_a_run_is_what_eval_and_export_load(drafter, target, tmp_pat
 
 
 # --- where --out may write -------------------------------------------------------------------------
+
 
 def files_of(folder: Path) -> dict[str, bytes]:
     """Every file under `folder` with its bytes: what must come through a refused import unchanged."""
@@ -126,10 +136,18 @@ def test_import_leaves_a_folder_it_did_not_write_alone(drafter, tmp_path, capsys
 @pytest.mark.parametrize("where", ["the source", "inside it", "holding it", "its scratch name"])
 def test_import_never_writes_over_the_folder_it_reads(where, drafter, tmp_path, capsys):
     """save_checkpoint replaces `out` whole and clears `.<out>.tmp`: none of them may touch the source."""
-    source = {"the source": tmp_path / "drafter", "inside it": tmp_path / "drafter",
-              "holding it": tmp_path / "outer" / "drafter", "its scratch name": tmp_path / ".ckpt.tmp"}[where]
-    out = {"the source": source, "inside it": source / "ckpt", "holding it": source.parent,
-           "its scratch name": tmp_path / "ckpt"}[where]
+    source = {
+        "the source": tmp_path / "drafter",
+        "inside it": tmp_path / "drafter",
+        "holding it": tmp_path / "outer" / "drafter",
+        "its scratch name": tmp_path / ".ckpt.tmp",
+    }[where]
+    out = {
+        "the source": source,
+        "inside it": source / "ckpt",
+        "holding it": source.parent,
+        "its scratch name": tmp_path / "ckpt",
+    }[where]
     folder = export("sglang", drafter, source)
     before = files_of(folder)
     assert main(["import", str(folder), "--out", str(out), "--target", "smollm2"]) == 2
@@ -178,15 +196,31 @@ def specforge_folder(d: Eagle3Drafter, out, *, with_embed: bool, with_vocab_map:
     no target_hidden_size, no norm flags: the engines' defaults apply) and `midlayer.*` tensors."""
     c = d.config
     config = {
-        "architectures": ["LlamaForCausalLMEagle3"], "attention_bias": False, "attention_dropout": 0.0,
-        "bos_token_id": 1, "eos_token_id": 2, "head_dim": c.head_dim, "hidden_act": "silu",
-        "hidden_size": c.hidden_size, "initializer_range": 0.02, "intermediate_size": c.intermediate_size,
-        "max_position_embeddings": c.max_position_embeddings, "model_type": "llama",
-        "num_attention_heads": c.num_attention_heads, "num_hidden_layers": 1,
-        "num_key_value_heads": c.num_key_value_heads, "pad_token_id": 0, "rms_norm_eps": c.rms_norm_eps,
-        "rope_scaling": None, "rope_theta": c.rope_theta, "tie_word_embeddings": False,
-        "torch_dtype": "bfloat16", "transformers_version": "4.53.2", "use_cache": True,
-        "vocab_size": c.vocab_size, "draft_vocab_size": c.draft_vocab_size,
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "head_dim": c.head_dim,
+        "hidden_act": "silu",
+        "hidden_size": c.hidden_size,
+        "initializer_range": 0.02,
+        "intermediate_size": c.intermediate_size,
+        "max_position_embeddings": c.max_position_embeddings,
+        "model_type": "llama",
+        "num_attention_heads": c.num_attention_heads,
+        "num_hidden_layers": 1,
+        "num_key_value_heads": c.num_key_value_heads,
+        "pad_token_id": 0,
+        "rms_norm_eps": c.rms_norm_eps,
+        "rope_scaling": None,
+        "rope_theta": c.rope_theta,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "transformers_version": "4.53.2",
+        "use_cache": True,
+        "vocab_size": c.vocab_size,
+        "draft_vocab_size": c.draft_vocab_size,
     }
     ours = d.state_dict()
     names = dict(SPECFORGE_NAMES)
@@ -194,8 +228,10 @@ def specforge_folder(d: Eagle3Drafter, out, *, with_embed: bool, with_vocab_map:
         names["embed_tokens.weight"] = "embed_tokens.weight"
     if not with_vocab_map:
         del names["t2d"], names["d2t"]
-    tensors = {theirs: ours[mine].to(torch.bfloat16) if ours[mine].is_floating_point() else ours[mine]
-               for theirs, mine in names.items()}
+    tensors = {
+        theirs: ours[mine].to(torch.bfloat16) if ours[mine].is_floating_point() else ours[mine]
+        for theirs, mine in names.items()
+    }
     out.mkdir(parents=True)
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"))
     (out / "config.json").write_text(json.dumps(config, indent=2))
@@ -227,12 +263,29 @@ def test_folder_without_d2t_is_imported_as_the_engines_read_it_and_said_so(draft
 
 def test_misfits_against_the_target_are_all_named(target, tmp_path, capsys):
     torch.manual_seed(0)
-    other = Eagle3Drafter(DrafterConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                                        intermediate_size=128, vocab_size=1000, draft_vocab_size=100,
-                                        target_hidden_size=96, aux_layer_ids=[2, 15, 40]))
+    other = Eagle3Drafter(
+        DrafterConfig(
+            hidden_size=64,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            intermediate_size=128,
+            vocab_size=1000,
+            draft_vocab_size=100,
+            target_hidden_size=96,
+            aux_layer_ids=[2, 15, 40],
+        )
+    )
     other.d2t.copy_(vocab.build(torch.arange(1000), 100)[0])
-    folder = write_vllm(other, tmp_path / "other", verifier="x", verifier_architectures=[], speculative_tokens=3,
-                        include_embed=True, provenance={})
+    folder = write_vllm(
+        other,
+        tmp_path / "other",
+        verifier="x",
+        verifier_architectures=[],
+        speculative_tokens=3,
+        include_embed=True,
+        provenance={},
+    )
     assert main(["import", str(folder), "--out", str(tmp_path / "ckpt"), "--target", "smollm2"]) == 2
     err = capsys.readouterr().err
     assert "does not fit the target" in err
@@ -273,8 +326,12 @@ def speculators_save(python: Path, kind: str, target, out: Path, *args) -> Path:
     import subprocess
 
     script = Path(__file__).parent / "data" / "speculators_save.py"
-    proc = subprocess.run([str(python), str(script), kind, str(target.path), str(out), *map(str, args)],
-                          capture_output=True, text=True, check=False)
+    proc = subprocess.run(
+        [str(python), str(script), kind, str(target.path), str(out), *map(str, args)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out
 
@@ -327,6 +384,7 @@ def test_doctor_on_a_missing_folder_says_so(capsys):
 
 
 # --- DFlash folders ---------------------------------------------------------------------------------
+
 
 def dflash_drafter(target):
     """A random one-layer DFlash drafter of the bundled target's shapes (blocks of 4), over its whole
@@ -384,6 +442,7 @@ def test_dflash_fields_left_out_are_read_as_vllm_reads_them_and_reported(target,
     """A folder as a peer might write it: no rope theta, no block_size, the mask token at the top level.
     vLLM (through its Qwen3 config) reads theta 10,000, drafts the serve command's K and takes the top-level
     mask token; import does the same and says so."""
+
     def published_style(c):
         c.pop("rope_theta"), c.pop("rope_parameters"), c.pop("block_size")
         c["mask_token_id"] = c["dflash_config"].pop("mask_token_id")
@@ -398,14 +457,22 @@ def test_dflash_fields_left_out_are_read_as_vllm_reads_them_and_reported(target,
         assert note in out and any(n.startswith(note) for n in meta["imported_from"]["notes"]), out
 
 
-@pytest.mark.parametrize("edit,named", [
-    # vLLM reads a missing head_dim as 128 (its Qwen3 config default), not 576 / 9 = 64: the tensors misfit
-    (lambda c: c.pop("head_dim"), "self_attn.q_proj.weight: [576, 576] given, config.json needs [1152, 576]"),
-    (lambda c: c.update(head_dim=None), "null, which vLLM refuses"),
-    (lambda c: c["dflash_config"].update(causal=True), "causal block attention"),
-    (lambda c: c.update(eagle_aux_hidden_state_layer_ids=[2, 15, 30], dflash_config={
-        **c["dflash_config"], "target_layer_ids": [1, 14, 29]}), "target layers [30] outside 1..29"),
-])
+@pytest.mark.parametrize(
+    "edit,named",
+    [
+        # vLLM reads a missing head_dim as 128 (its Qwen3 config default), not 576 / 9 = 64: the tensors misfit
+        (lambda c: c.pop("head_dim"), "self_attn.q_proj.weight: [576, 576] given, config.json needs [1152, 576]"),
+        (lambda c: c.update(head_dim=None), "null, which vLLM refuses"),
+        (lambda c: c["dflash_config"].update(causal=True), "causal block attention"),
+        (
+            lambda c: c.update(
+                eagle_aux_hidden_state_layer_ids=[2, 15, 30],
+                dflash_config={**c["dflash_config"], "target_layer_ids": [1, 14, 29]},
+            ),
+            "target layers [30] outside 1..29",
+        ),
+    ],
+)
 def test_dflash_folders_that_do_not_fit_are_refused_with_the_reason(edit, named, target, tmp_path, capsys):
     folder = dflash_folder(dflash_drafter(target), target, tmp_path / "dflash", edit)
     assert main(["import", str(folder), "--out", str(tmp_path / "ckpt"), "--target", "smollm2"]) == 2
@@ -450,9 +517,11 @@ def test_speculators_dflash_folder_imports_exactly_and_passes_doctor(speculators
     assert config["target_hidden_size"] is None and config["aux_hidden_state_layer_ids"] == SPEC_AUX
     assert main(["import", str(speculators_dflash), "--out", str(tmp_path / "ckpt"), "--target", "smollm2"]) == 0
     out = capsys.readouterr().out
-    for note in ("aux_hidden_state_layer_ids [4, 16, 25]: vLLM's target_layer_ids [3, 15, 24]",
-                 "target_hidden_size: null; read as the drafter's hidden size 576",
-                 "is_neox_style: absent; read as true"):
+    for note in (
+        "aux_hidden_state_layer_ids [4, 16, 25]: vLLM's target_layer_ids [3, 15, 24]",
+        "target_hidden_size: null; read as the drafter's hidden size 576",
+        "is_neox_style: absent; read as true",
+    ):
         assert note in out, out
     imported, meta = load_checkpoint(tmp_path / "ckpt", target.embed_weight(), target.head_weight())
     assert imported.METHOD == "dflash" and meta["imported_from"]["layout"] == "speculators (dflash)"
@@ -471,6 +540,7 @@ def test_speculators_dflash_folder_imports_exactly_and_passes_doctor(speculators
 def test_speculators_dflash_fields_left_out_take_vllms_defaults(speculators_dflash, target, tmp_path, capsys):
     """vLLM builds this config from transformer_layer_config alone (no Qwen3 config behind it): no theta
     means its DFlash default 1e6, no head_dim hidden / heads; no block_size means its K + 1."""
+
     def leave_out(c):
         for key in ("sample_from_anchor", "sliding_window_non_causal", "block_size"):
             c.pop(key)
@@ -479,22 +549,28 @@ def test_speculators_dflash_fields_left_out_take_vllms_defaults(speculators_dfla
     folder = edited_copy(speculators_dflash, tmp_path, leave_out)
     assert main(["import", str(folder), "--out", str(tmp_path / "ckpt"), "--target", "smollm2"]) == 0
     out = capsys.readouterr().out
-    for note in ("sample_from_anchor: absent; read as false", "sliding_window_non_causal: absent; read as true",
-                 "block_size: absent; read as speculative_tokens + 1 = 4", "head_dim: absent; read as "
-                 "hidden_size / num_attention_heads = 64", "rope_theta: absent; read as 1e+06"):
+    for note in (
+        "sample_from_anchor: absent; read as false",
+        "sliding_window_non_causal: absent; read as true",
+        "block_size: absent; read as speculative_tokens + 1 = 4",
+        "head_dim: absent; read as hidden_size / num_attention_heads = 64",
+        "rope_theta: absent; read as 1e+06",
+    ):
         assert note in out, out
     imported, _ = load_checkpoint(tmp_path / "ckpt", target.embed_weight(), target.head_weight())
     assert (imported.config.block_size, imported.config.head_dim, imported.config.rope_theta) == (4, 64, 1e6)
 
 
-def test_speculators_dflash_over_the_whole_vocabulary_shares_the_targets_lm_head(speculators_python, target,
-                                                                                  tmp_path, capsys):
+def test_speculators_dflash_over_the_whole_vocabulary_shares_the_targets_lm_head(
+    speculators_python, target, tmp_path, capsys
+):
     """speculators leaves lm_head out of a full-vocabulary drafter (it is the target's, frozen), as vLLM
     expects: import gives the drafter the target's lm_head and no vocabulary mapping."""
     from safetensors.torch import load_file
 
-    folder = speculators_save(speculators_python, "dflash", target, tmp_path / "full", target.vocab_size, 16,
-                              ",".join(map(str, SPEC_AUX)))
+    folder = speculators_save(
+        speculators_python, "dflash", target, tmp_path / "full", target.vocab_size, 16, ",".join(map(str, SPEC_AUX))
+    )
     assert not {"lm_head.weight", "d2t", "t2d"} & set(load_file(str(folder / "model.safetensors")))
     assert main(["import", str(folder), "--out", str(tmp_path / "ckpt"), "--target", "smollm2"]) == 0
     imported, _ = load_checkpoint(tmp_path / "ckpt", target.embed_weight(), target.head_weight())
@@ -504,16 +580,25 @@ def test_speculators_dflash_over_the_whole_vocabulary_shares_the_targets_lm_head
     assert "FAIL" not in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("edit,named", [
-    (lambda c: c.update(sample_from_anchor=True), "sample_from_anchor true"),
-    (lambda c: c.pop("mask_token_id"), "mask_token_id None; vLLM requires"),
-    # vLLM: dflash_config.causal = not sliding_window_non_causal, for every layer
-    (lambda c: c.update(sliding_window_non_causal=False), "sliding_window_non_causal false, which vLLM reads as causal"),
-    (lambda c: c["transformer_layer_config"].update(layer_types=["sliding_attention"] * 2, sliding_window=64),
-     "sliding-window layers"),
-])
-def test_speculators_dflash_folders_we_cannot_be_are_refused_in_one_line(edit, named, speculators_dflash, tmp_path,
-                                                                         capsys):
+@pytest.mark.parametrize(
+    "edit,named",
+    [
+        (lambda c: c.update(sample_from_anchor=True), "sample_from_anchor true"),
+        (lambda c: c.pop("mask_token_id"), "mask_token_id None; vLLM requires"),
+        # vLLM: dflash_config.causal = not sliding_window_non_causal, for every layer
+        (
+            lambda c: c.update(sliding_window_non_causal=False),
+            "sliding_window_non_causal false, which vLLM reads as causal",
+        ),
+        (
+            lambda c: c["transformer_layer_config"].update(layer_types=["sliding_attention"] * 2, sliding_window=64),
+            "sliding-window layers",
+        ),
+    ],
+)
+def test_speculators_dflash_folders_we_cannot_be_are_refused_in_one_line(
+    edit, named, speculators_dflash, tmp_path, capsys
+):
     folder = edited_copy(speculators_dflash, tmp_path, edit)
     assert main(["import", str(folder), "--out", str(tmp_path / "ckpt"), "--target", "smollm2"]) == 2
     err = capsys.readouterr().err
@@ -522,16 +607,20 @@ def test_speculators_dflash_folders_we_cannot_be_are_refused_in_one_line(edit, n
     assert not (tmp_path / "ckpt").exists()
 
 
-@pytest.mark.parametrize("edit,failed,fix", [
-    (lambda c: c.update(mask_token_id=2), "mask token id", "not bos / eos / pad / unk"),  # SmolLM2's eos
-    (lambda c: c.update(aux_hidden_state_layer_ids=[4, 16, 30]), "target layer ids in range", "1 <= k < 30"),
-])
-def test_doctor_fails_a_broken_speculators_dflash_folder_with_the_fix(edit, failed, fix, speculators_dflash,
-                                                                      tmp_path, capsys):
+@pytest.mark.parametrize(
+    "edit,failed,fix",
+    [
+        (lambda c: c.update(mask_token_id=2), "mask token id", "not bos / eos / pad / unk"),  # SmolLM2's eos
+        (lambda c: c.update(aux_hidden_state_layer_ids=[4, 16, 30]), "target layer ids in range", "1 <= k < 30"),
+    ],
+)
+def test_doctor_fails_a_broken_speculators_dflash_folder_with_the_fix(
+    edit, failed, fix, speculators_dflash, tmp_path, capsys
+):
     folder = edited_copy(speculators_dflash, tmp_path, edit)
     assert main(["doctor", str(folder), "--target", "smollm2", "--no-measure"]) == 1
     out = capsys.readouterr().out
-    line = out[out.index(f"FAIL  {failed}:"):]
+    line = out[out.index(f"FAIL  {failed}:") :]
     assert line.splitlines()[1].strip().startswith("fix: ") and fix in line.splitlines()[1], out
     assert "PASS  drafter loads" in out
 
@@ -544,17 +633,30 @@ def test_vllms_own_reading_of_the_speculators_dflash_config_is_ours(speculators_
     from specdraft.engines import VLLM_PYTHON
     from specdraft.methods.dflash.formats import from_speculators
 
-    code = ("import json, sys; from vllm.transformers_utils.configs.speculators.base import SpeculatorsConfig as S; "
-            "print(json.dumps(S.extract_transformers_pre_trained_config(json.load(open(sys.argv[1])))))")
-    proc = subprocess.run([str(VLLM_PYTHON), "-c", code, str(speculators_dflash / "config.json")],
-                          capture_output=True, text=True, check=False)
+    code = (
+        "import json, sys; from vllm.transformers_utils.configs.speculators.base import SpeculatorsConfig as S; "
+        "print(json.dumps(S.extract_transformers_pre_trained_config(json.load(open(sys.argv[1])))))"
+    )
+    proc = subprocess.run(
+        [str(VLLM_PYTHON), "-c", code, str(speculators_dflash / "config.json")],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     vllm = json.loads(proc.stdout.splitlines()[-1])
     written = json.loads((speculators_dflash / "config.json").read_text())
     ours = from_speculators(written, "config.json", [])
-    assert vllm["dflash_config"] == ours["dflash_config"] == {"mask_token_id": written["mask_token_id"],
-                                                              "target_layer_ids": [3, 15, 24],
-                                                              "sample_from_anchor": False, "causal": False}
+    assert (
+        vllm["dflash_config"]
+        == ours["dflash_config"]
+        == {
+            "mask_token_id": written["mask_token_id"],
+            "target_layer_ids": [3, 15, 24],
+            "sample_from_anchor": False,
+            "causal": False,
+        }
+    )
     assert vllm["eagle_aux_hidden_state_layer_ids"] == ours["eagle_aux_hidden_state_layer_ids"] == SPEC_AUX
     assert vllm["architectures"] == ours["architectures"] and vllm["draft_vocab_size"] == ours["draft_vocab_size"]
 

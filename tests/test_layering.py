@@ -19,8 +19,10 @@ ROOT = Path(__file__).resolve().parent.parent
 def lint_imports(package_parent: Path) -> subprocess.CompletedProcess:
     """import-linter with the repository's contracts, on the `specdraft` package found in `package_parent`."""
     env = {**os.environ, "PYTHONPATH": str(package_parent)}
-    code = ("import sys; from importlinter.cli import lint_imports; "
-            f"sys.exit(lint_imports(config_filename={str(ROOT / 'pyproject.toml')!r}, no_cache=True))")
+    code = (
+        "import sys; from importlinter.cli import lint_imports; "
+        f"sys.exit(lint_imports(config_filename={str(ROOT / 'pyproject.toml')!r}, no_cache=True))"
+    )
     # Run from the package's parent: `python -c` puts the working folder first on sys.path.
     return subprocess.run([sys.executable, "-c", code], cwd=package_parent, env=env, capture_output=True, text=True)
 
@@ -31,11 +33,21 @@ def test_the_package_keeps_its_layers():
     assert "0 broken" in result.stdout
 
 
-@pytest.mark.parametrize("importer,line,broken", [
-    ("stages/eval.py", "from specdraft.stages.gen import run as _gen_run", "specdraft.stages.eval -> specdraft.stages.gen"),
-    ("hidden/store.py", "from specdraft.stages import extract as _extract",
-     "specdraft.hidden.store -> specdraft.stages.extract"),
-])
+@pytest.mark.parametrize(
+    "importer,line,broken",
+    [
+        (
+            "stages/eval.py",
+            "from specdraft.stages.gen import run as _gen_run",
+            "specdraft.stages.eval -> specdraft.stages.gen",
+        ),
+        (
+            "hidden/store.py",
+            "from specdraft.stages import extract as _extract",
+            "specdraft.hidden.store -> specdraft.stages.extract",
+        ),
+    ],
+)
 def test_a_forbidden_import_breaks_the_contracts(importer, line, broken, tmp_path):
     """A stage importing another stage, or a library module importing a stage, on a copy of the package."""
     shutil.copytree(ROOT / "specdraft", tmp_path / "specdraft", ignore=shutil.ignore_patterns("__pycache__"))
@@ -58,8 +70,14 @@ def test_every_method_package_is_kept_behind_the_registry():
     from specdraft.methods import METHODS
 
     packages = {type(m).__module__ for m in METHODS.values()}
-    assert set(_contract("stages and shared library modules ask the registry, never a method's package")
-               ["forbidden_modules"]) == packages
+    assert (
+        set(
+            _contract("stages and shared library modules ask the registry, never a method's package")[
+                "forbidden_modules"
+            ]
+        )
+        == packages
+    )
     assert set(_contract("no method's package imports another's")["modules"]) == packages
 
 
@@ -85,16 +103,22 @@ def test_a_stage_naming_a_method_is_found(tmp_path):
 
 
 # A comparison with a method's name: `== "dflash"`, `"eagle3" !=`, `in ("eagle3", ...)`.
-METHOD_COMPARISON = re.compile(r"""[=!]=\s*["'](eagle3|dflash|peagle)["']|["'](eagle3|dflash|peagle)["']\s*[=!]="""
-                               r"""|\bin\s*[(\[{][^)\]}]*["'](eagle3|dflash|peagle)["']""")
+METHOD_COMPARISON = re.compile(
+    r"""[=!]=\s*["'](eagle3|dflash|peagle)["']|["'](eagle3|dflash|peagle)["']\s*[=!]="""
+    r"""|\bin\s*[(\[{][^)\]}]*["'](eagle3|dflash|peagle)["']"""
+)
 
 
 def test_no_library_module_compares_a_method_name():
     """Outside the method packages nothing branches on a method's name (config's Literal of them aside):
     a method's own checks are its package's."""
-    found = [f"{path.relative_to(ROOT)}:{n}: {line.strip()}"
-             for path in sorted((ROOT / "specdraft").rglob("*.py")) if "methods" not in path.parts
-             for n, line in enumerate(path.read_text().splitlines(), 1) if METHOD_COMPARISON.search(line)]
+    found = [
+        f"{path.relative_to(ROOT)}:{n}: {line.strip()}"
+        for path in sorted((ROOT / "specdraft").rglob("*.py"))
+        if "methods" not in path.parts
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if METHOD_COMPARISON.search(line)
+    ]
     assert not found, "\n".join(found)
     assert METHOD_COMPARISON.search('if t.method == "dflash" and t.mask_token_id >= vocab_size:')
     assert METHOD_COMPARISON.search("if method in ('eagle3', 'x'):")

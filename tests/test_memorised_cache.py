@@ -28,11 +28,21 @@ def append(path, text):
 
 def test_the_closure_holds_the_trainer_and_not_the_reading_stages():
     closure = build_closure()
-    for name in ("specdraft.stages.train", "specdraft.stages.extract", "specdraft.methods.eagle3.drafter",
-                 "specdraft.hidden.store", "specdraft.targets", "specdraft.cli"):
+    for name in (
+        "specdraft.stages.train",
+        "specdraft.stages.extract",
+        "specdraft.methods.eagle3.drafter",
+        "specdraft.hidden.store",
+        "specdraft.targets",
+        "specdraft.cli",
+    ):
         assert name in closure, name
-    for name in ("specdraft.stages.eval", "specdraft.stages.doctor", "specdraft.stages.export",
-                 "specdraft.stages.bench"):
+    for name in (
+        "specdraft.stages.eval",
+        "specdraft.stages.doctor",
+        "specdraft.stages.export",
+        "specdraft.stages.bench",
+    ):
         assert name not in closure, name
 
 

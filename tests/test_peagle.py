@@ -23,9 +23,19 @@ K = 3
 
 def tiny_drafter(seed: int = 0) -> PEagleDrafter:
     torch.manual_seed(seed)
-    cfg = PEagleConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=48,
-                       vocab_size=50, draft_vocab_size=50, target_hidden_size=24, mask_token_id=49,
-                       speculative_tokens=4, aux_layer_ids=[1, 2, 3])
+    cfg = PEagleConfig(
+        hidden_size=32,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        intermediate_size=48,
+        vocab_size=50,
+        draft_vocab_size=50,
+        target_hidden_size=24,
+        mask_token_id=49,
+        speculative_tokens=4,
+        aux_layer_ids=[1, 2, 3],
+    )
     d = PEagleDrafter(cfg).eval()
     torch.nn.init.normal_(d.embed_tokens.weight)
     d.t2d.fill_(True)
@@ -44,7 +54,7 @@ def test_parallel_forward_is_one_causal_forward_over_real_and_mask_slots():
     hidden = torch.cat([d.project(aux)[None], mh], 1)
     ids = torch.cat([tokens[None], mt], 1)
     ref, _, _ = d(hidden, ids, torch.arange(n1 + Ktr - 1)[None])
-    ref = ref[0, n1 - 1:]  # [K, Vd]
+    ref = ref[0, n1 - 1 :]  # [K, Vd]
     # the decode state, advanced in two rounds' worth of rows
     state = SlotState(d)
     state.advance(aux[:4], tokens[:4].tolist(), 0)
@@ -133,10 +143,16 @@ def _broken(peagle_run, tmp_path, edit) -> Path:
 
 BAD = {
     "no mask token": (lambda c: c.pop("mask_token_id"), "mask token", "mask_token_id None"),
-    "K above trained": (lambda c: c["speculators_config"]["proposal_methods"][0].update(speculative_tokens=K + 2),
-                        "K served <= K trained", f"speculative_tokens {K + 2} > para_depths {K}"),
-    "parallel flag missing": (lambda c: c.update(speculators_model_type="eagle3"), "parallel flag",
-                              "speculators_model_type 'eagle3': the parallel flag is missing"),
+    "K above trained": (
+        lambda c: c["speculators_config"]["proposal_methods"][0].update(speculative_tokens=K + 2),
+        "K served <= K trained",
+        f"speculative_tokens {K + 2} > para_depths {K}",
+    ),
+    "parallel flag missing": (
+        lambda c: c.update(speculators_model_type="eagle3"),
+        "parallel flag",
+        "speculators_model_type 'eagle3': the parallel flag is missing",
+    ),
 }
 
 
@@ -166,8 +182,19 @@ def test_export_refuses_k_above_the_trained_one(peagle_run, tmp_path, capsys):
 def test_import_round_trip(peagle_run, tmp_path, target):
     from specdraft.methods import load_checkpoint, load_trained
 
-    assert main(["import", str(RunFolder(peagle_run).export("vllm")), "--target", "smollm2",
-                 "--out", str(tmp_path / "imported")]) == 0
+    assert (
+        main(
+            [
+                "import",
+                str(RunFolder(peagle_run).export("vllm")),
+                "--target",
+                "smollm2",
+                "--out",
+                str(tmp_path / "imported"),
+            ]
+        )
+        == 0
+    )
     folder = RunFolder(peagle_run)
     trained, _, _ = load_trained(folder.recipe(), folder)
     imported, meta = load_checkpoint(tmp_path / "imported", target.embed_weight())

@@ -33,8 +33,10 @@ def test_every_stage_is_recorded_done(tiny_run):
     for stage in ("gen", "render", "extract", "train", "export", "eval"):
         entry = m["stages"][stage]
         assert entry["state"] == "done", stage
-        assert entry["environment"]["versions"]["torch"] == torch.__version__.split("+")[0] or \
-            entry["environment"]["versions"]["torch"] == torch.__version__
+        assert (
+            entry["environment"]["versions"]["torch"] == torch.__version__.split("+")[0]
+            or entry["environment"]["versions"]["torch"] == torch.__version__
+        )
         assert entry["environment"]["ram_bytes"] > 0
     assert m["stages"]["extract"]["metrics"]["bytes_per_token"] == 4 * 576 * 2
     assert m["stages"]["extract"]["metrics"]["tokens_per_s"] > 0
@@ -51,7 +53,8 @@ def test_gen_kept_the_targets_own_token_ids(tiny_run, target):
         assert 0 < len(ids) <= 24
         assert (r["finish_reason"] == "stop") == (ids[-1] == target.eos_token_id)
         assert answer["content"] == target.tokenizer.decode(
-            ids[:-1] if r["finish_reason"] == "stop" else ids, skip_special_tokens=True)
+            ids[:-1] if r["finish_reason"] == "stop" else ids, skip_special_tokens=True
+        )
 
 
 def test_render_masks_only_the_answer(tiny_run, target):
@@ -77,7 +80,7 @@ def test_hidden_states_match_the_targets_own_layers(tiny_run, target):
     models: dict = {}
     ref = Reference(target, sample["input_ids"], models)
     for j, k in enumerate((2, 15, 27)):
-        ref.assert_layer(sample["aux"][:, j * 576:(j + 1) * 576], k)
+        ref.assert_layer(sample["aux"][:, j * 576 : (j + 1) * 576], k)
     # transformers' last hidden state is already the final-norm output (docs/engine-facts.md), as `last` is.
     ref.assert_layer(sample["last"], -1)
     model = models[resolve_dtype("auto", "cpu")]
@@ -95,7 +98,8 @@ def test_eval_is_exact_and_reports_acceptance(tiny_run):
     K = r["draft_tokens"]
     assert len(r["accepted_length_histogram"]) == K + 1 and sum(r["accepted_length_histogram"]) == r["rounds"]
     assert r["tau"] == pytest.approx(
-        sum((a + 1) * c for a, c in enumerate(r["accepted_length_histogram"])) / r["rounds"], abs=1e-3)
+        sum((a + 1) * c for a, c in enumerate(r["accepted_length_histogram"])) / r["rounds"], abs=1e-3
+    )
     assert (tiny_run / "eval" / "report.md").read_text().startswith("# Drafter evaluation: eagle3")
     assert (tiny_run / "eval" / "accepted_lengths.png").stat().st_size > 1000
 

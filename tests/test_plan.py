@@ -37,8 +37,11 @@ def test_the_trainers_memory_question_is_plans_check():
     where = {"target": str(CONFIGS / "kimi-k2.5.json"), "tokens_per_sample": 4096, "gpus": 2, "gpu_memory_gib": 80}
     plan, memory = make_plan(recipe, **where), train_memory(recipe, **where)
     check = next(c for c in plan["checks"] if c["check"] == "train memory")
-    assert (memory.need_bytes, memory.usable_bytes, memory.text) == (check["need_bytes"], check["usable_bytes"],
-                                                                     check["text"])
+    assert (memory.need_bytes, memory.usable_bytes, memory.text) == (
+        check["need_bytes"],
+        check["usable_bytes"],
+        check["text"],
+    )
     assert memory.fixes == ("FSDP over 2 GPUs (torchrun)", "--batch-tokens 5120")
     assert set(memory.fixes) <= {r["do"] for r in plan["recommendations"]}  # with the disk's, on this machine
     assert not memory.fits and memory.beyond_device
@@ -52,8 +55,9 @@ def test_kimi_k25_reference_figures():
     """The Kimi-K2.5 reference run (bench/RESULTS.md): 4 bf16 states = 57,344 bytes/token, ~2.1 TiB for
     10 K x 4 K tokens, and a drafter of 1190.9 M trainable / 1403.8 M frozen (embedding + the teacher's
     draft-vocab lm_head)."""
-    plan = make_plan(_recipe(), target=str(CONFIGS / "kimi-k2.5.json"), tokens_per_sample=4096, gpus=8,
-                     gpu_memory_gib=141)
+    plan = make_plan(
+        _recipe(), target=str(CONFIGS / "kimi-k2.5.json"), tokens_per_sample=4096, gpus=8, gpu_memory_gib=141
+    )
     assert plan["aux_layer_ids"] == [2, 30, 58]
     assert plan["hidden"]["bytes_per_token"] == 57_344
     assert plan["tokens"]["tokens"] == 10_000 * 4096
@@ -78,8 +82,16 @@ def test_kimi_k25_reference_figures():
 def test_an_fsdp_recipe_is_billed_sharded_and_not_told_to_shard():
     """train.parallel = "fsdp" over 8 GPUs: weights, grads and AdamW states are billed an eighth each
     (activations whole), and FSDP is not recommended to a recipe that already shards."""
-    plans = [make_plan(_recipe(parallel=parallel, batch_tokens=16384), target=str(CONFIGS / "kimi-k2.5.json"),
-                       tokens_per_sample=4096, gpus=8, gpu_memory_gib=40) for parallel in ("ddp", "fsdp")]
+    plans = [
+        make_plan(
+            _recipe(parallel=parallel, batch_tokens=16384),
+            target=str(CONFIGS / "kimi-k2.5.json"),
+            tokens_per_sample=4096,
+            gpus=8,
+            gpu_memory_gib=40,
+        )
+        for parallel in ("ddp", "fsdp")
+    ]
     ddp, fsdp = plans
     whole, shard = ddp["train_memory"]["per_gpu"], fsdp["train_memory"]["per_gpu"]
     assert not ddp["train_memory"]["fsdp"] and fsdp["train_memory"]["fsdp"]
@@ -89,9 +101,12 @@ def test_an_fsdp_recipe_is_billed_sharded_and_not_told_to_shard():
     assert any(r["do"].startswith("FSDP") for r in ddp["recommendations"])
     assert not any(r["do"].startswith("FSDP") for r in fsdp["recommendations"])
     # The batch that fits is found for the sharded bill: larger than for the whole one.
-    fit = {p["train_memory"]["fsdp"]: int(next(r["do"] for r in p["recommendations"]
-                                              if r["do"].startswith("--batch-tokens")).split()[1])
-           for p in plans}
+    fit = {
+        p["train_memory"]["fsdp"]: int(
+            next(r["do"] for r in p["recommendations"] if r["do"].startswith("--batch-tokens")).split()[1]
+        )
+        for p in plans
+    }
     assert fit[True] > fit[False] > 0
 
 
@@ -104,13 +119,16 @@ def test_fp8_storage_halves_the_disk_with_a_scale_per_row():
     assert fp8["hidden"]["disk_bytes"] < 0.51 * plan["hidden"]["disk_bytes"]
 
 
-@pytest.mark.parametrize("name,total,active,layers,experts,top_k,mtp", [
-    # Published sizes: DeepSeek-V3 671 B / 37 B active; Qwen3-30B-A3B 30.5 B / 3.3 B; gpt-oss-120b 116.8 B
-    # (5.1 B active without the 0.58 B embedding, which a token only looks up).
-    ("deepseek-v3", 671.0e9, 37.5e9, 61, 256, 8, 1),
-    ("qwen3-moe", 30.5e9, 3.35e9, 48, 128, 8, 0),
-    ("gpt-oss", 116.8e9, 5.7e9, 36, 128, 4, 0),
-])
+@pytest.mark.parametrize(
+    "name,total,active,layers,experts,top_k,mtp",
+    [
+        # Published sizes: DeepSeek-V3 671 B / 37 B active; Qwen3-30B-A3B 30.5 B / 3.3 B; gpt-oss-120b 116.8 B
+        # (5.1 B active without the 0.58 B embedding, which a token only looks up).
+        ("deepseek-v3", 671.0e9, 37.5e9, 61, 256, 8, 1),
+        ("qwen3-moe", 30.5e9, 3.35e9, 48, 128, 8, 0),
+        ("gpt-oss", 116.8e9, 5.7e9, 36, 128, 4, 0),
+    ],
+)
 def test_big_target_configs(name, total, active, layers, experts, top_k, mtp):
     plan = make_plan(_recipe(), target=str(CONFIGS / f"{name}.json"), tokens_per_sample=4096)
     t = plan["target"]
@@ -145,7 +163,8 @@ def test_smollm2_plan_is_the_trainers_drafter(target):
     assert plan["aux_layer_ids"] == target.aux_layer_ids == [2, 15, 27]
     assert plan["hidden"]["bytes_per_token"] == 4 * 576 * 2
     assert plan["tokens"]["tokens"] == recipe.data.num_train * min(
-        recipe.render.max_length, recipe.data.max_prompt_tokens + recipe.gen.max_new_tokens)
+        recipe.render.max_length, recipe.data.max_prompt_tokens + recipe.gen.max_new_tokens
+    )
     real = Eagle3Drafter(DrafterConfig.from_target(target, recipe.train.draft_vocab_size))
     assert plan["drafter"]["trainable"] == sum(p.numel() for p in real.parameters() if p.requires_grad)
     assert plan["drafter"]["parts"]["embed_tokens"]["frozen"] == real.embed_tokens.weight.numel()
@@ -164,13 +183,16 @@ def test_a_dflash_plan_bills_the_drafter_the_trainer_builds(target, draft_vocab_
     from specdraft.config import apply_sets
     from specdraft.methods import named
 
-    recipe = apply_sets(load_recipe("smollm2-cpu"), ["train.method=dflash", f"train.draft_vocab_size={draft_vocab_size}"])
+    recipe = apply_sets(
+        load_recipe("smollm2-cpu"), ["train.method=dflash", f"train.draft_vocab_size={draft_vocab_size}"]
+    )
     plan = make_plan(recipe)
     real = named("dflash").build(recipe.train, target, torch.ones(target.vocab_size))
     assert plan["drafter"]["method"] == "dflash"
     assert plan["drafter"]["trainable"] == sum(p.numel() for p in real.parameters() if p.requires_grad)
     assert plan["drafter"]["frozen"] - plan["drafter"]["parts"]["teacher_head"]["frozen"] == sum(
-        p.numel() for p in real.parameters() if not p.requires_grad)
+        p.numel() for p in real.parameters() if not p.requires_grad
+    )
     bigger = make_plan(apply_sets(recipe, [f"train.block_size={2 * recipe.train.block_size}"]))
     assert bigger["train_memory"]["per_gpu"]["activations"] > 1.5 * plan["train_memory"]["per_gpu"]["activations"]
 
@@ -186,9 +208,28 @@ def test_a_plan_that_does_not_fit_recommends_with_numbers(tmp_path):
     num_train = 2 * free // per_sample + 1  # twice what the disk holds
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
-        assert main(["plan", "smollm2-cpu", "--target", str(folder), "--tokens-per-sample", "4096", "--json",
-                     "--set", f"data.num_train={num_train}", "--set", "train.draft_vocab_size=32000",
-                     "--gpus", "8", "--gpu-memory-gib", "24"]) == 0
+        assert (
+            main(
+                [
+                    "plan",
+                    "smollm2-cpu",
+                    "--target",
+                    str(folder),
+                    "--tokens-per-sample",
+                    "4096",
+                    "--json",
+                    "--set",
+                    f"data.num_train={num_train}",
+                    "--set",
+                    "train.draft_vocab_size=32000",
+                    "--gpus",
+                    "8",
+                    "--gpu-memory-gib",
+                    "24",
+                ]
+            )
+            == 0
+        )
     plan = json.loads(buf.getvalue())
     disk = next(c for c in plan["checks"] if c["check"] == "disk")
     assert not disk["ok"] and disk["need_bytes"] > disk["usable_bytes"]
@@ -204,8 +245,13 @@ def test_a_plan_that_does_not_fit_recommends_with_numbers(tmp_path):
     d, per_gpu = plan["drafter"], plan["train_memory"]["per_gpu"]
     head = plan["target"]["parameters"]["head"]
     assert per_gpu["optimizer"] == d["trainable"] * 8 and per_gpu["grads"] == d["trainable"] * 4
-    assert fsdp["per_gpu_bytes"] == ((d["trainable"] + d["frozen"]) * 4 // 8 + head * 2 + d["trainable"] * 4 // 8
-                                     + d["trainable"] * 8 // 8 + per_gpu["activations"])
+    assert fsdp["per_gpu_bytes"] == (
+        (d["trainable"] + d["frozen"]) * 4 // 8
+        + head * 2
+        + d["trainable"] * 4 // 8
+        + d["trainable"] * 8 // 8
+        + per_gpu["activations"]
+    )
     assert fsdp["per_gpu_bytes"] < per_gpu["total"]
 
 
@@ -228,14 +274,18 @@ def test_rows_span_one_document_on_either_device_and_the_batch_that_fits_is_the_
     gpu = make_plan(recipe, gpus=1, gpu_memory_gib=80)
     cpu = make_plan(recipe, gpus=0)
     per_sample = math.ceil(gpu["tokens"]["tokens_per_sample"])
-    assert gpu["train_memory"]["row_tokens"] == cpu["train_memory"]["row_tokens"] == min(
-        recipe.train.batch_tokens, per_sample)
+    assert (
+        gpu["train_memory"]["row_tokens"]
+        == cpu["train_memory"]["row_tokens"]
+        == min(recipe.train.batch_tokens, per_sample)
+    )
     dcfg = DrafterConfig.from_target(Target("smollm2"), recipe.train.draft_vocab_size)
     params = drafter_parameters(dcfg, frozen_head=True)
 
     def need(bt):
-        return training_memory(dcfg, params, replace(recipe.train, batch_tokens=bt), min(bt, per_sample), 1,
-                               False)["total"]
+        return training_memory(dcfg, params, replace(recipe.train, batch_tokens=bt), min(bt, per_sample), 1, False)[
+            "total"
+        ]
 
     limit = need(recipe.train.batch_tokens) // 3
     fit = fitting_batch_tokens(need, recipe.train.batch_tokens, limit)
@@ -262,8 +312,19 @@ def test_gpus_without_their_memory_plan_without_the_memory_check(monkeypatch):
     monkeypatch.setattr(environment, "describe", lambda path: {**describe(path), "gpus": []})
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
-        assert main(["plan", str(Path(__file__).parents[1] / "recipes" / "kimi-k2.5-8gpu.toml"),
-                     "--target", str(CONFIGS / "kimi-k2.5.json"), "--gpus", "8"]) == 0
+        assert (
+            main(
+                [
+                    "plan",
+                    str(Path(__file__).parents[1] / "recipes" / "kimi-k2.5-8gpu.toml"),
+                    "--target",
+                    str(CONFIGS / "kimi-k2.5.json"),
+                    "--gpus",
+                    "8",
+                ]
+            )
+            == 0
+        )
     line = next(x for x in buf.getvalue().splitlines() if "train memory" in x)
     assert line.split()[0] == "SKIP" and "unknown" in line and "--gpu-memory-gib" in line
     plan = make_plan(_recipe(), target=str(CONFIGS / "kimi-k2.5.json"), tokens_per_sample=4096, gpus=8)

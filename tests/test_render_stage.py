@@ -28,8 +28,11 @@ def _two_turn_prompts() -> list[dict]:
     out = []
     for conv in read_sharegpt():
         users = [m for m in conv["messages"] if m["role"] == "user"]
-        if conv["messages"][0]["role"] == "user" and len(users) >= 2 and \
-                all(0 < len(u["content"]) < MAX_USER_CHARS for u in users[:2]):
+        if (
+            conv["messages"][0]["role"] == "user"
+            and len(users) >= 2
+            and all(0 < len(u["content"]) < MAX_USER_CHARS for u in users[:2])
+        ):
             out.append({"id": conv["id"], "users": [u["content"] for u in users[:2]]})
         if len(out) == NUM_CONVERSATIONS:
             return out
@@ -54,8 +57,14 @@ def own_run(tmp_path_factory, target):
     convs = []
     for p in _two_turn_prompts():
         first = [{"role": "user", "content": p["users"][0]}]
-        convs.append({"id": p["id"], "messages": first, "later_users": p["users"][1:],
-                      "prompt_ids": target.chat_ids(first, add_generation_prompt=True)})
+        convs.append(
+            {
+                "id": p["id"],
+                "messages": first,
+                "later_users": p["users"][1:],
+                "prompt_ids": target.chat_ids(first, add_generation_prompt=True),
+            }
+        )
     answer_turns(model, target, convs, cfg, max_length=4096)
     convs = [{"id": c["id"], "split": "train", "messages": c["messages"]} for c in convs]
     run_path = root / "run"
@@ -81,8 +90,11 @@ def test_render_trains_the_targets_own_ids_and_reports_the_retokenized_share(own
             differs += a["token_ids"] != tok.encode(a["content"], add_special_tokens=False) + [eos] * stopped
         # The second turn extends the first one's sample only where the server's re-rendering of the
         # first answer gives back exactly the ids the target produced (and its "\n" after <|im_end|>).
-        first = target.chat_ids(conv["messages"][:1], add_generation_prompt=True) + answers[0]["token_ids"] + \
-            (tok.encode("\n", add_special_tokens=False) if answers[0]["token_ids"][-1] == eos else [])
+        first = (
+            target.chat_ids(conv["messages"][:1], add_generation_prompt=True)
+            + answers[0]["token_ids"]
+            + (tok.encode("\n", add_special_tokens=False) if answers[0]["token_ids"][-1] == eos else [])
+        )
         second_prompt = target.chat_ids(conv["messages"][:3], add_generation_prompt=True)
         expected_samples += 1 + (second_prompt[: len(first)] != first)
     turns = 2 * len(convs)
@@ -101,8 +113,10 @@ def test_render_trains_the_targets_own_ids_and_reports_the_retokenized_share(own
 
 def test_render_agrees_with_vllms_own_tokenization(own_run, vllm_target, target):
     run_path, recipe_path, convs = own_run
-    assert main(["render", "--recipe", str(recipe_path), "--run", str(run_path),
-                 "--verify-endpoint", vllm_target.url]) == 0
+    assert (
+        main(["render", "--recipe", str(recipe_path), "--run", str(run_path), "--verify-endpoint", vllm_target.url])
+        == 0
+    )
     entry = json.loads((run_path / "manifest.json").read_text())["stages"]["render"]
     assert entry["counts"]["vllm_checked"] == 2 * len(convs)
     assert entry["counts"]["vllm_mismatches"] == 0 and entry["metrics"]["vllm_mismatch_share"] == 0.0
@@ -115,13 +129,17 @@ def test_a_template_other_than_the_served_one_is_caught_by_vllm(vllm_target, tar
     served = tok.chat_template
     tok.chat_template = served.replace("named SmolLM", "named SmolLM2")
     assert tok.chat_template != served
-    conv = {"id": "other", "messages": [{"role": "user", "content": "Hello there"},
-                                        {"role": "assistant", "content": "Hi!"}]}
+    conv = {
+        "id": "other",
+        "messages": [{"role": "user", "content": "Hello there"}, {"role": "assistant", "content": "Hi!"}],
+    }
     template = ChatTemplate(tok)
     (m,) = verify_with_server(template, conv, vllm_target.url)
     ours = template.prompt_ids(conv["messages"][:1])
     theirs = target.chat_ids(conv["messages"][:1], add_generation_prompt=True)
     pos = next(i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b)
     assert (m.kind, m.turn, m.position) == ("vllm_prompt", 1, pos)
-    assert str(m) == (f"conversation other turn 1: vllm_prompt mismatch at token {pos}: ours "
-                      f"{tok.decode([ours[pos]])!r} ({ours[pos]}) vs vLLM {tok.decode([theirs[pos]])!r} ({theirs[pos]})")
+    assert str(m) == (
+        f"conversation other turn 1: vllm_prompt mismatch at token {pos}: ours "
+        f"{tok.decode([ours[pos]])!r} ({ours[pos]}) vs vLLM {tok.decode([theirs[pos]])!r} ({theirs[pos]})"
+    )

@@ -79,7 +79,8 @@ def test_a_failed_stage_keeps_its_good_record_and_the_runs_recipe(stage, all_don
     assert attempt["state"] == "failed" and attempt["error"]
     assert attempt["recipe_not_recorded"]["eval.draft_tokens"] == [before["recipe"]["eval"]["draft_tokens"], 2]
     assert {k: v for k, v in after["stages"].items() if k != stage} == {
-        k: v for k, v in before["stages"].items() if k != stage}
+        k: v for k, v in before["stages"].items() if k != stage
+    }
     folder.require(stage)  # later stages still take it
     status = (all_done / "STATUS.md").read_text()
     assert "a later run failed" in status and "eval.draft_tokens = 2, the run keeps 3" in status
@@ -156,8 +157,7 @@ def test_an_export_refused_midway_leaves_the_last_good_folders(memorised_norms_r
     assert entry.pop("attempt")["state"] == "failed" and entry == good
 
 
-def test_an_interrupted_retraining_keeps_the_trained_drafter_and_resumes(extracted_run, tmp_path, monkeypatch,
-                                                                          capsys):
+def test_an_interrupted_retraining_keeps_the_trained_drafter_and_resumes(extracted_run, tmp_path, monkeypatch, capsys):
     """train starting over moves the good checkpoints aside (checkpoints.previous/, where its record then
     points: eval and export load them); a retraining stopped midway leaves them and resumes; its success
     removes them."""
@@ -188,8 +188,11 @@ def test_an_interrupted_retraining_keeps_the_trained_drafter_and_resumes(extract
     capsys.readouterr()
     assert main(["train", "--run", str(run), "--epochs", "2", *fast]) == 0
     assert "resumed at step 1" in capsys.readouterr().out
-    steps = [json.loads(line)["step"] for line in folder.train_log.read_text().splitlines()
-             if json.loads(line)["kind"] == "train"]
+    steps = [
+        json.loads(line)["step"]
+        for line in folder.train_log.read_text().splitlines()
+        if json.loads(line)["kind"] == "train"
+    ]
     assert steps == list(range(1, len(steps) + 1))  # each step once
     assert not folder.previous_checkpoints.exists() and "attempt" not in folder.stage("train")
     assert folder.manifest()["recipe"]["train"]["epochs"] == 2
@@ -209,9 +212,17 @@ def user_folder(tmp_path: Path, manifest: dict | None = None) -> Path:
     return mine
 
 
-@pytest.mark.parametrize("argv", [[s.name] for s in PIPELINE] + [
-    ["demo"], ["bench", "--endpoint", "http://127.0.0.1:9"], ["bench", "--compare", "none"],
-    ["import", "/no/such/drafter"]], ids=lambda a: "-".join(a[:2]))
+@pytest.mark.parametrize(
+    "argv",
+    [[s.name] for s in PIPELINE]
+    + [
+        ["demo"],
+        ["bench", "--endpoint", "http://127.0.0.1:9"],
+        ["bench", "--compare", "none"],
+        ["import", "/no/such/drafter"],
+    ],
+    ids=lambda a: "-".join(a[:2]),
+)
 @pytest.mark.parametrize("manifest", [None, {"name": "app", "icons": []}], ids=["no-manifest", "foreign-manifest"])
 def test_run_refuses_a_folder_specdraft_did_not_make(argv, manifest, tmp_path):
     mine = user_folder(tmp_path, manifest)
@@ -253,11 +264,15 @@ def test_a_killed_shard_write_leaves_a_temporary_that_extract_removes_when_it_st
     again: what the kill left is gone, and a temporary of a writer still running is not touched."""
     hidden = RunFolder(all_done).hidden
     hidden.mkdir()
-    writer = ("import sys, torch; from safetensors.torch import save_file; from specdraft.run import atomic_path\n"
-              "with atomic_path(__import__('pathlib').Path(sys.argv[1])) as tmp:\n"
-              "    save_file({'x': torch.zeros(400_000_000, dtype=torch.uint8)}, str(tmp))\n")
-    proc = subprocess.Popen([sys.executable, "-c", writer, str(hidden / "shard-00000.safetensors")],
-                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    writer = (
+        "import sys, torch; from safetensors.torch import save_file; from specdraft.run import atomic_path\n"
+        "with atomic_path(__import__('pathlib').Path(sys.argv[1])) as tmp:\n"
+        "    save_file({'x': torch.zeros(400_000_000, dtype=torch.uint8)}, str(tmp))\n"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", writer, str(hidden / "shard-00000.safetensors")],
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     deadline = time.time() + 120
     while not any(p.name.startswith(".") for p in hidden.iterdir()) and proc.poll() is None:
         assert time.time() < deadline
@@ -277,7 +292,10 @@ def test_each_stage_removes_the_temporaries_a_kill_left_in_its_own_outputs(all_d
     planted = {
         "gen": [folder.path / f".conversations.jsonl.tmp-{gone}"],
         "render": [folder.tokens / f".index.json.tmp-{gone}", folder.tokens / ".tmpAb12Cd"],
-        "train": [folder.checkpoints / ".best.tmp" / "model.safetensors", folder.checkpoints / f".train_log.jsonl.tmp-{gone}"],
+        "train": [
+            folder.checkpoints / ".best.tmp" / "model.safetensors",
+            folder.checkpoints / f".train_log.jsonl.tmp-{gone}",
+        ],
         "export": [folder.exports / ".vllm.tmp" / "config.json", folder.exports / ".sglang.old" / "config.json"],
         "eval": [folder.eval / f".report.json.tmp-{gone}", folder.eval / f".accepted_lengths.png.tmp-{gone}"],
     }
@@ -295,7 +313,7 @@ def test_each_stage_removes_the_temporaries_a_kill_left_in_its_own_outputs(all_d
     for i, stage in enumerate(stages):
         one_error_line(*run_main([stage, "--run", all_done, *FAILING.get(stage, [])]))
         assert not any(p.exists() for p in planted[stage]), stage
-        assert all(p.exists() for later in stages[i + 1:] for p in planted[later]), stage  # not theirs
+        assert all(p.exists() for later in stages[i + 1 :] for p in planted[later]), stage  # not theirs
         assert not manifest_tmp.exists()
     assert (folder.checkpoints / "latest" / "COMPLETE").exists()  # the old one put back
     assert sorted(p.name for p in folder.exports.iterdir()) == ["sglang", "vllm"]
@@ -307,9 +325,19 @@ def test_a_staged_folder_that_fails_is_removed_and_the_old_one_kept(tmp_path):
     from specdraft.drafters.checkpoint import save_checkpoint
     from specdraft.methods.eagle3.drafter import DrafterConfig, Eagle3Drafter
 
-    drafter = Eagle3Drafter(DrafterConfig(hidden_size=16, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
-                                          intermediate_size=32, vocab_size=64, draft_vocab_size=32,
-                                          target_hidden_size=16, aux_layer_ids=[1, 2, 3]))
+    drafter = Eagle3Drafter(
+        DrafterConfig(
+            hidden_size=16,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=8,
+            intermediate_size=32,
+            vocab_size=64,
+            draft_vocab_size=32,
+            target_hidden_size=16,
+            aux_layer_ids=[1, 2, 3],
+        )
+    )
     best = tmp_path / "checkpoints" / "best"
     save_checkpoint(drafter, best, {"step": 1})
     before = files_of(best)
@@ -348,9 +376,14 @@ def children(pid: int) -> list[tuple[int, str]]:
 
 
 def specdraft(argv: list, cwd: Path) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "specdraft.cli", *map(str, argv)], cwd=cwd, text=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            env={**os.environ, "PYTHONPATH": str(REPO), "TQDM_DISABLE": "1"})
+    return subprocess.Popen(
+        [sys.executable, "-m", "specdraft.cli", *map(str, argv)],
+        cwd=cwd,
+        text=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        env={**os.environ, "PYTHONPATH": str(REPO), "TQDM_DISABLE": "1"},
+    )
 
 
 def interrupted_line(proc: subprocess.Popen, code: int) -> None:
@@ -370,8 +403,20 @@ def test_a_signal_ends_a_command_in_one_line(sig, tmp_path):
         silent.settimeout(120)
         recipe = tmp_path / "tiny.toml"
         recipe.write_text(TINY_RECIPE)
-        proc = specdraft(["bench", "--recipe", recipe, "--run", tmp_path / "run", "--prompts", "1",
-                          "--endpoint", f"http://127.0.0.1:{silent.getsockname()[1]}"], tmp_path)
+        proc = specdraft(
+            [
+                "bench",
+                "--recipe",
+                recipe,
+                "--run",
+                tmp_path / "run",
+                "--prompts",
+                "1",
+                "--endpoint",
+                f"http://127.0.0.1:{silent.getsockname()[1]}",
+            ],
+            tmp_path,
+        )
         conn, _ = silent.accept()  # bench is asking
         proc.send_signal(sig)
         interrupted_line(proc, 128 + sig)
@@ -386,8 +431,26 @@ def test_sigterm_to_bench_compare_stops_the_vllm_server_it_started(tmp_path):
     its way up, where `with` alone would never stop it)."""
     recipe = tmp_path / "tiny.toml"
     recipe.write_text(TINY_RECIPE)
-    proc = specdraft(["bench", "--recipe", recipe, "--run", tmp_path / "run", "--compare", "none", "--prompts", "1",
-                      "--concurrency", "1", "--requests", "1", "--max-tokens", "4"], tmp_path)
+    proc = specdraft(
+        [
+            "bench",
+            "--recipe",
+            recipe,
+            "--run",
+            tmp_path / "run",
+            "--compare",
+            "none",
+            "--prompts",
+            "1",
+            "--concurrency",
+            "1",
+            "--requests",
+            "1",
+            "--max-tokens",
+            "4",
+        ],
+        tmp_path,
+    )
     deadline, server = time.time() + 180, None
     while time.time() < deadline and proc.poll() is None:
         server = server or next((pid for pid, cmd in children(proc.pid) if "vllm.entrypoints" in cmd), None)
@@ -413,14 +476,27 @@ def test_bench_names_an_endpoint_where_nothing_answers(tmp_path):
         url = f"http://127.0.0.1:{s.getsockname()[1]}"  # bound, never listening: connection refused
         recipe = tmp_path / "tiny.toml"
         recipe.write_text(TINY_RECIPE)
-        code, err = run_main(["bench", "--recipe", recipe, "--run", tmp_path / "run", "--prompts", "1",
-                              "--endpoint", url])
+        code, err = run_main(
+            ["bench", "--recipe", recipe, "--run", tmp_path / "run", "--prompts", "1", "--endpoint", url]
+        )
     line = one_error_line(code, err)
     assert url in line and "nothing answers" in line
 
 
-@pytest.mark.parametrize("spec", ["eagle3:0", "ngram:0", "ngram:-1", "eagle3:x", "none:2", "ngram:3,ngram:3",
-                                  "none,,ngram", "medusa:2", "eagle3:1.5"])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "eagle3:0",
+        "ngram:0",
+        "ngram:-1",
+        "eagle3:x",
+        "none:2",
+        "ngram:3,ngram:3",
+        "none,,ngram",
+        "medusa:2",
+        "eagle3:1.5",
+    ],
+)
 def test_a_malformed_compare_is_refused_before_anything_starts(spec, tmp_path):
     code, err = run_main(["bench", "--run", tmp_path / "run", "--compare", spec, "--drafter", tmp_path])
     assert repr(spec) in one_error_line(code, err)

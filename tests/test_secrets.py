@@ -52,13 +52,19 @@ def recipe_file(place: Path, body: str) -> str:
 
 # --- header values: only ${NAME}, whatever their source ----------------------------------------------------
 
+
 @pytest.mark.parametrize("source", ["--set", "--headers", "recipe"])
 def test_a_literal_header_value_is_refused_before_anything_is_written(place, source):
     if source == "recipe":
         argv = ["gen", "--recipe", recipe_file(place, f'name = "h"\n[gen]\nheaders = {{"X-Token" = "{SECRET}"}}\n')]
     else:
         value = json.dumps({"Authorization": f"Bearer {SECRET}"})
-        argv = ["gen", "--run", "run", *(["--set", f"gen.headers={value}"] if source == "--set" else ["--headers", value])]
+        argv = [
+            "gen",
+            "--run",
+            "run",
+            *(["--set", f"gen.headers={value}"] if source == "--set" else ["--headers", value]),
+        ]
     line = one_error_line([*argv, "--endpoint", OFF])
     assert "gen.headers" in line and "${NAME}" in line and SECRET not in line
     assert not (place / "runs").exists() and not (place / "run").exists()
@@ -71,8 +77,9 @@ def test_header_references_are_kept_and_read_back_from_the_manifest(place, monke
     # render on a run without gen: refused as out of order, after the run folder recorded its recipe
     line = one_error_line(["render", "--run", "run", "--set", f"gen.headers={headers}"])
     assert "stage 'gen' is missing" in line
-    assert json.loads((place / "run" / "manifest.json").read_text())["recipe"]["gen"]["headers"] == \
-        {"X-Token": "${HEADER_TOKEN}"}
+    assert json.loads((place / "run" / "manifest.json").read_text())["recipe"]["gen"]["headers"] == {
+        "X-Token": "${HEADER_TOKEN}"
+    }
     recipe = RunFolder(place / "run").recipe()
     monkeypatch.setenv("HEADER_TOKEN", SECRET)
     assert Auth.from_env(recipe.gen.api_key_env, recipe.gen.headers).headers == {"X-Token": SECRET}
@@ -103,11 +110,15 @@ def test_a_password_in_an_endpoint_url_is_refused(place):
 
 # --- a key pasted where its variable's name belongs ------------------------------------------------------
 
-@pytest.mark.parametrize("command", [
-    ["gen", "--endpoint", OFF],
-    ["render", "--verify-endpoint", OFF],
-    ["bench", "--endpoint", OFF],
-])
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["gen", "--endpoint", OFF],
+        ["render", "--verify-endpoint", OFF],
+        ["bench", "--endpoint", OFF],
+    ],
+)
 @pytest.mark.parametrize("given", ["flag", "recipe"])
 def test_a_key_variable_that_is_not_set_is_refused_before_anything_is_written(place, command, given):
     """A key that looks like a name passes the name check; unset as a variable, it is refused where the key is
@@ -115,7 +126,13 @@ def test_a_key_variable_that_is_not_set_is_refused_before_anything_is_written(pl
     if given == "flag":
         argv = [*command, "--run", "run", "--set", f"gen.api_key_env={PASTED}"]
     else:
-        argv = [*command, "--run", "run", "--recipe", recipe_file(place, f'name = "k"\n[gen]\napi_key_env = "{PASTED}"\n')]
+        argv = [
+            *command,
+            "--run",
+            "run",
+            "--recipe",
+            recipe_file(place, f'name = "k"\n[gen]\napi_key_env = "{PASTED}"\n'),
+        ]
     line = one_error_line(argv)
     assert "gen.api_key_env" in line and "not set" in line and PASTED not in line
     assert not (place / "run").exists()
@@ -125,8 +142,9 @@ def test_the_default_variable_unset_and_an_empty_name_send_no_key(place):
     """Local servers need no key: $OPENAI_API_KEY unset (or api_key_env = "") is no refusal; render gets past
     the key check and stops where a render without gen stops."""
     assert "stage 'gen' is missing" in one_error_line(["render", "--run", "run", "--verify-endpoint", OFF])
-    assert "stage 'gen' is missing" in one_error_line(["render", "--run", "run2", "--verify-endpoint", OFF,
-                                                       "--set", "gen.api_key_env="])
+    assert "stage 'gen' is missing" in one_error_line(
+        ["render", "--run", "run2", "--verify-endpoint", OFF, "--set", "gen.api_key_env="]
+    )
     assert Auth.from_env("OPENAI_API_KEY", {}, environ={}).headers == {}
     assert Auth.from_env("", {}, environ={"OPENAI_API_KEY": SECRET}).headers == {}
     with pytest.raises(ConfigError, match="not set"):
@@ -149,8 +167,16 @@ def test_a_run_whose_gen_used_a_key_trains_without_it(place, monkeypatch):
 
 # What would read a pickle: these modules imported, or these functions called.
 PICKLING_MODULES = {"pickle", "_pickle", "cPickle", "dill", "cloudpickle", "joblib", "shelve", "marshal"}
-PICKLING_CALLS = {"torch.load", "torch.jit.load", "torch.hub.load", "torch.serialization.load",
-                  "numpy.load", "np.load", "pandas.read_pickle", "pd.read_pickle"}
+PICKLING_CALLS = {
+    "torch.load",
+    "torch.jit.load",
+    "torch.hub.load",
+    "torch.serialization.load",
+    "numpy.load",
+    "np.load",
+    "pandas.read_pickle",
+    "pd.read_pickle",
+}
 
 
 def _dotted(node: ast.AST) -> str:
@@ -187,8 +213,10 @@ def test_no_code_reads_a_pickle():
 
 def test_the_pickle_check_finds_what_it_looks_for(tmp_path):
     bad = tmp_path / "bad.py"
-    bad.write_text("import torch, joblib\nfrom pickle import loads\nfrom torch import load\n"
-                   "x = torch.load('a', weights_only=True)\ny = 'torch.load(a)'  # a string: fine\n")
+    bad.write_text(
+        "import torch, joblib\nfrom pickle import loads\nfrom torch import load\n"
+        "x = torch.load('a', weights_only=True)\ny = 'torch.load(a)'  # a string: fine\n"
+    )
     assert [hit.split(": ")[1] for hit in pickle_readers(bad)] == ["joblib", "pickle", "load", "torch.load"]
 
 
@@ -274,12 +302,28 @@ def test_a_plain_name_and_an_explicit_run_folder_anywhere_are_kept(place):
 
 # --- servers stay on 127.0.0.1 --------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("args", ["--host,0.0.0.0", "--host=0.0.0.0", "--hos,0.0.0.0", "--port=8000", "--por,1",
-                                  "--uds,/tmp/s", "--config,serve.yaml", "--api-key," + SECRET, "--api-key=" + SECRET, "--api_key=x",
-                                  "--data-parallel-address,10.0.0.1", "--master-addr=10.0.0.1"])
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        "--host,0.0.0.0",
+        "--host=0.0.0.0",
+        "--hos,0.0.0.0",
+        "--port=8000",
+        "--por,1",
+        "--uds,/tmp/s",
+        "--config,serve.yaml",
+        "--api-key," + SECRET,
+        "--api-key=" + SECRET,
+        "--api_key=x",
+        "--data-parallel-address,10.0.0.1",
+        "--master-addr=10.0.0.1",
+    ],
+)
 def test_vllm_args_that_would_move_the_server_are_refused(place, args):
-    line = one_error_line(["extract", "--run", "run", "--set", "extract.backend=vllm", "--set",
-                           f"extract.vllm_args={args}"])
+    line = one_error_line(
+        ["extract", "--run", "run", "--set", "extract.backend=vllm", "--set", f"extract.vllm_args={args}"]
+    )
     assert "extract.vllm_args" in line and "not passed to vLLM" in line and SECRET not in line
     assert not (place / "run").exists()
     with pytest.raises(ConfigError, match="not passed to vLLM"):
@@ -294,6 +338,6 @@ def test_engines_refuse_them_too_and_pass_the_rest():
     with pytest.raises(ValueError, match="127.0.0.1"):
         VllmServer("m", log_path=Path("unused.log"), extra=["--hos=0.0.0.0"])
     fine = ["--tensor-parallel-size", "8", "--trust-remote-code", "--pooler-config", "{}", "--enforce-eager"]
-    assert serve_args("m", extra=fine)[-len(fine):] == fine
+    assert serve_args("m", extra=fine)[-len(fine) :] == fine
     recipe = apply_sets(load_recipe("kimi-k2.5-8gpu"), ["extract.vllm_args=--tensor-parallel-size,8"])
     assert recipe.extract.vllm_args == ["--tensor-parallel-size", "8"]

@@ -42,8 +42,20 @@ pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
 # test_train's small rows (several steps per epoch from the tiny recipe's 8 samples); the held-out score
 # only at the end (see ONE_AT_A_TIME).
-FAST = ["--set", "train.batch_tokens=160", "--set", "train.holdout=0.25", "--set", "train.epochs=2",
-        "--set", "train.eval_every=100", "--set", "train.checkpoint_every=2", "--set", "train.warmup_steps=2"]
+FAST = [
+    "--set",
+    "train.batch_tokens=160",
+    "--set",
+    "train.holdout=0.25",
+    "--set",
+    "train.epochs=2",
+    "--set",
+    "train.eval_every=100",
+    "--set",
+    "train.checkpoint_every=2",
+    "--set",
+    "train.warmup_steps=2",
+]
 # vLLM's CPU kernels are not batch-invariant: a sample's bf16 states differ by ~1-3 % (relative) with the
 # requests it happens to be batched with (measured here: extract's 8 concurrent requests against the
 # served source's 8 ahead). Bit-for-bit equality is asked with one request at a time on both sides:
@@ -154,8 +166,9 @@ def test_served_training_follows_the_disk_loss_curve(server, disk_curve, extract
     """Same seed, same batches: a drafter trained from the served states has the disk-trained one's losses,
     with a second epoch served from the memory cache."""
     run = copy_run(extracted_run, tmp_path / "served")
-    args = served_args(server, *ONE_AT_A_TIME, "--set", "train.served_cache=memory",
-                       "--set", f"train.served_cache_bytes={2**30}")
+    args = served_args(
+        server, *ONE_AT_A_TIME, "--set", "train.served_cache=memory", "--set", f"train.served_cache_bytes={2**30}"
+    )
     assert main(cli(run, extracted_run, *args)) == 0
     assert losses(run) == disk_curve
     served = manifest_train(run)["metrics"]["served"]
@@ -244,8 +257,12 @@ def test_killed_trainer_resumes_mid_epoch_from_the_served_source(server, disk_cu
     the rest of the epoch from there, and ends on the disk run's curve."""
     run = copy_run(extracted_run, tmp_path / "served")
     args = cli(run, extracted_run, *served_args(server, *ONE_AT_A_TIME))
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "TQDM_DISABLE": "1",
-           "OMP_NUM_THREADS": str(torch.get_num_threads())}
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(Path(__file__).resolve().parents[1]),
+        "TQDM_DISABLE": "1",
+        "OMP_NUM_THREADS": str(torch.get_num_threads()),
+    }
     kill_at("specdraft.stages.train:Trainer.train_step", 4, args, tmp_path, when="before", env=env)
     assert [s for s, _, _ in losses(run)] == [1, 2, 3]
     assert main(args) == 0
@@ -280,8 +297,10 @@ def test_endpoint_that_is_not_a_states_server(vllm_target, extracted_run, tmp_pa
     from specdraft.engines import free_port
 
     run = copy_run(extracted_run, tmp_path / "run")
-    for url, says in ((f"http://127.0.0.1:{free_port()}", "is not a vLLM server answering /v1/models"),
-                      (vllm_target.url, "is not a vLLM server with the extract_hidden_states method")):
+    for url, says in (
+        (f"http://127.0.0.1:{free_port()}", "is not a vLLM server answering /v1/models"),
+        (vllm_target.url, "is not a vLLM server with the extract_hidden_states method"),
+    ):
         args = [*FAST, "--set", "train.hidden=served", "--set", f"train.served_endpoints={url}"]
         assert main(cli(run, extracted_run, *args)) == 2
         err = capsys.readouterr().err.strip()
@@ -308,10 +327,14 @@ def test_sample_longer_than_the_servers_max_model_len(server, extracted_run, tmp
     long_ids, long_mask = t["input_ids"][first].repeat(40), t["loss_mask"][first].repeat(40)  # > 2,049 tokens
     assert long_ids.numel() > 2049
     rest = slice(int(t["offsets"][1]), None)
-    save_file({"input_ids": torch.cat([long_ids, t["input_ids"][rest]]),
-               "loss_mask": torch.cat([long_mask, t["loss_mask"][rest]]),
-               "offsets": torch.cat([t["offsets"][:1], t["offsets"][1:] + long_ids.numel() - (first.stop - first.start)])},
-              str(path))
+    save_file(
+        {
+            "input_ids": torch.cat([long_ids, t["input_ids"][rest]]),
+            "loss_mask": torch.cat([long_mask, t["loss_mask"][rest]]),
+            "offsets": torch.cat([t["offsets"][:1], t["offsets"][1:] + long_ids.numel() - (first.stop - first.start)]),
+        },
+        str(path),
+    )
     assert main(cli(run, extracted_run, *served_args(server))) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1, err

@@ -17,8 +17,7 @@ def kimi_plan(**train):
     recipe = load_recipe(KIMI)
     for k, v in train.items():
         setattr(recipe.train, k, v)
-    return make_plan(recipe, target=str(CONFIGS / "kimi-k2.5.json"), tokens_per_sample=4096, gpus=8,
-                     gpu_memory_gib=141)
+    return make_plan(recipe, target=str(CONFIGS / "kimi-k2.5.json"), tokens_per_sample=4096, gpus=8, gpu_memory_gib=141)
 
 
 def test_kimi_recipe_is_served_and_bills_its_scratch_not_the_store():

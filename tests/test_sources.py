@@ -32,18 +32,25 @@ def test_split_is_deterministic_and_disjoint():
 
 def test_jsonl_messages(tmp_path):
     path = tmp_path / "chats.jsonl"
-    path.write_text(json.dumps({"id": "a", "messages": [{"role": "user", "content": "hi"}]}) + "\n\n"
-                    + json.dumps({"messages": [{"role": "user", "content": "yo"}], "extra": 1}) + "\n")
+    path.write_text(
+        json.dumps({"id": "a", "messages": [{"role": "user", "content": "hi"}]})
+        + "\n\n"
+        + json.dumps({"messages": [{"role": "user", "content": "yo"}], "extra": 1})
+        + "\n"
+    )
     recs = list(read_jsonl(path))
     assert [r["id"] for r in recs][0] == "a" and len(recs) == 2 and recs[1]["extra"] == 1
 
 
-@pytest.mark.parametrize("line, problem", [
-    ("{not json", "not valid JSON"),
-    ('{"messages": []}', "non-empty list"),
-    ('{"messages": [{"role": "robot", "content": "x"}]}', "role"),
-    ("[1, 2]", "JSON object"),
-])
+@pytest.mark.parametrize(
+    "line, problem",
+    [
+        ("{not json", "not valid JSON"),
+        ('{"messages": []}', "non-empty list"),
+        ('{"messages": [{"role": "robot", "content": "x"}]}', "role"),
+        ("[1, 2]", "JSON object"),
+    ],
+)
 def test_malformed_jsonl_names_file_and_line(tmp_path, line, problem):
     path = tmp_path / "bad.jsonl"
     path.write_text(json.dumps({"messages": [{"role": "user", "content": "ok"}]}) + "\n" + line + "\n")

@@ -148,8 +148,10 @@ def test_plan_of_the_run_uses_its_measurements(tiny_run):
     assert plan["tokens"]["source"].startswith("measured")
     # extract counts the states' bytes per token, or those plus each token's id and mask (5 bytes).
     h = plan["hidden"]
-    assert stages["extract"]["metrics"]["bytes_per_token"] in (h["bytes_per_token"],
-                                                               h["bytes_per_token"] + h["record_bytes_per_token"])
+    assert stages["extract"]["metrics"]["bytes_per_token"] in (
+        h["bytes_per_token"],
+        h["bytes_per_token"] + h["record_bytes_per_token"],
+    )
     assert plan["drafter"]["trainable"] == stages["train"]["counts"]["trainable_params"]
     rows = {r["phase"]: r for r in plan["time"]}
     for phase in ("gen", "extract", "train"):

@@ -22,8 +22,20 @@ from specdraft.stages.train import COMPLETE
 
 REPO = Path(__file__).resolve().parents[1]
 # Small rows so the tiny recipe's 8 samples make several optimizer steps per epoch.
-FAST = ["--set", "train.batch_tokens=160", "--set", "train.holdout=0.25", "--set", "train.epochs=2",
-        "--set", "train.eval_every=3", "--set", "train.checkpoint_every=2", "--set", "train.warmup_steps=2"]
+FAST = [
+    "--set",
+    "train.batch_tokens=160",
+    "--set",
+    "train.holdout=0.25",
+    "--set",
+    "train.epochs=2",
+    "--set",
+    "train.eval_every=3",
+    "--set",
+    "train.checkpoint_every=2",
+    "--set",
+    "train.warmup_steps=2",
+]
 
 
 def fresh_copy(extracted_run: Path, tmp_path: Path, name: str) -> Path:
@@ -92,8 +104,14 @@ def test_killed_run_resumes_on_the_uninterrupted_curve(extracted_run, uninterrup
     # With the thread count of the runs in this process: another count sums the gradients in another order,
     # and the bf16 steps after it carry that difference past the tolerance.
     # Killed as step 4 begins: steps 1-3 are logged and `latest` holds step 2 (checkpoint_every=2).
-    kill_at("specdraft.stages.train:Trainer.train_step", 4, cli(run, extracted_run), tmp_path, when="before",
-            env=env(torch.get_num_threads()))
+    kill_at(
+        "specdraft.stages.train:Trainer.train_step",
+        4,
+        cli(run, extracted_run),
+        tmp_path,
+        when="before",
+        env=env(torch.get_num_threads()),
+    )
     expected = train_log(uninterrupted)
     killed_at = max(r["step"] for r in train_log(run))
     saved = json.loads((run / "checkpoints" / "latest" / "config.json").read_text())["step"]
@@ -129,10 +147,20 @@ def test_torchrun_two_processes_equal_one(extracted_run, single_two_rows, tmp_pa
     multi = fresh_copy(extracted_run, tmp_path / parallel / "runs", "tiny")
     args = cli(multi, extracted_run, *TWO_ROWS, "--set", f"train.parallel={parallel}")
     args = args[:3] + args[5:]  # without --run
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "specdraft.cli", *args]
-    done = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=900, cwd=tmp_path / parallel,
-                          check=False)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "specdraft.cli",
+        *args,
+    ]
+    done = subprocess.run(
+        cmd, env=env(), capture_output=True, text=True, timeout=900, cwd=tmp_path / parallel, check=False
+    )
     assert done.returncode == 0, done.stderr[-4000:]
     a, b = train_log(single_two_rows), train_log(multi)
     assert len(a) == len(b) >= 2
@@ -153,9 +181,19 @@ def test_init_from_names_what_does_not_fit(tmp_path):
         from specdraft.drafters import vocab as vocabulary
 
         torch.manual_seed(0)
-        d = Eagle3Drafter(DrafterConfig(hidden_size=hidden, num_attention_heads=4, num_key_value_heads=2,
-                                        head_dim=8, intermediate_size=64, vocab_size=vocab, draft_vocab_size=40,
-                                        target_hidden_size=hidden, aux_layer_ids=[1, 2, 3]))
+        d = Eagle3Drafter(
+            DrafterConfig(
+                hidden_size=hidden,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                head_dim=8,
+                intermediate_size=64,
+                vocab_size=vocab,
+                draft_vocab_size=40,
+                target_hidden_size=hidden,
+                aux_layer_ids=[1, 2, 3],
+            )
+        )
         d2t, t2d = vocabulary.build(torch.arange(vocab), 40)
         d.d2t.copy_(d2t)
         d.t2d.copy_(t2d)
@@ -184,9 +222,17 @@ def test_init_from_names_what_does_not_fit(tmp_path):
 def test_kimi_k25_drafter_size_on_meta():
     """The Kimi-K2.5 drafter (bench/RESULTS.md): 1190.9 M trainable, a 1174.4 M frozen embedding, and 2594.7 M in
     all with the frozen verifier head restricted to the draft vocabulary (what the trainer holds)."""
-    cfg = DrafterConfig(hidden_size=7168, num_attention_heads=64, num_key_value_heads=64, head_dim=128,
-                        intermediate_size=18432, vocab_size=163840, draft_vocab_size=32000,
-                        target_hidden_size=7168, aux_layer_ids=[2, 30, 58])
+    cfg = DrafterConfig(
+        hidden_size=7168,
+        num_attention_heads=64,
+        num_key_value_heads=64,
+        head_dim=128,
+        intermediate_size=18432,
+        vocab_size=163840,
+        draft_vocab_size=32000,
+        target_hidden_size=7168,
+        aux_layer_ids=[2, 30, 58],
+    )
     with torch.device("meta"):
         model = TTT(Eagle3Drafter(cfg), torch.empty(cfg.draft_vocab_size, cfg.target_hidden_size), 7, 0.8)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -206,8 +252,23 @@ def test_fewer_samples_same_holdout_and_head_from_target(extracted_run, tmp_path
     from specdraft.targets import Target
 
     run = fresh_copy(extracted_run, tmp_path, "opts")
-    assert main(cli(run, extracted_run, "--set", "train.max_samples=3", "--set", "train.lm_head_init=target",
-                    "--set", "train.lr=1e-30", "--set", "train.epochs=1")) == 0
+    assert (
+        main(
+            cli(
+                run,
+                extracted_run,
+                "--set",
+                "train.max_samples=3",
+                "--set",
+                "train.lm_head_init=target",
+                "--set",
+                "train.lr=1e-30",
+                "--set",
+                "train.epochs=1",
+            )
+        )
+        == 0
+    )
     entry = json.loads((run / "manifest.json").read_text())["stages"]["train"]
     assert entry["counts"]["samples"] == 3 and entry["counts"]["heldout_samples"] == 2
     from safetensors.torch import load_file
@@ -219,8 +280,7 @@ def test_fewer_samples_same_holdout_and_head_from_target(extracted_run, tmp_path
     assert torch.allclose(state["norm.weight"].float(), target.final_norm_weight())
 
 
-def test_a_batch_past_the_memory_is_refused_before_training_with_the_batch_that_fits(extracted_run, tmp_path,
-                                                                                     capsys):
+def test_a_batch_past_the_memory_is_refused_before_training_with_the_batch_that_fits(extracted_run, tmp_path, capsys):
     """A batch the plan's memory model puts past the whole device memory stops train at once, with the
     batch that fits, and leaves no checkpoint behind; the same run then trains at that batch."""
     import re
@@ -232,8 +292,9 @@ def test_a_batch_past_the_memory_is_refused_before_training_with_the_batch_that_
     fit = int(re.search(r"--batch-tokens (\d+)", err).group(1))
     assert not (run / "checkpoints").exists()
     assert 0 < fit < 100_000_000
-    assert main(cli(run, extracted_run, "--set", "train.epochs=1",
-                    "--set", f"train.batch_tokens={min(fit, 4096)}")) == 0
+    assert (
+        main(cli(run, extracted_run, "--set", "train.epochs=1", "--set", f"train.batch_tokens={min(fit, 4096)}")) == 0
+    )
 
 
 @pytest.mark.slow
@@ -245,9 +306,25 @@ def test_frozen_target_head_stays_and_residual_flag_reaches_the_drafter(extracte
     from specdraft.targets import Target
 
     run = fresh_copy(extracted_run, tmp_path, "frozen")
-    assert main(cli(run, extracted_run, "--set", "train.max_samples=3", "--set", "train.lm_head_init=target-frozen",
-                    "--set", "train.norm_before_residual=true", "--set", "train.epochs=3",
-                    "--set", "train.warmup_steps=0")) == 0
+    assert (
+        main(
+            cli(
+                run,
+                extracted_run,
+                "--set",
+                "train.max_samples=3",
+                "--set",
+                "train.lm_head_init=target-frozen",
+                "--set",
+                "train.norm_before_residual=true",
+                "--set",
+                "train.epochs=3",
+                "--set",
+                "train.warmup_steps=0",
+            )
+        )
+        == 0
+    )
     counts = json.loads((run / "manifest.json").read_text())["stages"]["train"]["counts"]
     state = load_file(str(run / "checkpoints" / "final" / "model.safetensors"))
     target = Target("smollm2", meta_ids(run))
@@ -265,9 +342,17 @@ def meta_ids(run: Path) -> list[int]:
 
 def test_hidden_noise_only_in_training():
     """Noise of +-share x RMS on the aux states while training; none in eval (held-out scores stay exact)."""
-    cfg = DrafterConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                        intermediate_size=64, vocab_size=50, draft_vocab_size=50, target_hidden_size=32,
-                        aux_layer_ids=[0, 1, 2])
+    cfg = DrafterConfig(
+        hidden_size=32,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        intermediate_size=64,
+        vocab_size=50,
+        draft_vocab_size=50,
+        target_hidden_size=32,
+        aux_layer_ids=[0, 1, 2],
+    )
     model = TTT(Eagle3Drafter(cfg), torch.randn(50, 32), 3, 0.8, hidden_noise=0.2)
     aux = torch.randn(2, 5, 96, generator=torch.Generator().manual_seed(0)) * 7
     rms = aux.pow(2).mean(-1, keepdim=True).sqrt()
@@ -292,12 +377,20 @@ def test_every_epoch_has_its_steps_when_packing_differs():
     counts = [len(epoch_rows(idx, lengths, cfg, e)) for e in range(cfg.epochs)]
     assert min(counts) < counts[0], counts  # the case that failed: a later epoch packs fewer rows
     hidden = 4
-    source = [{"input_ids": torch.arange(n), "loss_mask": torch.ones(n, dtype=torch.bool),
-               "aux": torch.zeros(n, 3 * hidden), "last": torch.zeros(n, hidden)} for n in lengths]
+    source = [
+        {
+            "input_ids": torch.arange(n),
+            "loss_mask": torch.ones(n, dtype=torch.bool),
+            "aux": torch.zeros(n, 3 * hidden),
+            "last": torch.zeros(n, hidden),
+        }
+        for n in lengths
+    ]
     tops = [torch.zeros(n, dtype=torch.long) for n in lengths]
     per_epoch = epoch_steps(idx, lengths, cfg)
-    seen = [epoch for epoch, _ in step_batches(source, tops, idx, lengths, cfg, 0, per_epoch, 0, 1,
-                                               torch.device("cpu"))]
+    seen = [
+        epoch for epoch, _ in step_batches(source, tops, idx, lengths, cfg, 0, per_epoch, 0, 1, torch.device("cpu"))
+    ]
     assert seen == [e for e in range(cfg.epochs) for _ in range(per_epoch)]
 
 
@@ -310,9 +403,19 @@ def test_muon_trains_the_matrices_and_resumes(extracted_run, tmp_path, capsys):
     from specdraft.config import TrainConfig
     from specdraft.training import make_optimizers
 
-    drafter = Eagle3Drafter(DrafterConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                                          intermediate_size=64, vocab_size=100, draft_vocab_size=50,
-                                          target_hidden_size=32, aux_layer_ids=[0, 1, 2]))
+    drafter = Eagle3Drafter(
+        DrafterConfig(
+            hidden_size=32,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=8,
+            intermediate_size=64,
+            vocab_size=100,
+            draft_vocab_size=50,
+            target_hidden_size=32,
+            aux_layer_ids=[0, 1, 2],
+        )
+    )
     drafter.embed_tokens.weight.requires_grad_(False)
     muon, adamw = make_optimizers(drafter, dataclasses.replace(TrainConfig(), optimizer="muon"))
     names = {id(p): n for n, p in drafter.named_parameters()}
@@ -323,8 +426,18 @@ def test_muon_trains_the_matrices_and_resumes(extracted_run, tmp_path, capsys):
     assert any("norm" in n for n in in_adamw) and "embed_tokens.weight" not in in_muon | in_adamw
 
     run = fresh_copy(extracted_run, tmp_path, "muon")
-    args = cli(run, extracted_run, "--set", "train.optimizer=muon", "--set", "train.weight_decay=0.1",
-               "--set", "train.epochs=2", "--set", "train.checkpoint_every=1")
+    args = cli(
+        run,
+        extracted_run,
+        "--set",
+        "train.optimizer=muon",
+        "--set",
+        "train.weight_decay=0.1",
+        "--set",
+        "train.epochs=2",
+        "--set",
+        "train.checkpoint_every=1",
+    )
     assert main(args) == 0
     log = [json.loads(line) for line in (RunFolder(run).train_log).read_text().splitlines()]
     first, last = log[0], [r for r in log if r["kind"] == "train"][-1]
@@ -333,8 +446,14 @@ def test_muon_trains_the_matrices_and_resumes(extracted_run, tmp_path, capsys):
     # continues the uninterrupted run's curve.
     killed = fresh_copy(extracted_run, tmp_path, "muon-killed")
     killed_args = [a.replace(str(run), str(killed)) for a in args]
-    kill_at("specdraft.stages.train:Trainer.train_step", 4, killed_args, tmp_path, when="before",
-            env=env(torch.get_num_threads()))
+    kill_at(
+        "specdraft.stages.train:Trainer.train_step",
+        4,
+        killed_args,
+        tmp_path,
+        when="before",
+        env=env(torch.get_num_threads()),
+    )
     assert json.loads((killed / "checkpoints" / "latest" / "config.json").read_text())["step"] == 3
     capsys.readouterr()
     assert main(killed_args) == 0
@@ -353,9 +472,17 @@ def test_training_checkpoint_restores_what_resuming_needs(tmp_path):
     from specdraft.drafters.checkpoint import load_training, save_training
     from specdraft.methods import load_checkpoint
 
-    cfg = DrafterConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                        intermediate_size=64, vocab_size=50, draft_vocab_size=50, target_hidden_size=32,
-                        aux_layer_ids=[0, 1, 2])
+    cfg = DrafterConfig(
+        hidden_size=32,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        intermediate_size=64,
+        vocab_size=50,
+        draft_vocab_size=50,
+        target_hidden_size=32,
+        aux_layer_ids=[0, 1, 2],
+    )
 
     def trainer(seed):
         torch.manual_seed(seed)

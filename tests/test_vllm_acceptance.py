@@ -20,9 +20,11 @@ def script():
 
 
 def test_reference_is_the_last_line_of_the_same_shape(tmp_path):
-    lines = [{"prompts": 16, "max_new_tokens": 128, "tau_chain": 1.7, "per_position_acceptance_chain": [0.4]},
-             {"prompts": 64, "max_new_tokens": 256, "tau_chain": 2.4, "per_position_acceptance_chain": [0.6]},
-             {"prompts": 16, "max_new_tokens": 128, "tau_chain": 1.9, "per_position_acceptance_chain": [0.5]}]
+    lines = [
+        {"prompts": 16, "max_new_tokens": 128, "tau_chain": 1.7, "per_position_acceptance_chain": [0.4]},
+        {"prompts": 64, "max_new_tokens": 256, "tau_chain": 2.4, "per_position_acceptance_chain": [0.6]},
+        {"prompts": 16, "max_new_tokens": 128, "tau_chain": 1.9, "per_position_acceptance_chain": [0.5]},
+    ]
     path = tmp_path / "speedup.jsonl"
     path.write_text("".join(json.dumps(x) + "\n" for x in lines))
     assert script().speedup_line(path, 16, 128) == {"tau": 1.9, "per_position_acceptance": [0.5]}

@@ -39,8 +39,9 @@ def served_folder(run: Path) -> tuple[Path, str]:
 def served(memorised_dflash_run, target, tmp_path_factory):
     folder, printed = served_folder(memorised_dflash_run)
     messages = [r["messages"][:-1] for r in training_prompts(memorised_dflash_run)]
-    return serve_and_measure(target, folder, messages, tmp_path_factory.mktemp("vllm-dflash") / "vllm.log",
-                             printed=printed)
+    return serve_and_measure(
+        target, folder, messages, tmp_path_factory.mktemp("vllm-dflash") / "vllm.log", printed=printed
+    )
 
 
 def test_vllm_serves_the_memorised_dflash_drafter_and_accepts_its_blocks(memorised_dflash_run, served):
@@ -56,8 +57,7 @@ def test_vllm_serves_the_memorised_dflash_drafter_and_accepts_its_blocks(memoris
     assert acc["per_position_acceptance"][0] > 0.25, acc
 
 
-def test_a_dflash_folder_reading_other_target_layers_accepts_far_less(memorised_dflash_run, served, target,
-                                                                      tmp_path):
+def test_a_dflash_folder_reading_other_target_layers_accepts_far_less(memorised_dflash_run, served, target, tmp_path):
     """The same folder told to read other target layers, consistently in both conventions and in range
     (so vLLM loads it without a word): it is fed states it was not trained on and accepts far less."""
     folder, _ = served_folder(memorised_dflash_run)

@@ -41,8 +41,9 @@ def served_folder(run: Path) -> tuple[Path, str]:
 def served(memorised_peagle_run, target, tmp_path_factory):
     folder, printed = served_folder(memorised_peagle_run)
     messages = [r["messages"][:-1] for r in training_prompts(memorised_peagle_run)]
-    return serve_and_measure(target, folder, messages, tmp_path_factory.mktemp("vllm-peagle") / "vllm.log",
-                             printed=printed)
+    return serve_and_measure(
+        target, folder, messages, tmp_path_factory.mktemp("vllm-peagle") / "vllm.log", printed=printed
+    )
 
 
 def test_vllm_serves_the_memorised_peagle_drafter_in_parallel(memorised_peagle_run, served):
@@ -56,8 +57,7 @@ def test_vllm_serves_the_memorised_peagle_drafter_in_parallel(memorised_peagle_r
     assert acc["per_position_acceptance"][0] > 0.25, acc
 
 
-def test_a_peagle_folder_reading_other_target_layers_accepts_far_less(memorised_peagle_run, served, target,
-                                                                      tmp_path):
+def test_a_peagle_folder_reading_other_target_layers_accepts_far_less(memorised_peagle_run, served, target, tmp_path):
     folder, _ = served_folder(memorised_peagle_run)
     broken = tmp_path / "broken"
     shutil.copytree(folder, broken)

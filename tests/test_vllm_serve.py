@@ -22,9 +22,16 @@ from specdraft.stages.bench import acceptance, spec_decode_counters
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
-def serve_and_measure(target, drafter: Path, messages: list[list[dict]], log_path: Path,
-                      printed: str | None = None, speculative: dict | None = None,
-                      compiled: bool = False) -> tuple[dict, list[str]]:
+
+def serve_and_measure(
+    target,
+    drafter: Path,
+    messages: list[list[dict]],
+    log_path: Path,
+    printed: str | None = None,
+    speculative: dict | None = None,
+    compiled: bool = False,
+) -> tuple[dict, list[str]]:
     """Serve `drafter` with vLLM, answer each conversation greedily, return (acceptance, answers).
     `printed`: the `vllm serve …` line export printed, served as printed (the test machine adds only
     its port, dtype and, unless `compiled`, `--enforce-eager`), instead of a speculative config built
@@ -41,8 +48,11 @@ def serve_and_measure(target, drafter: Path, messages: list[list[dict]], log_pat
         before = spec_decode_counters(server.metrics_text())
         answers = []
         for m in messages:
-            resp = httpx.post(f"{server.url}/v1/chat/completions", timeout=300, json={
-                "model": str(target.path), "messages": m, "temperature": 0, "max_tokens": 32}).json()
+            resp = httpx.post(
+                f"{server.url}/v1/chat/completions",
+                timeout=300,
+                json={"model": str(target.path), "messages": m, "temperature": 0, "max_tokens": 32},
+            ).json()
             answers.append(resp["choices"][0]["message"]["content"])
         after = spec_decode_counters(server.metrics_text())
     return acceptance(before, after), answers
@@ -56,8 +66,14 @@ def training_prompts(run: Path) -> list[dict]:
 def served(memorised_run, target, tmp_path_factory):
     records = training_prompts(memorised_run)
     printed = json.loads((memorised_run / "manifest.json").read_text())["stages"]["export"]["serve_commands"]["vllm"]
-    return serve_and_measure(target, memorised_run / "export" / "vllm", [r["messages"][:-1] for r in records],
-                             tmp_path_factory.mktemp("vllm") / "vllm.log", printed=printed, compiled=True)
+    return serve_and_measure(
+        target,
+        memorised_run / "export" / "vllm",
+        [r["messages"][:-1] for r in records],
+        tmp_path_factory.mktemp("vllm") / "vllm.log",
+        printed=printed,
+        compiled=True,
+    )
 
 
 def test_vllm_serves_the_exported_drafter_and_accepts_its_drafts(memorised_run, served):
@@ -84,8 +100,9 @@ def test_vllm_serves_eagle31_norms_as_trained(memorised_norms_run, target, tmp_p
     config = json.loads((memorised_norms_run / "export" / "vllm" / "config.json").read_text())
     assert config["fc_norm"] is True and config["norm_output"] is True
     records = training_prompts(memorised_norms_run)
-    acc, _ = serve_and_measure(target, memorised_norms_run / "export" / "vllm",
-                               [r["messages"][:-1] for r in records], tmp_path / "vllm.log")
+    acc, _ = serve_and_measure(
+        target, memorised_norms_run / "export" / "vllm", [r["messages"][:-1] for r in records], tmp_path / "vllm.log"
+    )
     print(f"vLLM, EAGLE-3.1 norms: {acc}")
     assert acc["mean_acceptance_length"] > 1.5, acc
     assert acc["per_position_acceptance"][0] > 0.25, acc
@@ -139,8 +156,7 @@ def test_doctor_predicts_what_vllm_measures_for_wrong_aux_ids(memorised_run, ser
     # Measured on the conversations vLLM is served below (the ones the drafter memorised).
     learnt = training_conversations(memorised_run)
     checks = {c.name: c for c in diagnose(broken, target, memorised_run, conversations=learnt)}
-    good = {c.name: c for c in diagnose(memorised_run / "export" / "vllm", target, memorised_run,
-                                        conversations=learnt)}
+    good = {c.name: c for c in diagnose(memorised_run / "export" / "vllm", target, memorised_run, conversations=learnt)}
     agreement, sound_agreement = (c["top-1 agreement with the target"].value for c in (checks, good))
     print(f"doctor top-1 agreement: wrong aux ids {agreement:.3f}, sound {sound_agreement:.3f}")
     assert checks["aux layer ids = extracted ones"].ok is False

@@ -73,8 +73,12 @@ class Auth:
     secrets: tuple[str, ...] = ()  # values read from the environment: cut out of any message
 
     @classmethod
-    def from_env(cls, key_env: str = DEFAULT_API_KEY_ENV, headers: Mapping[str, str] | None = None,
-                 environ: Mapping[str, str] | None = None) -> Auth:
+    def from_env(
+        cls,
+        key_env: str = DEFAULT_API_KEY_ENV,
+        headers: Mapping[str, str] | None = None,
+        environ: Mapping[str, str] | None = None,
+    ) -> Auth:
         environ = os.environ if environ is None else environ
         out: dict[str, str] = {}
         secrets: list[str] = []
@@ -108,10 +112,13 @@ class Auth:
             sent = f"no API key was sent (${self.key_env} is not set)"
         else:
             sent = "no API key was sent (gen.api_key_env is empty)"
-        return ServerRefused(f"{endpoint} answered {status} {REFUSED.get(status, '')}: {sent}; set gen.api_key_env "
-                             f"to the name of the environment variable that holds the server's key "
-                             f"(--api-key-env NAME), or export {self.key_env or DEFAULT_API_KEY_ENV}",
-                             status=status, endpoint=endpoint)
+        return ServerRefused(
+            f"{endpoint} answered {status} {REFUSED.get(status, '')}: {sent}; set gen.api_key_env "
+            f"to the name of the environment variable that holds the server's key "
+            f"(--api-key-env NAME), or export {self.key_env or DEFAULT_API_KEY_ENV}",
+            status=status,
+            endpoint=endpoint,
+        )
 
 
 def base_url(endpoint: str) -> str:
@@ -131,8 +138,18 @@ class _Endpoint:
 class ServerPool:
     """`async with ServerPool(urls, concurrency=8) as pool: body = await pool.post("/v1/chat/completions", {...})`."""
 
-    def __init__(self, endpoints: list[str], *, concurrency: int, timeout_s: float, max_retries: int,
-                 backoff_s: float, backoff_max_s: float, seed: int = 0, auth: Auth | None = None):
+    def __init__(
+        self,
+        endpoints: list[str],
+        *,
+        concurrency: int,
+        timeout_s: float,
+        max_retries: int,
+        backoff_s: float,
+        backoff_max_s: float,
+        seed: int = 0,
+        auth: Auth | None = None,
+    ):
         if not endpoints:
             raise ValueError("no endpoint given")
         if concurrency < 1:
@@ -158,10 +175,15 @@ class ServerPool:
     async def __aenter__(self) -> Self:
         limits = httpx.Limits(max_connections=self.concurrency, max_keepalive_connections=self.concurrency)
         self._endpoints = [
-            _Endpoint(url, httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(self.timeout_s), limits=limits,
-                                             headers=self.auth.headers),
-                      asyncio.Semaphore(self.concurrency))
-            for url in self.urls]
+            _Endpoint(
+                url,
+                httpx.AsyncClient(
+                    base_url=url, timeout=httpx.Timeout(self.timeout_s), limits=limits, headers=self.auth.headers
+                ),
+                asyncio.Semaphore(self.concurrency),
+            )
+            for url in self.urls
+        ]
         return self
 
     async def __aexit__(self, *exc) -> None:
@@ -209,8 +231,12 @@ class ServerPool:
                     header = r.headers.get("retry-after")
                     retry_after = float(header) if header and header.replace(".", "", 1).isdigit() else None
                 else:
-                    raise RequestFailed(f"HTTP {r.status_code}: {self.auth.scrub(r.text[:ERROR_BODY_CHARS])}",
-                                        status=r.status_code, attempts=attempt + 1, endpoint=endpoint.url)
+                    raise RequestFailed(
+                        f"HTTP {r.status_code}: {self.auth.scrub(r.text[:ERROR_BODY_CHARS])}",
+                        status=r.status_code,
+                        attempts=attempt + 1,
+                        endpoint=endpoint.url,
+                    )
             except (asyncio.TimeoutError, httpx.TimeoutException):
                 reason = "timeout"
             except httpx.TransportError as e:
@@ -219,7 +245,8 @@ class ServerPool:
             finally:
                 endpoint.in_flight -= 1
             if attempt == self.max_retries:
-                raise RequestFailed(f"{reason} (after {attempt + 1} attempts)", attempts=attempt + 1,
-                                    endpoint=endpoint.url)
+                raise RequestFailed(
+                    f"{reason} (after {attempt + 1} attempts)", attempts=attempt + 1, endpoint=endpoint.url
+                )
             self.retries[reason.split(":")[0]] += 1
             await asyncio.sleep(self._backoff(attempt, retry_after))

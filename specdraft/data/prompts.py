@@ -48,7 +48,9 @@ _CODE_WORDS = re.compile(
     r"\b(python|javascript|typescript|java|c\+\+|c#|golang|rust|kotlin|swift|php|ruby|sql|html|css|react|vue|"
     r"angular|django|flask|node\.?js|bash|shell|regex|api|json|yaml|function|class|method|variable|compiler?|"
     r"debug|code|script|algorithm|array|loop|exception|github|docker|kubernetes|linux|query|database|pandas|"
-    r"numpy|programming|program|implement|def|import|return|int|const|var|async|await)\b", re.IGNORECASE)
+    r"numpy|programming|program|implement|def|import|return|int|const|var|async|await)\b",
+    re.IGNORECASE,
+)
 
 
 def is_programming(conv: dict) -> bool:
@@ -78,9 +80,17 @@ def select_prompts(recipe: Recipe, target: Target, split: str, limit: int | None
         if len(ids) > d.max_prompt_tokens:
             too_long += 1
             continue
-        later = [m["content"] for m in conv["messages"][len(messages):] if m["role"] == "user"]
-        chosen.append({"id": conv["id"], "messages": messages, "prompt_ids": ids, "tools": conv.get("tools"),
-                       "source_answer": _source_answer(conv, len(messages)), "later_users": later})
+        later = [m["content"] for m in conv["messages"][len(messages) :] if m["role"] == "user"]
+        chosen.append(
+            {
+                "id": conv["id"],
+                "messages": messages,
+                "prompt_ids": ids,
+                "tools": conv.get("tools"),
+                "source_answer": _source_answer(conv, len(messages)),
+                "later_users": later,
+            }
+        )
         if limit is not None and len(chosen) >= limit:
             break
     return chosen, too_long
@@ -99,8 +109,16 @@ def rendered_prompts(d: DataConfig, split: str, limit: int | None) -> tuple[list
         if len(ids) > d.max_prompt_tokens:
             too_long += 1
             continue
-        chosen.append({"id": row["id"], "messages": None, "prompt_ids": ids, "tools": None,
-                       "source_answer": None, "later_users": []})
+        chosen.append(
+            {
+                "id": row["id"],
+                "messages": None,
+                "prompt_ids": ids,
+                "tools": None,
+                "source_answer": None,
+                "later_users": [],
+            }
+        )
         if limit is not None and len(chosen) >= limit:
             break
     return chosen, too_long

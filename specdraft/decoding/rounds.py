@@ -49,6 +49,7 @@ class Stats:
     rounds: those forwards and the advance (for DFlash, projecting the accepted positions into its
     context keys and values). So draft_step_seconds is the cost of one drafter forward, and
     draft_seconds / rounds the drafting cost of a round, whatever the method."""
+
     K: int  # the deepest draft position
     rounds: int = 0
     accepted_hist: list[int] = field(default_factory=list)
@@ -88,8 +89,10 @@ class Stats:
             "rounds": self.rounds,
             "draft_step_seconds": round(self.draft_seconds / max(1, self.draft_steps), 6),
             "verify_seconds": round(self.verify_seconds / max(1, self.rounds), 6),
-            "round_seconds": {**{k: round(v / max(1, self.rounds), 6) for k, v in self.seconds.items()},
-                              "round": round(self.round_seconds / max(1, self.rounds), 6)},
+            "round_seconds": {
+                **{k: round(v / max(1, self.rounds), 6) for k, v in self.seconds.items()},
+                "round": round(self.round_seconds / max(1, self.rounds), 6),
+            },
         }
 
 
@@ -116,7 +119,7 @@ class RoundPolicy(Protocol[Draft, Verdict]):
     shape: TreeShape
     forwards: int
 
-    def start(self, runner: TargetRunner, drafter) :
+    def start(self, runner: TargetRunner, drafter):
         """The drafter's state for one decode: advance(aux, next tokens, first position) feeds it the
         target's states of newly accepted positions, and draft() reads it."""
 
@@ -148,7 +151,7 @@ class GreedyTree:
     def forwards(self) -> int:
         return self.shape.depth
 
-    def start(self, runner: TargetRunner, drafter) :
+    def start(self, runner: TargetRunner, drafter):
         return runner.drafter_state(drafter, self.states, self.shape.depth + 1)
 
     def first_token(self, logits: torch.Tensor) -> int:
@@ -161,8 +164,9 @@ class GreedyTree:
         if draft.is_chain:  # causal: the model's own mask
             logits, aux = runner.forward([root] + draft.tokens)
         else:
-            logits, aux = runner.forward([root] + draft.tokens, [n] + [n + dep for dep in draft.depths],
-                                         draft.visible())
+            logits, aux = runner.forward(
+                [root] + draft.tokens, [n] + [n + dep for dep in draft.depths], draft.visible()
+            )
         choice = logits.argmax(-1)  # the target's token after each fed row (0 = root)
         with host_read():
             return choice.tolist(), aux
@@ -197,7 +201,7 @@ class SampledChain:
     def forwards(self) -> int:
         return self.shape.depth
 
-    def start(self, runner: TargetRunner, drafter) :
+    def start(self, runner: TargetRunner, drafter):
         return runner.drafter_state(drafter, self.states, self.shape.depth + 1)
 
     def sample(self, probs: torch.Tensor) -> int:
@@ -222,8 +226,7 @@ class SampledChain:
                 d_logits, diag = d_logits[0, -1], diag + [kv]
         return SampledDraft(drafts, qs)
 
-    def verify(self, runner: TargetRunner, root: int, draft: SampledDraft, n: int
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+    def verify(self, runner: TargetRunner, root: int, draft: SampledDraft, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         logits, aux = runner.forward([root] + draft.tokens)
         return torch.softmax(logits / self.temperature, -1), aux  # p [K+1, V]
 
@@ -233,8 +236,9 @@ class SampledChain:
 
 
 @torch.inference_mode()
-def decode(runner: TargetRunner, drafter, prompt: list[int], max_new: int, eos: int, policy: RoundPolicy,
-           stats: Stats) -> list[int]:
+def decode(
+    runner: TargetRunner, drafter, prompt: list[int], max_new: int, eos: int, policy: RoundPolicy, stats: Stats
+) -> list[int]:
     """Speculative decoding of `prompt`, rounds drafted and accepted by `policy`; returns the generated ids.
     Each part of a round is timed by a RoundClock (the device synced around it, so the timings measure
     the work and not its launch)."""
@@ -276,12 +280,14 @@ def decode(runner: TargetRunner, drafter, prompt: list[int], max_new: int, eos: 
 def draft_probs(drafter, logits: torch.Tensor, temperature: float, vocab: int) -> torch.Tensor:
     """The drafter's sampling distribution over the target vocabulary [V] (zero outside the draft vocab)."""
     q = torch.softmax(logits.float() / temperature, -1)
-    return torch.zeros(vocab, device=q.device).index_add_(0, drafter.to_target_ids(
-        torch.arange(q.shape[0], device=q.device)), q)
+    return torch.zeros(vocab, device=q.device).index_add_(
+        0, drafter.to_target_ids(torch.arange(q.shape[0], device=q.device)), q
+    )
 
 
-def rejection_sample(p: torch.Tensor, q: torch.Tensor, drafts: list[int], generator: torch.Generator
-                     ) -> tuple[int, int]:
+def rejection_sample(
+    p: torch.Tensor, q: torch.Tensor, drafts: list[int], generator: torch.Generator
+) -> tuple[int, int]:
     """Target probs p [K+1, V], draft probs q [K, V] the drafts were sampled from -> (accepted count a,
     the token after them): draft i is kept with probability min(1, p_i(x)/q_i(x)); the first rejected
     one is replaced by a sample of norm(max(0, p_i − q_i)); when all K are kept, the bonus is a sample
@@ -304,8 +310,10 @@ def check_exact(spec: list[int], ref: list[int], gaps: list[float], tol: float, 
     gap = gaps[j] if j < len(gaps) else float("inf")
     if gap < tol:
         return {"exact": False, "tie_at": j, "logit_gap": gap}
-    raise ExactnessError(f"prompt {pid}: speculative output differs from greedy at token {j} "
-                         f"(logit gap {gap:.3g} >= {tol}): the decoder is wrong, not the numerics")
+    raise ExactnessError(
+        f"prompt {pid}: speculative output differs from greedy at token {j} "
+        f"(logit gap {gap:.3g} >= {tol}): the decoder is wrong, not the numerics"
+    )
 
 
 def alpha_from_tau(tau: float, K: int) -> float:
@@ -313,7 +321,7 @@ def alpha_from_tau(tau: float, K: int) -> float:
     lo, hi = 0.0, 1.0
     for _ in range(ALPHA_BISECTION_STEPS):
         mid = (lo + hi) / 2
-        if sum(mid ** i for i in range(K + 1)) < tau:
+        if sum(mid**i for i in range(K + 1)) < tau:
             lo = mid
         else:
             hi = mid
@@ -322,4 +330,4 @@ def alpha_from_tau(tau: float, K: int) -> float:
 
 def leviathan_bound(alpha: float, K: int, c: float) -> float:
     """Expected walltime improvement S = (1 − α^(K+1)) / ((1 − α)(Kc + 1)) (Leviathan et al. 2023, Thm 3.8)."""
-    return sum(alpha ** i for i in range(K + 1)) / (K * c + 1)
+    return sum(alpha**i for i in range(K + 1)) / (K * c + 1)

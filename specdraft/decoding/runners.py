@@ -57,8 +57,9 @@ class TargetRunner:
         return self.cache.get_seq_length()
 
     @torch.inference_mode()
-    def forward(self, ids: list[int] | torch.Tensor, positions: list[int] | None = None,
-                visible: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, ids: list[int] | torch.Tensor, positions: list[int] | None = None, visible: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """logits [n, V] and aux states [n, n_aux*H] for `ids` (a list, or a tensor [n] on the device:
         drafts the host has not read) appended to the cache. `visible` [n, n]
         says which of the new tokens each new token sees; None (a chain, or plain decoding) is causal and
@@ -68,8 +69,9 @@ class TargetRunner:
         kwargs = {}
         if visible is not None:
             past = self.length
-            allowed = torch.cat([torch.ones(len(ids), past, dtype=torch.bool, device=self.device),
-                                 visible.to(self.device)], dim=1)  # [n, past+n]
+            allowed = torch.cat(
+                [torch.ones(len(ids), past, dtype=torch.bool, device=self.device), visible.to(self.device)], dim=1
+            )  # [n, past+n]
             # A 4-D additive mask is used as given by transformers (eager and sdpa alike).
             mask = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device)
             mask = mask.masked_fill(~allowed, torch.finfo(self.dtype).min)[None, None]  # [1, 1, n, past+n]

@@ -81,8 +81,12 @@ class StepGraphs:
                     # same calls eagerly, so a bug in the step itself is raised again by the eager call below
                     self.enabled = False
                     self.failure = f"capture of {key} failed: {(str(e).splitlines() or [type(e).__name__])[0]}"
-                    print(f"engine: CUDA graph capture of {key} failed: {type(e).__name__}: {e}\nengine: every "
-                          "step now runs eagerly on the static cache (the report says so)", file=sys.stderr, flush=True)
+                    print(
+                        f"engine: CUDA graph capture of {key} failed: {type(e).__name__}: {e}\nengine: every "
+                        "step now runs eagerly on the static cache (the report says so)",
+                        file=sys.stderr,
+                        flush=True,
+                    )
             if call is not None:
                 return call(*inputs)
         return fn(*(x.to(self.device, non_blocking=True) for x in inputs))
@@ -164,14 +168,17 @@ class StaticTargetRunner:
         return kept[1]
 
     @torch.inference_mode()
-    def forward(self, ids: list[int] | torch.Tensor, positions: list[int] | None = None,
-                visible: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, ids: list[int] | torch.Tensor, positions: list[int] | None = None, visible: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """As TargetRunner.forward; None means causal at the next positions. The returned tensors are
         the graph's outputs on the graph path: read them before the next forward of the same width."""
         n, start = len(ids), self.cache.length
         if start + n > self.cache.capacity:
-            raise RuntimeError(f"static KV cache of {self.cache.capacity} slots is full ({start} + {n}): "
-                               "reserve() more before decoding")
+            raise RuntimeError(
+                f"static KV cache of {self.cache.capacity} slots is full ({start} + {n}): "
+                "reserve() more before decoding"
+            )
         if positions is None:
             positions = list(range(start, start + n))
         if visible is None:
@@ -196,8 +203,13 @@ class StaticTargetRunner:
         mask = torch.zeros(seen.shape, dtype=self.dtype, device=self.device)
         mask = mask.masked_fill(~seen, torch.finfo(self.dtype).min)[None, None]  # [1, 1, n, C]
         with tap_hidden_states(self.model, self.target.family, self.target.aux_layer_ids) as cap:
-            out = self.base(input_ids=ids, position_ids=positions, attention_mask=mask,
-                            use_cache=True, **{self.cache_name: self.cache})
+            out = self.base(
+                input_ids=ids,
+                position_ids=positions,
+                attention_mask=mask,
+                use_cache=True,
+                **{self.cache_name: self.cache},
+            )
         logits = self.model.lm_head(out.last_hidden_state)[0].float()  # [n, V]
         aux = torch.cat([cap[k] for k in self.target.aux_layer_ids], dim=-1)[0]  # [n, n_aux*H]
         return logits, aux

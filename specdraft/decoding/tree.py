@@ -28,6 +28,7 @@ def decode_capacity(prompts: list[dict], cfg) -> int:
 @dataclass
 class TreeShape:
     """EAGLE-2 dynamic tree: expand `topk` nodes per depth, `depth` depths, verify the best `tokens`."""
+
     topk: int
     depth: int
     tokens: int
@@ -46,8 +47,9 @@ class Tree:
     @classmethod
     def chain(cls, tokens: list[int]) -> Tree:
         """Tokens drafted one after the other: each node the child of the one before."""
-        return cls(tokens=list(tokens), parents=list(range(-1, len(tokens) - 1)),
-                   depths=list(range(1, len(tokens) + 1)))
+        return cls(
+            tokens=list(tokens), parents=list(range(-1, len(tokens) - 1)), depths=list(range(1, len(tokens) + 1))
+        )
 
     @property
     def is_chain(self) -> bool:
@@ -62,8 +64,9 @@ class Tree:
         return vis
 
 
-def grow_tree(drafter, step, root_hidden: torch.Tensor, root_logits: torch.Tensor, shape: TreeShape
-              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def grow_tree(
+    drafter, step, root_hidden: torch.Tensor, root_logits: torch.Tensor, shape: TreeShape
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The device half of EAGLE-2 drafting, with no host sync, so one CUDA graph can hold it: the root's
     `topk` best children form the frontier; at every further depth each frontier node gets its `topk`
     best children (by cumulative draft log-prob), and the `topk` best of those form the next frontier.
@@ -110,6 +113,8 @@ def select_tree(scores: list[float], tokens: list[int], parents: list[int], shap
     order = sorted(range(len(tokens)), key=lambda i: (-scores[i], depths[i], i))[: shape.tokens]
     order.sort(key=lambda i: (depths[i], i))
     new_index = {old: j for j, old in enumerate(order)}
-    return Tree(tokens=[tokens[i] for i in order],
-                parents=[new_index[parents[i]] if parents[i] >= 0 else -1 for i in order],
-                depths=[depths[i] for i in order])
+    return Tree(
+        tokens=[tokens[i] for i in order],
+        parents=[new_index[parents[i]] if parents[i] >= 0 else -1 for i in order],
+        depths=[depths[i] for i in order],
+    )

@@ -41,6 +41,7 @@ PICKLED = "trainer.pt"  # what specdraft wrote before: a pickle, never read
 
 _TAGS = ("__tensor__", "__tuple__", "__items__")
 
+
 def target_tensors(config) -> set[str]:
     """The drafter's tensors that are the target's own, frozen: left out of checkpoints (read from the
     target on load). The embedding always; a DFlash lm_head over the whole vocabulary too."""
@@ -105,11 +106,15 @@ def check_trainer_state(path: Path) -> None:
     if (path / TRAINER_JSON).exists() and (path / TRAINER_TENSORS).exists():
         return
     if (path / PICKLED).exists():
-        raise ValueError(f"{path / PICKLED}: a trainer state an older specdraft saved as a pickle, which is "
-                         "never loaded (unpickling a file can run any code in it); start over with "
-                         "--set train.resume=false (checkpoints are replaced)")
-    raise ValueError(f"{path}: no trainer state ({TRAINER_JSON} + {TRAINER_TENSORS}) to resume from; "
-                     "start over with --set train.resume=false (checkpoints are replaced)")
+        raise ValueError(
+            f"{path / PICKLED}: a trainer state an older specdraft saved as a pickle, which is "
+            "never loaded (unpickling a file can run any code in it); start over with "
+            "--set train.resume=false (checkpoints are replaced)"
+        )
+    raise ValueError(
+        f"{path}: no trainer state ({TRAINER_JSON} + {TRAINER_TENSORS}) to resume from; "
+        "start over with --set train.resume=false (checkpoints are replaced)"
+    )
 
 
 def load_trainer_state(path: Path) -> dict:
@@ -117,14 +122,17 @@ def load_trainer_state(path: Path) -> dict:
     check_trainer_state(path)
     doc = read_json(path / TRAINER_JSON, fix=RESTART)
     if doc.get("format") != TRAINER_FORMAT or doc.get("version") != TRAINER_VERSION:
-        raise ValueError(f"{path / TRAINER_JSON}: not a {TRAINER_FORMAT} version {TRAINER_VERSION} "
-                         f"(format {doc.get('format')!r}, version {doc.get('version')!r})")
+        raise ValueError(
+            f"{path / TRAINER_JSON}: not a {TRAINER_FORMAT} version {TRAINER_VERSION} "
+            f"(format {doc.get('format')!r}, version {doc.get('version')!r})"
+        )
     tensors = load_safetensors(path / TRAINER_TENSORS, fix=RESTART)
     try:
         return unflatten_state(doc["state"], tensors)
     except (KeyError, TypeError, ValueError) as e:
-        raise FileError(f"{path}: {TRAINER_JSON} names a tensor {TRAINER_TENSORS} does not hold ({e}); "
-                        f"{RESTART}") from None
+        raise FileError(
+            f"{path}: {TRAINER_JSON} names a tensor {TRAINER_TENSORS} does not hold ({e}); {RESTART}"
+        ) from None
 
 
 # A training checkpoint that cannot be read is started over; any other is written again by its stage.
@@ -148,10 +156,16 @@ def read_meta(path: Path, methods, default: str) -> dict:
     meta = read_json(Path(path) / "config.json", fix=checkpoint_fix(Path(path)))
     if isinstance(meta, dict):
         meta.setdefault("method", default)
-    if not isinstance(meta.get("drafter"), dict) or not isinstance(meta.get("method"), str) \
-            or meta["method"] not in methods or not isinstance(meta.get("aux_layer_ids", []), list):
-        raise FileError(f"{Path(path) / 'config.json'}: not a specdraft checkpoint's config (its 'drafter', "
-                        f"'method' or 'aux_layer_ids'); {checkpoint_fix(Path(path))}")
+    if (
+        not isinstance(meta.get("drafter"), dict)
+        or not isinstance(meta.get("method"), str)
+        or meta["method"] not in methods
+        or not isinstance(meta.get("aux_layer_ids", []), list)
+    ):
+        raise FileError(
+            f"{Path(path) / 'config.json'}: not a specdraft checkpoint's config (its 'drafter', "
+            f"'method' or 'aux_layer_ids'); {checkpoint_fix(Path(path))}"
+        )
     return meta
 
 
@@ -161,8 +175,10 @@ def drafter_config(meta: dict, path: Path, config_cls):
     try:
         return config_cls(**meta["drafter"])
     except TypeError as e:  # a field this specdraft does not know, or one missing
-        raise FileError(f"{Path(path) / 'config.json'}: its drafter config does not fit this specdraft ({e}); "
-                        f"{checkpoint_fix(Path(path))}") from None
+        raise FileError(
+            f"{Path(path) / 'config.json'}: its drafter config does not fit this specdraft ({e}); "
+            f"{checkpoint_fix(Path(path))}"
+        ) from None
 
 
 def scratch_paths(path: Path) -> tuple[Path, Path]:
@@ -176,8 +192,10 @@ def refuse_misfits(folder: Path, target, found: list[str], aux_ids: list[int], e
     """import's one error listing every misfit of a folder: `found`, and aux layers other than a run's
     extracted ones (fine-tuning would feed it other layers)."""
     if extracted_aux_layer_ids is not None and list(extracted_aux_layer_ids) != list(aux_ids):
-        found.append(f"aux layer ids: drafter {list(aux_ids)}, the run's hidden states {list(extracted_aux_layer_ids)} "
-                     "(fine-tuning would feed it other layers)")
+        found.append(
+            f"aux layer ids: drafter {list(aux_ids)}, the run's hidden states {list(extracted_aux_layer_ids)} "
+            "(fine-tuning would feed it other layers)"
+        )
     if found:
         raise ValueError(f"import: {folder} does not fit the target {target.path}:\n  " + "\n  ".join(found))
 
@@ -185,8 +203,11 @@ def refuse_misfits(folder: Path, target, found: list[str], aux_ids: list[int], e
 def save_imported(drafter, target, folder: Path, out: Path, layout: str, notes: list[str]) -> None:
     """An imported folder's drafter as a checkpoint at `out`, saying where it came from and how it was read."""
     aux_ids = list(drafter.config.aux_layer_ids)
-    meta = {"aux_layer_ids": aux_ids, "target": type(target)(target.name, aux_ids).describe(),
-            "imported_from": {"folder": str(Path(folder).resolve()), "layout": layout, "notes": notes}}
+    meta = {
+        "aux_layer_ids": aux_ids,
+        "target": type(target)(target.name, aux_ids).describe(),
+        "imported_from": {"folder": str(Path(folder).resolve()), "layout": layout, "notes": notes},
+    }
     save_checkpoint(drafter, Path(out), meta)
 
 
@@ -216,9 +237,12 @@ def rng_state() -> dict:
     import numpy as np
 
     name, keys, pos, has_gauss, cached = np.random.get_state()
-    return {"torch": torch.get_rng_state(), "python": random.getstate(),
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
-            "numpy": [name, torch.from_numpy(keys.astype("int64")), pos, has_gauss, cached]}
+    return {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+        "numpy": [name, torch.from_numpy(keys.astype("int64")), pos, has_gauss, cached],
+    }
 
 
 def set_rng_state(rng: dict) -> None:
@@ -232,8 +256,9 @@ def set_rng_state(rng: dict) -> None:
     np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
 
 
-def save_training(path: Path, wrapped, optimizers: list, schedulers: list, config, meta: dict,
-                  state: dict, rank: int) -> None:
+def save_training(
+    path: Path, wrapped, optimizers: list, schedulers: list, config, meta: dict, state: dict, rank: int
+) -> None:
     """A resumable checkpoint of the drafter in training: its weights, plus the trainable weights,
     optimizer and scheduler states, `state` (step, tokens, ...) and RNG (see the module's doc). `wrapped`
     is the method's objective module, under DDP or FSDP or neither; `config` the drafter's config. Every
@@ -253,8 +278,13 @@ def save_training(path: Path, wrapped, optimizers: list, schedulers: list, confi
         return
     shared = {f"drafter.{name}" for name in target_tensors(config)}
     trainable = {k: v for k, v in model_state.items() if k not in shared}
-    extra = {"model": trainable, "optimizer": optim_state, "scheduler": [x.state_dict() for x in schedulers],
-             "state": dict(state), "rng": rng_state()}
+    extra = {
+        "model": trainable,
+        "optimizer": optim_state,
+        "scheduler": [x.state_dict() for x in schedulers],
+        "state": dict(state),
+        "rng": rng_state(),
+    }
     # The copy written out is built on the CPU, and building it initialises weights from torch's RNG.
     with torch.random.fork_rng(devices=[]):
         drafter = config.make_drafter()
@@ -296,6 +326,7 @@ def load_weights(drafter, path: Path, embed: torch.Tensor | None = None, head: t
         drafter.load_state_dict(state)
     except RuntimeError as e:  # torch's list of missing / unexpected keys and shapes
         first = str(e).splitlines()[1].strip() if len(str(e).splitlines()) > 1 else str(e)
-        raise FileError(f"{path / 'model.safetensors'}: does not fit config.json's drafter ({first}); "
-                        f"{checkpoint_fix(path)}") from None
+        raise FileError(
+            f"{path / 'model.safetensors'}: does not fit config.json's drafter ({first}); {checkpoint_fix(path)}"
+        ) from None
     return drafter.eval()

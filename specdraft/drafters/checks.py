@@ -60,15 +60,25 @@ def vocab_checks(drafter, counts=None) -> list[Check]:
     targets = torch.arange(d2t.numel()) + d2t
     checks = []
     if d2t.numel() < drafter.config.vocab_size:
-        checks.append(Check("d2t is a real mapping", bool(d2t.any()),
-                            "draft ids map to target ids " + ("0..Vd-1 (identity)" if not d2t.any() else
-                                                               f"{int(targets.min())}..{int(targets.max())}"),
-                            "write the trained d2t; vLLM keeps a missing d2t at zeros, i.e. the identity"))
+        checks.append(
+            Check(
+                "d2t is a real mapping",
+                bool(d2t.any()),
+                "draft ids map to target ids "
+                + ("0..Vd-1 (identity)" if not d2t.any() else f"{int(targets.min())}..{int(targets.max())}"),
+                "write the trained d2t; vLLM keeps a missing d2t at zeros, i.e. the identity",
+            )
+        )
     if counts is not None:
         covered = counts[targets].sum().item() / max(1, counts.sum().item())
-        checks.append(Check("draft vocab covers the training answers", covered >= MIN_COVERAGE,
-                            f"{covered:.1%} of the run's answer tokens",
-                            "d2t does not map to the frequent tokens of the data (lost or misread mapping)"))
+        checks.append(
+            Check(
+                "draft vocab covers the training answers",
+                covered >= MIN_COVERAGE,
+                f"{covered:.1%} of the run's answer tokens",
+                "d2t does not map to the frequent tokens of the data (lost or misread mapping)",
+            )
+        )
     return checks
 
 
@@ -94,16 +104,26 @@ def run_checks(drafter, run_path: Path, target) -> tuple[list[Check], object]:
     index_path = folder.hidden / INDEX
     if index_path.exists():
         extracted = read_index(folder.hidden, ("aux_layer_ids",))["aux_layer_ids"]
-        checks.append(Check("aux layer ids = extracted ones", drafter.config.aux_layer_ids == extracted,
-                            f"drafter {drafter.config.aux_layer_ids}, hidden states {extracted}",
-                            "the drafter would be fed other layers than it was trained on; re-export from the run"))
+        checks.append(
+            Check(
+                "aux layer ids = extracted ones",
+                drafter.config.aux_layer_ids == extracted,
+                f"drafter {drafter.config.aux_layer_ids}, hidden states {extracted}",
+                "the drafter would be fed other layers than it was trained on; re-export from the run",
+            )
+        )
     if (folder.tokens / "index.json").exists():
         index, samples = load_tokens(folder.tokens, target.vocab_size)
         served = hashlib.sha256((target.tokenizer.chat_template or "").encode()).hexdigest()[:16]
         trained = index.get("chat_template_sha256")
-        checks.append(Check("chat template = training data's", served == trained,
-                            f"served {served}, training data {trained}",
-                            "render the training data with the template the engine serves (tau < 3 vs 5.8 seen)"))
+        checks.append(
+            Check(
+                "chat template = training data's",
+                served == trained,
+                f"served {served}, training data {trained}",
+                "render the training data with the template the engine serves (tau < 3 vs 5.8 seen)",
+            )
+        )
         counts = token_counts(samples, target.vocab_size)
     return checks, counts
 
@@ -119,8 +139,9 @@ def target_model(target):
     return _MODELS[key]
 
 
-def held_out_conversations(target, run_path: Path | None, n: int = AGREEMENT_CONVERSATIONS,
-                           answer_tokens: int = AGREEMENT_TOKENS) -> list[tuple[list[int], list[int]]]:
+def held_out_conversations(
+    target, run_path: Path | None, n: int = AGREEMENT_CONVERSATIONS, answer_tokens: int = AGREEMENT_TOKENS
+) -> list[tuple[list[int], list[int]]]:
     """(prompt ids, first answer's ids) of real conversations the drafter was not trained on: the
     run's held-out ShareGPT split when the run is known (its data settings), else the default
     recipe's; rendered with the target's chat template, the answer cut to `answer_tokens`."""
@@ -134,9 +155,9 @@ def held_out_conversations(target, run_path: Path | None, n: int = AGREEMENT_CON
             continue
         prompt = target.chat_ids(turns[:1], add_generation_prompt=True)
         full = target.chat_ids(turns[:2], add_generation_prompt=False)
-        if len(prompt) > d.max_prompt_tokens or full[:len(prompt)] != prompt:
+        if len(prompt) > d.max_prompt_tokens or full[: len(prompt)] != prompt:
             continue
-        out.append((prompt, full[len(prompt):len(prompt) + answer_tokens]))
+        out.append((prompt, full[len(prompt) : len(prompt) + answer_tokens]))
         if len(out) >= n:
             break
     return out

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import torch
@@ -25,14 +25,34 @@ from specdraft.run import atomic_path
 from specdraft.targets import refuse_pickled_weights
 
 
+def check_fields(config, where: str, zero_ok: tuple[str, ...] = ()) -> None:
+    """Refuse a drafter config read from a file whose values are of the wrong kind or out of range, in one
+    line naming `where`: sizes whole numbers above 0 (or >= 0 for the fields in `zero_ok`), layer ids whole
+    numbers >= 0, eps and theta finite and above 0, flags true or false."""
+
+    def fits(name: str, kind: str, v) -> bool:
+        if kind == "int":
+            return type(v) is int and (v > 0 or name in zero_ok and v == 0)
+        if kind == "float":
+            return type(v) in (int, float) and math.isfinite(v) and v > 0
+        if kind == "bool":
+            return type(v) is bool
+        return isinstance(v, list) and bool(v) and all(type(i) is int and i >= 0 for i in v)
+
+    for f in fields(config):
+        if not fits(f.name, f.type, getattr(config, f.name)):
+            raise ValueError(f"{where}: {f.name} = {getattr(config, f.name)!r} is not a valid {f.type}")
+
+
 def within_vocab(draft_vocab_size: int, vocab_size: int) -> int:
     """The draft vocabulary's size: 0 is the whole vocabulary; more than it is refused, not cut to it
     (the recipe's train.draft_vocab_size, checked first by targets.check_fits)."""
     if draft_vocab_size > vocab_size:
-        raise ValueError(f"train.draft_vocab_size: {draft_vocab_size} is outside its range: <= {vocab_size:,} "
-                         f"(the target's vocabulary; 0 takes all of it)")
+        raise ValueError(
+            f"train.draft_vocab_size: {draft_vocab_size} is outside its range: <= {vocab_size:,} "
+            f"(the target's vocabulary; 0 takes all of it)"
+        )
     return draft_vocab_size or vocab_size
-
 
 
 def default_mask_token(tokenizer, vocab_size: int) -> int:
@@ -48,12 +68,18 @@ def default_mask_token(tokenizer, vocab_size: int) -> int:
         return len(tokenizer)
     template = getattr(tokenizer, "chat_template", None) or ""
     taken = {getattr(tokenizer, f"{role}_token_id", None) for role in ("bos", "eos", "pad", "unk")}
-    specials = [i for i, t in tokenizer.added_tokens_decoder.items()
-                if t.special and i < vocab_size and i not in taken and t.content not in template]
+    specials = [
+        i
+        for i, t in tokenizer.added_tokens_decoder.items()
+        if t.special and i < vocab_size and i not in taken and t.content not in template
+    ]
     if not specials:
-        raise ValueError("no mask token: the tokenizer has none, no unused embedding row and no spare special "
-                         "token; name one (a token id the training data never contains)")
+        raise ValueError(
+            "no mask token: the tokenizer has none, no unused embedding row and no spare special "
+            "token; name one (a token id the training data never contains)"
+        )
     return max(specials)
+
 
 # ---------------------------------------------------------------------------------------------------
 # Engine folders
@@ -96,8 +122,11 @@ def read_tensors(folder: Path, prefix: str = "") -> dict[str, torch.Tensor]:
 def load_checked(drafter: nn.Module, state: dict, expected: dict, folder: Path, names: dict | None = None):
     """`state` into the drafter (float32, eval mode) once every tensor fits `expected`'s shapes; the misfits
     are all named (`names`: ours -> the folder's)."""
-    misfits = [f"{(names or {}).get(k, k)}: {list(v.shape)} given, config.json needs {list(expected[k].shape)}"
-               for k, v in state.items() if k in expected and v.shape != expected[k].shape]
+    misfits = [
+        f"{(names or {}).get(k, k)}: {list(v.shape)} given, config.json needs {list(expected[k].shape)}"
+        for k, v in state.items()
+        if k in expected and v.shape != expected[k].shape
+    ]
     if misfits:
         raise ValueError(f"{folder}: the tensors do not fit config.json:\n  " + "\n  ".join(misfits))
     drafter.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()})
@@ -144,7 +173,6 @@ class MLP(nn.Module):
 
     def forward(self, x):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -230,9 +258,16 @@ def attend(q, base: KV, diag: list[KV], mask) -> torch.Tensor:
         # queries see a causal prefix of its own keys.
         outs, lses = [], []
         for b, spans in enumerate(mask.spans):
-            row = [dense_attention(q[b:b + 1, :, s:e], base[0][b:b + 1, :, s:e], base[1][b:b + 1, :, s:e],
-                                   torch.ones(e - s, e - s, dtype=torch.bool, device=q.device).tril(), scale)
-                   for s, e in spans]
+            row = [
+                dense_attention(
+                    q[b : b + 1, :, s:e],
+                    base[0][b : b + 1, :, s:e],
+                    base[1][b : b + 1, :, s:e],
+                    torch.ones(e - s, e - s, dtype=torch.bool, device=q.device).tril(),
+                    scale,
+                )
+                for s, e in spans
+            ]
             outs.append(torch.cat([o for o, _ in row], dim=2))  # [1, nh, T, d]
             lses.append(torch.cat([lse for _, lse in row], dim=2))  # [1, nh, T]
         out, lse = torch.cat(outs), torch.cat(lses)
@@ -264,8 +299,7 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(width, self.n_kv * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, cfg.hidden_size, bias=False)
 
-    def forward(self, x, cos, sin, base: KV | None = None, diag: list[KV] | None = None, q_offset: int = 0,
-                mask=None):
+    def forward(self, x, cos, sin, base: KV | None = None, diag: list[KV] | None = None, q_offset: int = 0, mask=None):
         """x [B, T, 2H]. With `diag` None this step's keys extend `base` causally (query j sees base
         keys 0..q_offset+j, q_offset = len(base) before extension); otherwise they join `diag` and the
         query sees base keys 0..q_offset+j plus every diagonal key at its own position. A `mask` from
@@ -287,7 +321,8 @@ class Attention(nn.Module):
         if mask is None:
             Tb = base[0].shape[2]
             mask = torch.arange(Tb, device=x.device)[None, :] <= (
-                q_offset + torch.arange(T, device=x.device)[:, None])  # [T, Tb]
+                q_offset + torch.arange(T, device=x.device)[:, None]
+            )  # [T, Tb]
         out = attend(q, base, diag, mask)  # [B, nh, T, d]
         out = out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)  # [B, T, nh*d]
         return self.o_proj(out), (k, v)
@@ -377,7 +412,6 @@ def collate(source, rows: list[list[int]], tops: list[torch.Tensor], budget: int
             batch["last"][r, span] = it["last"][:n]
             at += n
     return batch
-
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -37,8 +37,9 @@ def build(counts: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor]:
     return d2t, t2d
 
 
-def checked_t2d(d2t: torch.Tensor, draft_vocab_size: int, vocab_size: int, given: torch.Tensor | None,
-                where) -> torch.Tensor:
+def checked_t2d(
+    d2t: torch.Tensor, draft_vocab_size: int, vocab_size: int, given: torch.Tensor | None, where
+) -> torch.Tensor:
     """t2d [vocab] bool rebuilt from a folder's d2t [draft vocab] offsets, which the engines add unchecked:
     refused where d2t is not of that shape or maps outside the target vocabulary, or where the folder's
     own t2d (`given`, which the engines skip) marks other ids."""
@@ -46,8 +47,10 @@ def checked_t2d(d2t: torch.Tensor, draft_vocab_size: int, vocab_size: int, given
         raise ValueError(f"{where}: d2t has shape {list(d2t.shape)}, expected [{draft_vocab_size}]")
     targets = torch.arange(draft_vocab_size) + d2t
     if targets.numel() and (targets.min() < 0 or targets.max() >= vocab_size):
-        raise ValueError(f"{where}: d2t maps draft ids outside the target vocabulary (0..{vocab_size - 1}); "
-                         "it must hold offsets (target id = draft id + d2t[draft id]), not absolute ids")
+        raise ValueError(
+            f"{where}: d2t maps draft ids outside the target vocabulary (0..{vocab_size - 1}); "
+            "it must hold offsets (target id = draft id + d2t[draft id]), not absolute ids"
+        )
     t2d = torch.zeros(vocab_size, dtype=torch.bool)
     t2d[targets] = True
     if given is not None and not torch.equal(given.bool(), t2d):

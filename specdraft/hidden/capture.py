@@ -71,8 +71,11 @@ def forward_states(model, target: Target, rows: list[list[int]]):
         ids, attn, keep = ids.pin_memory(), attn.pin_memory(), keep.pin_memory()
     base = get_attr(model, target.family.decoder)
     with torch.inference_mode(), tap_hidden_states(model, target.family, target.aux_layer_ids) as cap:
-        base(input_ids=ids.to(device, non_blocking=True), attention_mask=attn.to(device, non_blocking=True),
-             use_cache=False)
+        base(
+            input_ids=ids.to(device, non_blocking=True),
+            attention_mask=attn.to(device, non_blocking=True),
+            use_cache=False,
+        )
         keep = keep.to(device, non_blocking=True)
         last = cap["last"]
         aux = torch.cat([cap[k].to(last.device) for k in target.aux_layer_ids], dim=-1)  # [B, W, n_aux*H]
@@ -81,8 +84,7 @@ def forward_states(model, target: Target, rows: list[list[int]]):
     return aux, last
 
 
-def states_server(target: Target, dtype: str, work_dir: Path, max_model_len: int,
-                  vllm_args: list[str]) -> VllmServer:
+def states_server(target: Target, dtype: str, work_dir: Path, max_model_len: int, vllm_args: list[str]) -> VllmServer:
     """A vLLM server (not started) running the target with the `extract_hidden_states` speculative method:
     each finished request's aux layers and layer L, [T, n_aux + 1, H], written by a KV connector to one
     safetensors file under `work_dir` (the file's path comes back in the completion's
@@ -94,17 +96,28 @@ def states_server(target: Target, dtype: str, work_dir: Path, max_model_len: int
     work_dir.mkdir(parents=True, exist_ok=True)
     layer_ids = [*target.aux_layer_ids, target.num_layers]
     on_gpu = torch.cuda.is_available()
-    connector = {"kv_connector": "ExampleHiddenStatesConnector" if on_gpu else "HostHiddenStatesConnector",
-                 "kv_role": "kv_producer", "kv_connector_extra_config": {"shared_storage_path": str(work_dir)}}
+    connector = {
+        "kv_connector": "ExampleHiddenStatesConnector" if on_gpu else "HostHiddenStatesConnector",
+        "kv_role": "kv_producer",
+        "kv_connector_extra_config": {"shared_storage_path": str(work_dir)},
+    }
     if not on_gpu:
         connector["kv_connector_module_path"] = "specdraft.hidden.vllm_connector"
-    speculative = {"method": "extract_hidden_states", "num_speculative_tokens": 1,
-                   "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": layer_ids}}}
+    speculative = {
+        "method": "extract_hidden_states",
+        "num_speculative_tokens": 1,
+        "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": layer_ids}},
+    }
     repo_root = Path(__file__).resolve().parents[2]
-    return VllmServer(target.path, log_path=work_dir / "vllm.log", speculative=speculative,
-                      max_model_len=max_model_len, dtype=dtype,
-                      extra=["--kv-transfer-config", json.dumps(connector), *vllm_args],
-                      env={"PYTHONPATH": str(repo_root)})
+    return VllmServer(
+        target.path,
+        log_path=work_dir / "vllm.log",
+        speculative=speculative,
+        max_model_len=max_model_len,
+        dtype=dtype,
+        extra=["--kv-transfer-config", json.dumps(connector), *vllm_args],
+        env={"PYTHONPATH": str(repo_root)},
+    )
 
 
 class NotStatesServer(RuntimeError):
@@ -118,8 +131,12 @@ def request_states(url: str, model: str, row: list[int], timeout: float = 600.0,
     import fcntl
 
     import httpx
-    r = httpx.post(f"{url}/v1/completions", timeout=timeout,
-                   json={"model": model, "prompt": row, "max_tokens": 1, "temperature": 0})
+
+    r = httpx.post(
+        f"{url}/v1/completions",
+        timeout=timeout,
+        json={"model": model, "prompt": row, "max_tokens": 1, "temperature": 0},
+    )
     r.raise_for_status()
     params = r.json().get("kv_transfer_params") or {}
     if "hidden_states_path" not in params:
@@ -128,8 +145,11 @@ def request_states(url: str, model: str, row: list[int], timeout: float = 600.0,
     lock = path.with_name(path.name + ".lock")
     with open(lock) as f:
         fcntl.flock(f, fcntl.LOCK_SH)  # the connector holds it exclusively until the file is written
-        data = load_safetensors(path, fix="vLLM's hidden-states connector wrote it torn: see the server's log, "
-                                          "then rerun the stage", need=("hidden_states", "token_ids"))
+        data = load_safetensors(
+            path,
+            fix="vLLM's hidden-states connector wrote it torn: see the server's log, then rerun the stage",
+            need=("hidden_states", "token_ids"),
+        )
     if on_file is not None:
         on_file(path)
     path.unlink()
@@ -172,10 +192,16 @@ class VllmStates:
     instead of starting one.
     """
 
-    def __init__(self, target: Target, cfg: ExtractConfig, work_dir: Path, max_model_len: int,
-                 url: str | None = None, model: str | None = None):
-        self.server = None if url else states_server(target, cfg.dtype, work_dir, max_model_len + 1,
-                                                      cfg.vllm_args)
+    def __init__(
+        self,
+        target: Target,
+        cfg: ExtractConfig,
+        work_dir: Path,
+        max_model_len: int,
+        url: str | None = None,
+        model: str | None = None,
+    ):
+        self.server = None if url else states_server(target, cfg.dtype, work_dir, max_model_len + 1, cfg.vllm_args)
         self.url, self.model = url, model
         self.norm = FinalNorm(target, cfg.dtype)
 

@@ -47,9 +47,14 @@ class OnlineHidden:
         for i in indices:
             ids, mask = self.samples[i]
             T = len(ids)
-            out.append({"input_ids": torch.tensor(ids, dtype=torch.int32),
-                        "loss_mask": torch.tensor(mask, dtype=torch.uint8),
-                        "aux": aux[offset: offset + T], "last": last[offset: offset + T]})
+            out.append(
+                {
+                    "input_ids": torch.tensor(ids, dtype=torch.int32),
+                    "loss_mask": torch.tensor(mask, dtype=torch.uint8),
+                    "aux": aux[offset : offset + T],
+                    "last": last[offset : offset + T],
+                }
+            )
             offset += T
         return out
 
@@ -62,8 +67,10 @@ class OnlineHidden:
         """Like HiddenStore.loader; the forward of the next batches runs in a thread while the caller
         trains. Worker processes would each need their own copy of the target, so there are none."""
         if num_workers:
-            raise ValueError("online hidden states are computed by the target in this process: num_workers must "
-                             "be 0 (use prefetch to overlap the target's forward with training)")
+            raise ValueError(
+                "online hidden states are computed by the target in this process: num_workers must "
+                "be 0 (use prefetch to overlap the target's forward with training)"
+            )
         return read_ahead(self.batch, batches, prefetch)
 
 

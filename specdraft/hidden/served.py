@@ -85,8 +85,7 @@ class Endpoint:
     def recover(self) -> bool:
         """Restart the server if it is ours and has died; True when it did."""
         with self.lock:
-            if (self.closed or self.server is None or self.server.process is None
-                    or self.server.process.poll() is None):
+            if self.closed or self.server is None or self.server.process is None or self.server.process.poll() is None:
                 return False
             self.server.stop()
             for stale in self.server.log_path.parent.glob("*.safetensors*"):  # the dead server's requests
@@ -95,8 +94,10 @@ class Endpoint:
             start(self.server)
             if self.owned:
                 (log.parent / PID_FILE).write_text(str(self.server.process.pid))
-            print(f"train: the states server died and was restarted ({self.server.ready_seconds:.0f} s); "
-                  f"its log: {log}", flush=True)
+            print(
+                f"train: the states server died and was restarted ({self.server.ready_seconds:.0f} s); its log: {log}",
+                flush=True,
+            )
             self.restarts += 1
             return True
 
@@ -127,8 +128,9 @@ def start(server: VllmServer) -> VllmServer:
         return server.start()
     except ServerError as e:
         why = _one_line(server.log_tail()) or str(e).splitlines()[0]
-        raise RuntimeError(f"the states server (vLLM, extract_hidden_states) did not start: {why}; its log: "
-                           f"{server.log_path}") from None
+        raise RuntimeError(
+            f"the states server (vLLM, extract_hidden_states) did not start: {why}; its log: {server.log_path}"
+        ) from None
 
 
 class ServedHidden:
@@ -154,9 +156,19 @@ class ServedHidden:
         self.server_dtype = extract.dtype
         self.norm = FinalNorm(self.target, extract.dtype)
         self.on_arrival: Callable | None = None
-        self.stats = {"requests": 0, "retries": 0, "restarts": 0, "samples": 0, "tokens": 0, "cache_hits": 0,
-                      "wait_s": 0.0, "fetch_s": 0.0, "peak_scratch_bytes": 0, "first_request": None,
-                      "last_arrival": None}
+        self.stats = {
+            "requests": 0,
+            "retries": 0,
+            "restarts": 0,
+            "samples": 0,
+            "tokens": 0,
+            "cache_hits": 0,
+            "wait_s": 0.0,
+            "fetch_s": 0.0,
+            "peak_scratch_bytes": 0,
+            "first_request": None,
+            "last_arrival": None,
+        }
         self._stats_lock = threading.Lock()
         self.pipeline: _Pipeline | None = None
         self.kept: dict[int, dict] = {}  # held-out samples kept by the memory cache (asked at every scoring)
@@ -180,9 +192,11 @@ class ServedHidden:
         longest = max(range(len(self.lengths)), key=self.lengths.__getitem__)
         need = self.file_bytes(longest)
         if need > self.cfg.served_scratch_bytes:
-            raise ValueError(f"train.served_scratch_bytes = {self.cfg.served_scratch_bytes:,} is smaller than one "
-                             f"sample's states: sample {longest} ({self.lengths[longest]:,} tokens) needs "
-                             f"{need:,} bytes; set it to at least that (a few times it keeps requests in flight)")
+            raise ValueError(
+                f"train.served_scratch_bytes = {self.cfg.served_scratch_bytes:,} is smaller than one "
+                f"sample's states: sample {longest} ({self.lengths[longest]:,} tokens) needs "
+                f"{need:,} bytes; set it to at least that (a few times it keeps requests in flight)"
+            )
 
     def _endpoints(self, recipe: Recipe, folder: RunFolder, servers, extract) -> list[Endpoint]:
         if servers:
@@ -191,8 +205,11 @@ class ServedHidden:
             return [Endpoint(url) for url in self.cfg.served_endpoints]
         server = states_server(self.target, extract.dtype, folder.served, max(self.lengths) + 1, extract.vllm_args)
         stop_stale(folder.served / PID_FILE)
-        print(f"train: starting a states server (vLLM, extract_hidden_states, aux layers {self.aux_layer_ids}); "
-              f"its log: {server.log_path}", flush=True)
+        print(
+            f"train: starting a states server (vLLM, extract_hidden_states, aux layers {self.aux_layer_ids}); "
+            f"its log: {server.log_path}",
+            flush=True,
+        )
         start(server)
         (folder.served / PID_FILE).write_text(str(server.process.pid))
         return [Endpoint(server.url, server.model, server, owned=True)]
@@ -206,30 +223,38 @@ class ServedHidden:
         try:
             models = httpx.get(f"{ep.url}/v1/models", timeout=30).json()["data"][0]
         except (httpx.HTTPError, ValueError, KeyError, IndexError) as e:
-            raise ValueError(f"train.served_endpoints: {ep.url} is not a vLLM server answering /v1/models "
-                             f"({type(e).__name__}); {fix}") from None
+            raise ValueError(
+                f"train.served_endpoints: {ep.url} is not a vLLM server answering /v1/models "
+                f"({type(e).__name__}); {fix}"
+            ) from None
         ep.model = ep.model or models["id"]
         limit = models.get("max_model_len")
         longest = max(range(len(self.lengths)), key=self.lengths.__getitem__)
         if limit is not None and self.lengths[longest] + 1 > limit:
-            raise ValueError(f"train.served_endpoints: {ep.url} takes at most {limit:,} tokens (max_model_len) but "
-                             f"sample {longest} has {self.lengths[longest]:,} (+1 generated); restart it with "
-                             f"--max-model-len {self.lengths[longest] + 1} or render with a smaller max_length")
+            raise ValueError(
+                f"train.served_endpoints: {ep.url} takes at most {limit:,} tokens (max_model_len) but "
+                f"sample {longest} has {self.lengths[longest]:,} (+1 generated); restart it with "
+                f"--max-model-len {self.lengths[longest] + 1} or render with a smaller max_length"
+            )
         try:
             states = request_states(ep.url, ep.model, self.samples[0][0][:PROBE_TOKENS], timeout=120)
         except NotStatesServer:
-            raise ValueError(f"train.served_endpoints: {ep.url} is not a vLLM server with the "
-                             f"extract_hidden_states method and a hidden-states connector; {fix}") from None
+            raise ValueError(
+                f"train.served_endpoints: {ep.url} is not a vLLM server with the "
+                f"extract_hidden_states method and a hidden-states connector; {fix}"
+            ) from None
         except (httpx.HTTPError, OSError) as e:
-            raise ValueError(f"train.served_endpoints: {ep.url} failed a states request ({type(e).__name__}: "
-                             f"{e}); {fix}") from None
+            raise ValueError(
+                f"train.served_endpoints: {ep.url} failed a states request ({type(e).__name__}: {e}); {fix}"
+            ) from None
         n, width = states.shape[1], states.shape[2]
         if (n, width) != (self.num_states, self.hidden_size):
             raise ValueError(
                 f"train.served_endpoints: {ep.url} returns {n} states of width {width} per token, but the recipe's "
                 f"aux layers {self.aux_layer_ids} and the last layer of this target need {self.num_states} of "
                 f"width {self.hidden_size}: start it with eagle_aux_hidden_state_layer_ids = "
-                f"{[*self.aux_layer_ids, self.target.num_layers]}, or set target.aux_layer_ids to the server's")
+                f"{[*self.aux_layer_ids, self.target.num_layers]}, or set target.aux_layer_ids to the server's"
+            )
 
     # -- fetching
 
@@ -244,8 +269,12 @@ class ServedHidden:
             self.stats["first_request"] = self.stats["first_request"] or t0
         states = self._ask(i, list(ids), position)
         aux, last = self.norm.split(states)
-        item = {"input_ids": torch.tensor(ids, dtype=torch.int32), "loss_mask": torch.tensor(mask, dtype=torch.uint8),
-                "aux": aux.to(torch.bfloat16), "last": last.to(torch.bfloat16)}
+        item = {
+            "input_ids": torch.tensor(ids, dtype=torch.int32),
+            "loss_mask": torch.tensor(mask, dtype=torch.uint8),
+            "aux": aux.to(torch.bfloat16),
+            "last": last.to(torch.bfloat16),
+        }
         if self.on_arrival is not None:
             self.on_arrival(i, item)
         with self._stats_lock:
@@ -272,8 +301,9 @@ class ServedHidden:
                 with self._stats_lock:
                     self.stats["retries"] += 1
                 if attempt == self.cfg.served_max_retries:
-                    raise RuntimeError(f"served hidden states: sample {i} failed {attempt + 1} times; last: "
-                                       f"{type(e).__name__}: {e}") from None
+                    raise RuntimeError(
+                        f"served hidden states: sample {i} failed {attempt + 1} times; last: {type(e).__name__}: {e}"
+                    ) from None
                 waited = self._before_retry(ep, e, attempt, waited)
 
     @staticmethod
@@ -424,8 +454,11 @@ class _Pipeline:
                     return
                 p = self.submitted
                 size = src.file_bytes(self.order[p])
-                self.cond.wait_for(lambda size=size: self.closed or (
-                    len(self.futures) < self.ahead and self.inflight_bytes + size <= self.cap))
+                self.cond.wait_for(
+                    lambda size=size: (
+                        self.closed or (len(self.futures) < self.ahead and self.inflight_bytes + size <= self.cap)
+                    )
+                )
                 if self.closed:
                     return
                 self.inflight_bytes += size

@@ -124,8 +124,14 @@ def shard_header(path: Path) -> dict | None:
 # What to do about hidden states that cannot be read: extract checks every shard and rewrites the torn ones.
 REEXTRACT = "rerun `specdraft extract` (it rewrites torn or missing shards)"
 # What index.json must hold for the reader, with the JSON type of each.
-INDEX_FIELDS = {"state": str, "samples": list, "shards": list, "aux_layer_ids": list, "hidden_size": int,
-                "store_dtype": str}
+INDEX_FIELDS = {
+    "state": str,
+    "samples": list,
+    "shards": list,
+    "aux_layer_ids": list,
+    "hidden_size": int,
+    "store_dtype": str,
+}
 
 
 def read_index(hidden_dir: Path, need: tuple[str, ...] = tuple(INDEX_FIELDS)) -> dict:
@@ -147,11 +153,13 @@ def check_shards(hidden_dir: Path, index: dict) -> None:
     names += ["aux_scale", "last_scale"] if index["store_dtype"] == "fp8_e4m3" else []
     ends: dict[str, int] = {}
     for s in index["samples"]:
-        ok = isinstance(s, dict) and all(isinstance(s.get(k), t) for k, t in (("shard", str), ("offset", int),
-                                                                                ("tokens", int)))
+        ok = isinstance(s, dict) and all(
+            isinstance(s.get(k), t) for k, t in (("shard", str), ("offset", int), ("tokens", int))
+        )
         if not ok:
-            raise FileError(f"{Path(hidden_dir) / INDEX}: a sample placed as {s!r:.80} (not extract's index); "
-                            f"{REEXTRACT}")
+            raise FileError(
+                f"{Path(hidden_dir) / INDEX}: a sample placed as {s!r:.80} (not extract's index); {REEXTRACT}"
+            )
         ends[s["shard"]] = max(ends.get(s["shard"], 0), s["offset"] + s["tokens"])
     for shard, end in ends.items():
         path = Path(hidden_dir) / shard
@@ -159,21 +167,26 @@ def check_shards(hidden_dir: Path, index: dict) -> None:
         if not path.exists():
             raise FileError(f"{path}: missing; {REEXTRACT}")
         if header is None:
-            raise FileError(f"{path}: not a whole safetensors file (torn by a kill or a copy, or another "
-                            f"program's); {REEXTRACT}")
+            raise FileError(
+                f"{path}: not a whole safetensors file (torn by a kill or a copy, or another program's); {REEXTRACT}"
+            )
         missing = [n for n in names if n not in header]
         shape = header["input_ids"].get("shape") if not missing else None
         rows = shape[0] if isinstance(shape, list) and shape and isinstance(shape[0], int) else 0
         if missing or rows < end:
-            raise FileError(f"{path}: " + (f"no tensor(s) {missing}" if missing else
-                                           f"{rows} tokens where index.json places {end}")
-                            + f" (not this run's shard); {REEXTRACT}")
+            raise FileError(
+                f"{path}: "
+                + (f"no tensor(s) {missing}" if missing else f"{rows} tokens where index.json places {end}")
+                + f" (not this run's shard); {REEXTRACT}"
+            )
         H, n_aux = index["hidden_size"], len(index["aux_layer_ids"])
         widths = {"aux": [rows, n_aux * H], "last": [rows, H]}
         wrong = {k: header[k].get("shape") for k, want in widths.items() if header[k].get("shape") != want}
         if wrong:
-            raise FileError(f"{path}: states of shape {wrong} where index.json's {n_aux} aux layers of width {H} "
-                            f"need {widths} (another target's shard?); {REEXTRACT}")
+            raise FileError(
+                f"{path}: states of shape {wrong} where index.json's {n_aux} aux layers of width {H} "
+                f"need {widths} (another target's shard?); {REEXTRACT}"
+            )
 
 
 class HiddenStore:
@@ -204,7 +217,7 @@ class HiddenStore:
 
     def _rows(self, i: int, name: str):
         s = self.samples[i]
-        return self._open(s["shard"]).get_slice(name)[s["offset"]: s["offset"] + s["tokens"]]
+        return self._open(s["shard"]).get_slice(name)[s["offset"] : s["offset"] + s["tokens"]]
 
     def __getitem__(self, i: int) -> dict:
         """Sample i: input_ids [T] int32, loss_mask [T] uint8, aux [T, n_aux*H] and last [T, H] bfloat16."""
@@ -246,8 +259,11 @@ class HiddenStore:
         if num_workers > 0:
             from torch.utils.data import DataLoader
 
-            return iter(DataLoader(self, batch_sampler=batches, collate_fn=_as_list, num_workers=num_workers,
-                                   prefetch_factor=prefetch))
+            return iter(
+                DataLoader(
+                    self, batch_sampler=batches, collate_fn=_as_list, num_workers=num_workers, prefetch_factor=prefetch
+                )
+            )
         return read_ahead(self.batch, batches, prefetch)
 
     def __getstate__(self):
@@ -268,5 +284,3 @@ def read_ahead(read, batches: list[list[int]], depth: int):
             if n + depth < len(batches):
                 pending.append(pool.submit(read, batches[n + depth]))
             yield result
-
-

@@ -39,8 +39,7 @@ class HostHiddenStatesConnector(ExampleHiddenStatesConnector):
         os.makedirs(os.path.dirname(pending.filename), exist_ok=True)
         lock_fd = self._lock_fds.pop(pending.req_id, None)
         try:
-            save_file({"hidden_states": states.contiguous(), "token_ids": pending.token_ids.clone()},
-                      pending.filename)
+            save_file({"hidden_states": states.contiguous(), "token_ids": pending.token_ids.clone()}, pending.filename)
         finally:
             if lock_fd is not None:
                 os.close(lock_fd)  # releases the client waiting on the file's lock

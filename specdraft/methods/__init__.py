@@ -19,8 +19,18 @@ from specdraft.methods import dflash, eagle3, peagle
 from specdraft.methods.contract import Decode, Method
 from specdraft.targets import Target
 
-__all__ = ["DEFAULT", "METHODS", "Decode", "Method", "for_drafter", "for_folder", "load_checkpoint",
-           "load_trained", "named", "read_meta"]
+__all__ = [
+    "DEFAULT",
+    "METHODS",
+    "Decode",
+    "Method",
+    "for_drafter",
+    "for_folder",
+    "load_checkpoint",
+    "load_trained",
+    "named",
+    "read_meta",
+]
 
 METHODS: dict[str, Method] = {m.name: m for m in (eagle3.METHOD, dflash.METHOD, peagle.METHOD)}
 
@@ -77,8 +87,9 @@ def load_trained(recipe, folder):
     ckpt = folder.path / entry["checkpoint"] if "checkpoint" in entry else folder.checkpoint("final")
     meta = read_meta(ckpt)
     if "aux_layer_ids" not in meta:
-        raise FileError(f"{ckpt / 'config.json'}: no 'aux_layer_ids' (the layers it drafts from); "
-                        f"{checkpoint.checkpoint_fix(ckpt)}")
+        raise FileError(
+            f"{ckpt / 'config.json'}: no 'aux_layer_ids' (the layers it drafts from); {checkpoint.checkpoint_fix(ckpt)}"
+        )
     target = Target(recipe.target.model, meta["aux_layer_ids"])
     embed = target.embed_weight()
     shared = checkpoint.target_tensors(drafter_config(meta, ckpt))

@@ -26,6 +26,7 @@ class Decode:
     """One way the reference decoder drafts: `depth` drafted tokens per round at most, `shape` as
     reported (JSON-ready), `run` the decoding function, `describe` the shape in words as the eval
     report's table shows it (the method says what its shape is; eval never reads the shape's keys)."""
+
     depth: int
     shape: dict
     run: Decoding
@@ -35,6 +36,7 @@ class Decode:
 class DecodeState(Protocol):
     """A drafter's state across the rounds of one decode (decoding/rounds.py): `advance` feeds it the
     target's aux states of newly accepted positions; the method's round policy reads it to draft."""
+
     drafter: nn.Module
 
     def reset(self, max_accepted: int) -> None: ...
@@ -47,6 +49,7 @@ class DecodeStates:
     """How a method's decode state is made on each engine (decoding/runners.py): `eager(drafter)` on
     the eager one, `static(drafter, capacity, graphs)` on preallocated buffers whose calls may be CUDA
     graphs. The static runner keeps one and reuses it while the drafter is the same."""
+
     eager: Callable[[nn.Module], DecodeState]
     static: Callable[[nn.Module, int, Any], DecodeState]
 
@@ -119,8 +122,18 @@ class Method:
         """The reference decoder's ways of drafting with `drafter`, the first headlining the report."""
         raise NotImplementedError
 
-    def sampled(self, runner, drafter, prompt: list[int], max_new: int, eos: int, K: int, temperature: float,
-                stats, generator: torch.Generator) -> list[int]:
+    def sampled(
+        self,
+        runner,
+        drafter,
+        prompt: list[int],
+        max_new: int,
+        eos: int,
+        K: int,
+        temperature: float,
+        stats,
+        generator: torch.Generator,
+    ) -> list[int]:
         """Sampled speculative decoding (eval.temperature > 0), for a method that `samples`: the output
         distributed as the target's own sampling at `temperature`."""
         raise NotImplementedError
@@ -142,8 +155,7 @@ class Method:
         spec = json.dumps(self.serve_config(str(Path(folder).resolve()), K))
         return f"vllm serve {target_path} --speculative-config '{spec}'"
 
-    def export(self, recipe, folder, formats: list[str], drafter, target, embed: torch.Tensor,
-               t_start: float) -> dict:
+    def export(self, recipe, folder, formats: list[str], drafter, target, embed: torch.Tensor, t_start: float) -> dict:
         """The engine folders of a trained drafter and their serve commands -> the export stage's record."""
         raise NotImplementedError
 
@@ -156,7 +168,8 @@ class Method:
         """One line about a drafter, for import."""
         raise NotImplementedError
 
-    def diagnose(self, folder: Path, config: dict, target, run_path: Path | None, measured: bool,
-                 conversations) -> list:
+    def diagnose(
+        self, folder: Path, config: dict, target, run_path: Path | None, measured: bool, conversations
+    ) -> list:
         """doctor's checks of an engine folder of this method (each a checks.Check)."""
         raise NotImplementedError

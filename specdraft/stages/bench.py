@@ -52,7 +52,8 @@ def percentiles(values: list[float]) -> dict:
         return {f"p{p}": None for p in PERCENTILES} | {"mean": None}
     qs = statistics.quantiles(values, n=100, method="inclusive") if len(values) > 1 else [values[0]] * 99
     return {f"p{p}": round(qs[p - 1] * 1000, 2) for p in PERCENTILES} | {
-        "mean": round(statistics.fmean(values) * 1000, 2)}
+        "mean": round(statistics.fmean(values) * 1000, 2)
+    }
 
 
 @dataclass
@@ -65,14 +66,21 @@ class RequestResult:
     error: str = ""
 
 
-async def one_request(client, url: str, model: str, messages: list[dict], max_tokens: int,
-                      temperature: float, auth: Auth | None = None) -> RequestResult:
+async def one_request(
+    client, url: str, model: str, messages: list[dict], max_tokens: int, temperature: float, auth: Auth | None = None
+) -> RequestResult:
     """One streaming chat completion: TTFT to the first content chunk, the gaps between chunks, and
     the engine's own count of completion tokens (a chunk may carry several tokens when drafts are
     accepted, so chunks are not tokens). A 401/403 raises ServerRefused: no retry can help."""
     auth = auth or Auth()
-    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": temperature,
-            "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "model": model,
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": temperature,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     t0 = time.perf_counter()
     arrivals, tokens = [], 0
     async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as resp:
@@ -95,12 +103,22 @@ async def one_request(client, url: str, model: str, messages: list[dict], max_to
         return RequestResult(ok=True, tokens=tokens)
     ttft = arrivals[0] - t0
     tpot = (arrivals[-1] - arrivals[0]) / (tokens - 1) if tokens > 1 else None
-    return RequestResult(ok=True, tokens=tokens, ttft=ttft, tpot=tpot,
-                         itl=[b - a for a, b in itertools.pairwise(arrivals)])
+    return RequestResult(
+        ok=True, tokens=tokens, ttft=ttft, tpot=tpot, itl=[b - a for a, b in itertools.pairwise(arrivals)]
+    )
 
 
-async def _level(url: str, model: str, prompts: list[list[dict]], concurrency: int, num_requests: int,
-                 max_seconds: float, max_tokens: int, temperature: float, auth: Auth | None = None) -> dict:
+async def _level(
+    url: str,
+    model: str,
+    prompts: list[list[dict]],
+    concurrency: int,
+    num_requests: int,
+    max_seconds: float,
+    max_tokens: int,
+    temperature: float,
+    auth: Auth | None = None,
+) -> dict:
     import httpx
 
     auth = auth or Auth()
@@ -137,9 +155,13 @@ async def _level(url: str, model: str, prompts: list[list[dict]], concurrency: i
     ok = [r for r in results if r.ok]
     tokens = sum(r.tokens for r in ok)
     return {
-        "concurrency": concurrency, "requests": len(ok), "failed": len(results) - len(ok), "retries": retries,
+        "concurrency": concurrency,
+        "requests": len(ok),
+        "failed": len(results) - len(ok),
+        "retries": retries,
         "errors": sorted({r.error for r in results if not r.ok})[:3],
-        "seconds": round(seconds, 3), "output_tokens": tokens,
+        "seconds": round(seconds, 3),
+        "output_tokens": tokens,
         "output_tokens_per_s": round(tokens / seconds, 2),
         "ttft_ms": percentiles([r.ttft for r in ok if r.ttft is not None]),
         "tpot_ms": percentiles([r.tpot for r in ok if r.tpot is not None]),
@@ -147,9 +169,18 @@ async def _level(url: str, model: str, prompts: list[list[dict]], concurrency: i
     }
 
 
-def sweep(url: str, prompts: list[list[dict]], concurrencies: list[int], *, num_requests: int,
-          max_seconds: float, max_tokens: int, temperature: float = 0.0, model: str | None = None,
-          auth: Auth | None = None) -> list[dict]:
+def sweep(
+    url: str,
+    prompts: list[list[dict]],
+    concurrencies: list[int],
+    *,
+    num_requests: int,
+    max_seconds: float,
+    max_tokens: int,
+    temperature: float = 0.0,
+    model: str | None = None,
+    auth: Auth | None = None,
+) -> list[dict]:
     """One row per concurrency: latency and throughput figures, and acceptance from counter deltas.
     `auth`: the key and headers every request carries (none by default). A server that does not answer
     (nothing listening, gone mid-sweep) is a ServerError naming `url`."""
@@ -159,18 +190,20 @@ def sweep(url: str, prompts: list[list[dict]], concurrencies: list[int], *, num_
     try:
         model = model or served_model(url, auth)
     except httpx.TransportError as e:
-        raise ServerError(f"bench: nothing answers at {url} ({type(e).__name__}: {e}); start the server "
-                          "first, or check the URL and port") from None
+        raise ServerError(
+            f"bench: nothing answers at {url} ({type(e).__name__}: {e}); start the server "
+            "first, or check the URL and port"
+        ) from None
     rows = []
     for c in tqdm(concurrencies, desc="bench", unit="level"):
         try:
             before = metrics_text(url, auth)
-            row = asyncio.run(_level(url, model, prompts, c, max(num_requests, c), max_seconds, max_tokens,
-                                     temperature, auth))
+            row = asyncio.run(
+                _level(url, model, prompts, c, max(num_requests, c), max_seconds, max_tokens, temperature, auth)
+            )
             after = settled_metrics_text(url, auth)
         except httpx.TransportError as e:
-            raise ServerError(f"bench: {url} stopped answering at concurrency {c} ({type(e).__name__}: {e})"
-                              ) from None
+            raise ServerError(f"bench: {url} stopped answering at concurrency {c} ({type(e).__name__}: {e})") from None
         counters = (spec_decode_counters(before), spec_decode_counters(after))
         row["acceptance"] = acceptance(*counters)
         row["generation_tokens_counted"] = counters[1]["generation_tokens"] - counters[0]["generation_tokens"]
@@ -193,8 +226,10 @@ def parse_compare(spec: str) -> list[tuple[str, str, int | None]]:
         method, colon, k = name.partition(":")
         if method not in CONFIGURATIONS:
             drafters = " or ".join(f"{m}[:K]" for m in DRAFTER_METHODS)
-            raise ValueError(f"bench --compare {spec!r}: {name!r} is not a configuration; expected none, "
-                             f"ngram[:K] or {drafters} (K speculative tokens, 1 or more), comma-separated")
+            raise ValueError(
+                f"bench --compare {spec!r}: {name!r} is not a configuration; expected none, "
+                f"ngram[:K] or {drafters} (K speculative tokens, 1 or more), comma-separated"
+            )
         if method == "none":
             if colon:
                 raise ValueError(f"bench --compare {spec!r}: {name!r}: none takes no K; write none")
@@ -202,8 +237,10 @@ def parse_compare(spec: str) -> list[tuple[str, str, int | None]]:
         elif not colon:
             count = DEFAULT_K
         elif not k.isdigit() or int(k) < 1:
-            raise ValueError(f"bench --compare {spec!r}: {name!r}: K must be a whole number of speculative "
-                             f"tokens, 1 or more, got {k!r}")
+            raise ValueError(
+                f"bench --compare {spec!r}: {name!r}: K must be a whole number of speculative "
+                f"tokens, 1 or more, got {k!r}"
+            )
         else:
             count = int(k)
         key = (method, count)
@@ -215,7 +252,7 @@ def parse_compare(spec: str) -> list[tuple[str, str, int | None]]:
 
 
 def configurations(names: list[str], drafter: str | None) -> list[tuple[str, dict | None]]:
-    """"none", "ngram[:K]", "<method>[:K]" (a drafter method of specdraft/methods/, serving the drafter
+    """ "none", "ngram[:K]", "<method>[:K]" (a drafter method of specdraft/methods/, serving the drafter
     folder as it says) -> (name, vLLM speculative config), checked (parse_compare)."""
     out = []
     for name, method, k in parse_compare(",".join(names)):
@@ -223,8 +260,9 @@ def configurations(names: list[str], drafter: str | None) -> list[tuple[str, dic
             out.append((name, None))
         elif method == "ngram":
             # prompt_lookup_max: the longest n-gram matched against the context; 4 is vLLM's usual choice.
-            out.append((name, {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4,
-                               "prompt_lookup_min": 2}))
+            out.append(
+                (name, {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4, "prompt_lookup_min": 2})
+            )
         else:
             if not drafter:
                 raise ValueError(f"{name}: needs a drafter folder (--drafter, or --run with an export)")
@@ -232,19 +270,36 @@ def configurations(names: list[str], drafter: str | None) -> list[tuple[str, dic
     return out
 
 
-def compare(target_path: str, configs: list[tuple[str, dict | None]], prompts: list[list[dict]],
-            concurrencies: list[int], log_dir: Path, server_args: list[str] | None = None, **sweep_args
-            ) -> list[dict]:
+def compare(
+    target_path: str,
+    configs: list[tuple[str, dict | None]],
+    prompts: list[list[dict]],
+    concurrencies: list[int],
+    log_dir: Path,
+    server_args: list[str] | None = None,
+    **sweep_args,
+) -> list[dict]:
     """Start vLLM once per configuration (one server at a time, each given `server_args` too) and sweep
     each."""
 
     results = []
     for name, spec in configs:
-        with VllmServer(target_path, speculative=spec, extra=server_args,
-                        log_path=Path(log_dir) / f"vllm-{name.replace(':', '-')}.log") as server:
+        with VllmServer(
+            target_path,
+            speculative=spec,
+            extra=server_args,
+            log_path=Path(log_dir) / f"vllm-{name.replace(':', '-')}.log",
+        ) as server:
             rows = sweep(server.url, prompts, concurrencies, **sweep_args)
-        results.append({"name": name, "speculative": spec, "server_ready_s": round(server.ready_seconds, 1),
-                        "dtype": server.dtype, "levels": rows})
+        results.append(
+            {
+                "name": name,
+                "speculative": spec,
+                "server_ready_s": round(server.ready_seconds, 1),
+                "dtype": server.dtype,
+                "levels": rows,
+            }
+        )
     return results
 
 
@@ -263,7 +318,8 @@ def summarise(results: list[dict]) -> dict:
             drafts = sum(a["drafts"] for a in acc)
             if drafts:
                 tau_vs_k[r["speculative"]["num_speculative_tokens"]] = round(
-                    1 + sum(a["accepted_tokens"] for a in acc) / drafts, 4)
+                    1 + sum(a["accepted_tokens"] for a in acc) / drafts, 4
+                )
     return {"configurations": results, "tau_vs_k": dict(sorted(tau_vs_k.items()))}
 
 
@@ -325,20 +381,31 @@ def _ms(p: dict) -> str:
 
 
 def render_markdown(report: dict, plots: list[str]) -> str:
-    lines = ["# Served benchmark", "", f"- hardware: {report['hardware']}",
-             (f"- {report['requests_per_level']} requests or {report['max_seconds']} s per level, "
-              f"{report['max_tokens']} output tokens max, temperature {report['temperature']}"), "",
-             ("| configuration | concurrency | output tok/s | speedup | TTFT ms p50/p90/p99 | TPOT ms p50/p90/p99 "
-              "| ITL ms p50/p90/p99 | tau | per-position acceptance | failed |"),
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "# Served benchmark",
+        "",
+        f"- hardware: {report['hardware']}",
+        (
+            f"- {report['requests_per_level']} requests or {report['max_seconds']} s per level, "
+            f"{report['max_tokens']} output tokens max, temperature {report['temperature']}"
+        ),
+        "",
+        (
+            "| configuration | concurrency | output tok/s | speedup | TTFT ms p50/p90/p99 | TPOT ms p50/p90/p99 "
+            "| ITL ms p50/p90/p99 | tau | per-position acceptance | failed |"
+        ),
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in report["configurations"]:
         for lv in r["levels"]:
             acc = lv["acceptance"]
             tau = f"{acc['mean_acceptance_length']:.3f}" if acc["mean_acceptance_length"] else "–"
             pos = " / ".join(f"{a:.2f}" for a in acc["per_position_acceptance"]) or "–"
-            lines.append(f"| {r['name']} | {lv['concurrency']} | {lv['output_tokens_per_s']} | "
-                         f"{lv.get('speedup') or '–'} | {_ms(lv['ttft_ms'])} | {_ms(lv['tpot_ms'])} | "
-                         f"{_ms(lv['itl_ms'])} | {tau} | {pos} | {lv['failed']} |")
+            lines.append(
+                f"| {r['name']} | {lv['concurrency']} | {lv['output_tokens_per_s']} | "
+                f"{lv.get('speedup') or '–'} | {_ms(lv['ttft_ms'])} | {_ms(lv['tpot_ms'])} | "
+                f"{_ms(lv['itl_ms'])} | {tau} | {pos} | {lv['failed']} |"
+            )
     if report["tau_vs_k"]:
         lines += ["", "tau vs K (the drafter): " + ", ".join(f"K={k}: {t}" for k, t in report["tau_vs_k"].items())]
     lines += [""] + [f"![{p}]({p})" for p in plots] + [""]
@@ -382,9 +449,13 @@ def run_bench(args) -> int:
     if args.compare:
         parse_compare(args.compare)  # a malformed configuration is refused before anything starts
     if args.out:
-        check_new_or_ours(Path(args.out), _earlier_bench, "bench --out",
-                          "its report would be written among them: give a new or empty folder, or one an "
-                          "earlier bench wrote its report in")
+        check_new_or_ours(
+            Path(args.out),
+            _earlier_bench,
+            "bench --out",
+            "its report would be written among them: give a new or empty folder, or one an "
+            "earlier bench wrote its report in",
+        )
     # The served endpoint gets gen's key and headers: their variables are checked before anything is written.
     check = (lambda r: Auth.from_env(r.gen.api_key_env, r.gen.headers)) if args.endpoint else None
     recipe, folder = open_run(args.recipe, args.run, args.set, check=check)
@@ -393,36 +464,63 @@ def run_bench(args) -> int:
     if not prompts:
         raise ValueError(f"no held-out prompts in {recipe.data.source} for run {folder.path}")
     if prompts[0]["messages"] is None:
-        raise ValueError(f"{recipe.data.source} holds pre-rendered rows: their held-out prompts are token ids, and "
-                         f"bench asks the server in text; bench a run whose data are conversations")
+        raise ValueError(
+            f"{recipe.data.source} holds pre-rendered rows: their held-out prompts are token ids, and "
+            f"bench asks the server in text; bench a run whose data are conversations"
+        )
     messages = [p["messages"] for p in prompts]
-    levels = (args.concurrency if args.concurrency
-              else concurrency_levels(args.max_concurrency))
-    sweep_args = {"num_requests": args.requests, "max_seconds": args.duration, "max_tokens": args.max_tokens,
-                  "temperature": args.temperature}
+    levels = args.concurrency if args.concurrency else concurrency_levels(args.max_concurrency)
+    sweep_args = {
+        "num_requests": args.requests,
+        "max_seconds": args.duration,
+        "max_tokens": args.max_tokens,
+        "temperature": args.temperature,
+    }
     out = Path(args.out) if args.out else folder.eval
     remove_stale_temporaries([out], every_tmp=False)
     if args.endpoint:
         # The served endpoint gets gen's key and headers (gen.api_key_env, gen.headers): the same servers.
         auth = Auth.from_env(recipe.gen.api_key_env, recipe.gen.headers)
-        results = [{"name": args.name, "speculative": None, "endpoint": args.endpoint,
-                    "levels": sweep(args.endpoint.rstrip("/"), messages, levels, auth=auth, **sweep_args)}]
+        results = [
+            {
+                "name": args.name,
+                "speculative": None,
+                "endpoint": args.endpoint,
+                "levels": sweep(args.endpoint.rstrip("/"), messages, levels, auth=auth, **sweep_args),
+            }
+        ]
     else:
         drafter = args.drafter or (folder.export("vllm") if (folder.export("vllm")).exists() else None)
         configs = configurations(args.compare.split(","), drafter)
         if any(spec and "model" in spec for _, spec in configs) and not (Path(drafter) / "config.json").is_file():
-            raise ValueError(f"bench --drafter {drafter} is not a drafter folder (no config.json); give an exported "
-                             "one, e.g. runs/<name>/export/vllm")
+            raise ValueError(
+                f"bench --drafter {drafter} is not a drafter folder (no config.json); give an exported "
+                "one, e.g. runs/<name>/export/vllm"
+            )
         results = compare(str(target.path), configs, messages, levels, out / "logs", **sweep_args)
-    report = write_report(results, out, requests_per_level=args.requests, max_seconds=args.duration,
-                          max_tokens=args.max_tokens, temperature=args.temperature, prompts=len(messages))
-    folder.record("bench", state="done", counts={"configurations": len(results), "levels": len(levels)},
-               metrics={"tau_vs_k": report["tau_vs_k"]})
+    report = write_report(
+        results,
+        out,
+        requests_per_level=args.requests,
+        max_seconds=args.duration,
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        prompts=len(messages),
+    )
+    folder.record(
+        "bench",
+        state="done",
+        counts={"configurations": len(results), "levels": len(levels)},
+        metrics={"tau_vs_k": report["tau_vs_k"]},
+    )
     for r in report["configurations"]:
         for lv in r["levels"]:
             tau = lv["acceptance"]["mean_acceptance_length"]
-            print(f"bench: {r['name']:10s} concurrency {lv['concurrency']:4d}: {lv['output_tokens_per_s']:9.1f} tok/s"
-                  + (f", tau {tau:.3f}" if tau else "") + (f", {lv['failed']} failed" if lv["failed"] else ""))
+            print(
+                f"bench: {r['name']:10s} concurrency {lv['concurrency']:4d}: {lv['output_tokens_per_s']:9.1f} tok/s"
+                + (f", tau {tau:.3f}" if tau else "")
+                + (f", {lv['failed']} failed" if lv["failed"] else "")
+            )
     print(f"report: {out / 'bench.md'}")
     print(f"next: specdraft status --run {folder.path}")
     return 0

@@ -17,8 +17,13 @@ from specdraft.run import RunFolder
 from specdraft.targets import Target
 
 
-def diagnose(folder: Path, target, run_path: Path | None = None, measured: bool = True,
-             conversations: list[tuple[list[int], list[int]]] | None = None) -> list[Check]:
+def diagnose(
+    folder: Path,
+    target,
+    run_path: Path | None = None,
+    measured: bool = True,
+    conversations: list[tuple[list[int], list[int]]] | None = None,
+) -> list[Check]:
     """Every check of an exported drafter folder, by the method that owns it; `measured` adds the ones
     that run the target on real conversations (held-out ShareGPT unless `conversations` are given;
     seconds to minutes, the target's size), which config-level callers can leave out."""
@@ -27,8 +32,9 @@ def diagnose(folder: Path, target, run_path: Path | None = None, measured: bool 
         config = read_json(folder / "config.json", fix=REEXPORT, what="a drafter's config")
     except (OSError, FileError) as e:
         return [Check("config.json readable", False, str(e), "point doctor at an exported drafter folder")]
-    return for_folder(config).diagnose(folder, config, target, Path(run_path) if run_path is not None else None,
-                                       measured, conversations)
+    return for_folder(config).diagnose(
+        folder, config, target, Path(run_path) if run_path is not None else None, measured, conversations
+    )
 
 
 def run_doctor(folder: str, target_name: str | None, run_path: str | None, measured: bool = True) -> int:
@@ -37,8 +43,9 @@ def run_doctor(folder: str, target_name: str | None, run_path: str | None, measu
 
     folder_path = Path(folder)
     if not folder_path.is_dir():
-        raise FileNotFoundError(f"doctor: {folder_path} is not a folder (give an exported drafter folder, e.g. "
-                                "runs/demo/export/vllm)")
+        raise FileNotFoundError(
+            f"doctor: {folder_path} is not a folder (give an exported drafter folder, e.g. runs/demo/export/vllm)"
+        )
     if run_path is None and RunFolder(folder_path.resolve().parents[1]).exists():
         run_path = str(folder_path.resolve().parents[1])
     if target_name is None:

@@ -58,11 +58,13 @@ def load_prompts(recipe: Recipe, target: Target) -> list[dict]:
     path = Path(cfg.prompts_file)
     # A line that is not JSON (or not UTF-8) is named with its line.
     for lineno, rec in read_jsonl(path, fix="fix the line (eval.prompts_file)", kind=None):
-        if not isinstance(rec, dict) or not (isinstance(rec.get("prompt"), str) or
-                                             isinstance(rec.get("messages"), list)):
+        if not isinstance(rec, dict) or not (
+            isinstance(rec.get("prompt"), str) or isinstance(rec.get("messages"), list)
+        ):
             # ValueError, not TypeError: a bad line of the user's file, which the CLI reports as such.
             raise ValueError(  # noqa: TRY004
-                f"{path}:{lineno}: expected an object with a 'prompt' string or 'messages' list")
+                f"{path}:{lineno}: expected an object with a 'prompt' string or 'messages' list"
+            )
         messages = rec.get("messages") or [{"role": "user", "content": rec["prompt"]}]
         ids = target.chat_ids(messages, add_generation_prompt=True)
         if len(ids) > recipe.data.max_prompt_tokens:
@@ -111,8 +113,15 @@ def evaluate(runner: TargetRunner, drafter, prompts: list[dict], cfg, eos: int, 
     by_category = defaultdict(lambda: {"prompts": 0, **{name: Stats(shape.depth) for name, shape in shapes.items()}})
     # Sized once for every prompt: a static cache that grew mid-run would recapture its graphs in the timing.
     # A round feeds at most its drafts and the last token past the kept ones.
-    runner.reserve(max(decode_capacity(prompts, cfg), max(len(p["prompt_ids"]) for p in prompts)
-                       + cfg.max_new_tokens + 1 + max(shape.depth for shape in shapes.values())))
+    runner.reserve(
+        max(
+            decode_capacity(prompts, cfg),
+            max(len(p["prompt_ids"]) for p in prompts)
+            + cfg.max_new_tokens
+            + 1
+            + max(shape.depth for shape in shapes.values()),
+        )
+    )
     for p in tqdm(prompts, desc="eval", unit="prompt"):
         sync(runner.device)
         t0 = time.perf_counter()
@@ -143,20 +152,34 @@ def evaluate(runner: TargetRunner, drafter, prompts: list[dict], cfg, eos: int, 
     ar_tps = tokens["ar"] / seconds["ar"]
     ar_step = seconds["ar"] / max(1, tokens["ar"])  # one target forward of one token (prefill amortised)
     # The engine as it ran: a CUDA graph capture that failed mid-run shows here.
-    report = {"prompts": len(prompts), "draft_tokens": next(iter(shapes.values())).depth, "engine": runner.engine,
-              "autoregressive_tokens_per_s": round(ar_tps, 2),
-              "seconds_per_prompt": {k: round(v / len(prompts), 4) for k, v in seconds.items()}}
+    report = {
+        "prompts": len(prompts),
+        "draft_tokens": next(iter(shapes.values())).depth,
+        "engine": runner.engine,
+        "autoregressive_tokens_per_s": round(ar_tps, 2),
+        "seconds_per_prompt": {k: round(v / len(prompts), 4) for k, v in seconds.items()},
+    }
     for name, shape in shapes.items():
         tps = tokens[name] / seconds[name]
-        report[name] = {**stats[name].summary(), "shape": shape.shape, "described": shape.describe,
-                        "exact_prompts": len(prompts) - ties[name],
-                        "numerical_ties": ties[name], "speculative_tokens_per_s": round(tps, 2),
-                        **speed_figures(stats[name], shape.depth, tps / ar_tps, ar_step, seconds[name])}
+        report[name] = {
+            **stats[name].summary(),
+            "shape": shape.shape,
+            "described": shape.describe,
+            "exact_prompts": len(prompts) - ties[name],
+            "numerical_ties": ties[name],
+            "speculative_tokens_per_s": round(tps, 2),
+            **speed_figures(stats[name], shape.depth, tps / ar_tps, ar_step, seconds[name]),
+        }
     if len(by_category) > 1 or "all" not in by_category:
         first = next(iter(shapes))
-        report["per_category"] = {k: {"prompts": v["prompts"], **{f"tau_{n}": round(v[n].tau, 4) for n in shapes},
-                                      f"per_position_acceptance_{first}": v[first].summary()["per_position_acceptance"]}
-                                  for k, v in sorted(by_category.items())}
+        report["per_category"] = {
+            k: {
+                "prompts": v["prompts"],
+                **{f"tau_{n}": round(v[n].tau, 4) for n in shapes},
+                f"per_position_acceptance_{first}": v[first].summary()["per_position_acceptance"],
+            }
+            for k, v in sorted(by_category.items())
+        }
     report["per_prompt"] = per_prompt
     return report
 
@@ -175,11 +198,18 @@ def speed_figures(s: Stats, K: int, speedup: float, ar_step: float, seconds: flo
     c_position = s.draft_seconds / rounds / K / ar_step
     alpha = alpha_from_tau(s.tau, K)
     bound = leviathan_bound(alpha, K, c_position)
-    return {"speedup": round(speedup, 3), "draft_to_target_cost": round(c, 4), "alpha": round(alpha, 4),
-            "leviathan_bound": round(bound, 3), "share_of_bound": round(speedup / bound, 3),
-            "round_cost": {**{part: round(t / rounds / ar_step, 3) for part, t in s.seconds.items()},
-                           "round": round(s.round_seconds / rounds / ar_step, 3),
-                           "whole": round(seconds / rounds / ar_step, 3)}}
+    return {
+        "speedup": round(speedup, 3),
+        "draft_to_target_cost": round(c, 4),
+        "alpha": round(alpha, 4),
+        "leviathan_bound": round(bound, 3),
+        "share_of_bound": round(speedup / bound, 3),
+        "round_cost": {
+            **{part: round(t / rounds / ar_step, 3) for part, t in s.seconds.items()},
+            "round": round(s.round_seconds / rounds / ar_step, 3),
+            "whole": round(seconds / rounds / ar_step, 3),
+        },
+    }
 
 
 def sampled_tau(runner, drafter, prompts, cfg, eos, seed: int) -> dict:
@@ -187,8 +217,9 @@ def sampled_tau(runner, drafter, prompts, cfg, eos, seed: int) -> dict:
     gen = torch.Generator(device=runner.device).manual_seed(seed)
     method = for_drafter(drafter)
     for p in prompts:
-        method.sampled(runner, drafter, p["prompt_ids"], cfg.max_new_tokens, eos, cfg.draft_tokens,
-                       cfg.temperature, stats, gen)
+        method.sampled(
+            runner, drafter, p["prompt_ids"], cfg.max_new_tokens, eos, cfg.draft_tokens, cfg.temperature, stats, gen
+        )
     return {"temperature": cfg.temperature, **stats.summary()}
 
 
@@ -206,11 +237,15 @@ def run(recipe: Recipe, folder: RunFolder) -> dict:
     names = [k for k in report if isinstance(report[k], dict) and "tau" in report[k]]  # the drafting ways
     # Top-level figures are the first drafting's (a chain, or a block): what vLLM's
     # num_speculative_tokens = K serves.
-    report = {"method": drafter.METHOD, "drafting": names, "prompts": report["prompts"],
-              "draft_tokens": report["draft_tokens"],
-              **{k: v for k, v in report[names[0]].items() if k not in ("shape", "described")},
-              "autoregressive_tokens_per_s": report["autoregressive_tokens_per_s"],
-              **{k: v for k, v in report.items() if k not in ("prompts", "autoregressive_tokens_per_s")}}
+    report = {
+        "method": drafter.METHOD,
+        "drafting": names,
+        "prompts": report["prompts"],
+        "draft_tokens": report["draft_tokens"],
+        **{k: v for k, v in report[names[0]].items() if k not in ("shape", "described")},
+        "autoregressive_tokens_per_s": report["autoregressive_tokens_per_s"],
+        **{k: v for k, v in report.items() if k not in ("prompts", "autoregressive_tokens_per_s")},
+    }
     if cfg.temperature > 0 and for_drafter(drafter).samples:
         report["sampled"] = sampled_tau(runner, drafter, prompts, cfg, target.eos_token_id, recipe.train.seed)
     report.update({"dtype": cfg.dtype, "device": str(device), "hardware": environment.hardware_line()})
@@ -220,17 +255,34 @@ def run(recipe: Recipe, folder: RunFolder) -> dict:
         js.write_text(json.dumps(report, indent=2) + "\n")
         plot_histogram({n: report[n]["accepted_length_histogram"] for n in names}, png)
         md.write_text(render_markdown(report))
-    metrics = {k: report[k] for k in ("method", "tau", "per_position_acceptance", "speedup",
-                                      "autoregressive_tokens_per_s", "speculative_tokens_per_s",
-                                      "draft_to_target_cost", "leviathan_bound")}
+    metrics = {
+        k: report[k]
+        for k in (
+            "method",
+            "tau",
+            "per_position_acceptance",
+            "speedup",
+            "autoregressive_tokens_per_s",
+            "speculative_tokens_per_s",
+            "draft_to_target_cost",
+            "leviathan_bound",
+        )
+    }
     metrics.update({f"tau_{n}": report[n]["tau"] for n in names[1:]})
-    print(f"eval: {drafter.METHOD} drafter, " + ", ".join(f"tau {n} {report[n]['tau']:.3f}" for n in names)
-          + f"; report {out / 'report.md'}")
+    print(
+        f"eval: {drafter.METHOD} drafter, "
+        + ", ".join(f"tau {n} {report[n]['tau']:.3f}" for n in names)
+        + f"; report {out / 'report.md'}"
+    )
     print(f"next: measure the served drafter: specdraft bench --run {folder.path} --endpoint URL")
-    return folder.record("eval", state="done", config=cfg, metrics=metrics,
-                      counts={"prompts": len(prompts), "exact": report["exact_prompts"],
-                              "ties": report["numerical_ties"]},
-                      seconds=time.time() - t_start)
+    return folder.record(
+        "eval",
+        state="done",
+        config=cfg,
+        metrics=metrics,
+        counts={"prompts": len(prompts), "exact": report["exact_prompts"], "ties": report["numerical_ties"]},
+        seconds=time.time() - t_start,
+    )
 
 
 def render_markdown(r: dict) -> str:
@@ -246,23 +298,40 @@ def render_markdown(r: dict) -> str:
     for name in r["drafting"]:
         s = r[name]
         pos = " / ".join(f"{a:.2f}" for a in s["per_position_acceptance"])
-        lines.append(f"| {name} | {s['described']} | "
-                     f"**{s['tau']:.3f}** | {pos} | {s['exact_prompts']} / {s['numerical_ties']} | "
-                     f"{s['speculative_tokens_per_s']} | {s['speedup']}x | {s['draft_to_target_cost']} | "
-                     f"{s['alpha']} | {s['leviathan_bound']}x |")
-    lines += ["", ("Accepted-length histograms (0..depth): "
-                   + ", ".join(f"{n} {r[n]['accepted_length_histogram']}" for n in r["drafting"]) + "."),
-              ("The bound is Leviathan et al.'s S = (1 − α^(γ+1)) / ((1 − α)(γc + 1)) with γ = depth, α from tau, "
-               "c = one drafting step / one autoregressive target step.")]
+        lines.append(
+            f"| {name} | {s['described']} | "
+            f"**{s['tau']:.3f}** | {pos} | {s['exact_prompts']} / {s['numerical_ties']} | "
+            f"{s['speculative_tokens_per_s']} | {s['speedup']}x | {s['draft_to_target_cost']} | "
+            f"{s['alpha']} | {s['leviathan_bound']}x |"
+        )
+    lines += [
+        "",
+        (
+            "Accepted-length histograms (0..depth): "
+            + ", ".join(f"{n} {r[n]['accepted_length_histogram']}" for n in r["drafting"])
+            + "."
+        ),
+        (
+            "The bound is Leviathan et al.'s S = (1 − α^(γ+1)) / ((1 − α)(γc + 1)) with γ = depth, α from tau, "
+            "c = one drafting step / one autoregressive target step."
+        ),
+    ]
     if "sampled" in r:
         s = r["sampled"]
-        lines.append(f"\nSampled chain (temperature {s['temperature']}, exact rejection sampling): tau {s['tau']:.3f}, "
-                     f"per-position acceptance {' / '.join(f'{a:.2f}' for a in s['per_position_acceptance'])}")
+        lines.append(
+            f"\nSampled chain (temperature {s['temperature']}, exact rejection sampling): tau {s['tau']:.3f}, "
+            f"per-position acceptance {' / '.join(f'{a:.2f}' for a in s['per_position_acceptance'])}"
+        )
     if "per_category" in r:
         names = r["drafting"]
-        lines += ["", "| category | prompts | " + " | ".join(f"tau {n}" for n in names) + " |",
-                  "|---|---|" + "---|" * len(names)]
-        lines += [f"| {k} | {v['prompts']} | " + " | ".join(str(v[f"tau_{n}"]) for n in names) + " |"
-                  for k, v in r["per_category"].items()]
+        lines += [
+            "",
+            "| category | prompts | " + " | ".join(f"tau {n}" for n in names) + " |",
+            "|---|---|" + "---|" * len(names),
+        ]
+        lines += [
+            f"| {k} | {v['prompts']} | " + " | ".join(str(v[f"tau_{n}"]) for n in names) + " |"
+            for k, v in r["per_category"].items()
+        ]
     lines += ["", "![accepted lengths](accepted_lengths.png)", ""]
     return "\n".join(lines)

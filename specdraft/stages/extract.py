@@ -68,18 +68,28 @@ def plan_shards(lengths: list[int], bytes_per_token: int, shard_bytes: int) -> l
     return shards
 
 
-def shard_plan_hash(target_desc: dict, cfg: ExtractConfig, members: list[int],
-                    samples: list[tuple[list[int], list[int]]]) -> str:
+def shard_plan_hash(
+    target_desc: dict, cfg: ExtractConfig, members: list[int], samples: list[tuple[list[int], list[int]]]
+) -> str:
     """What a shard's content depends on: the target, its layers, the dtypes and the exact tokens."""
-    h = hashlib.sha256(json.dumps({"format": FORMAT, "target": target_desc, "dtype": cfg.dtype,
-                                   "store_dtype": cfg.store_dtype, "members": members}, sort_keys=True).encode())
+    h = hashlib.sha256(
+        json.dumps(
+            {
+                "format": FORMAT,
+                "target": target_desc,
+                "dtype": cfg.dtype,
+                "store_dtype": cfg.store_dtype,
+                "members": members,
+            },
+            sort_keys=True,
+        ).encode()
+    )
     for i in members:
         h.update(json.dumps(samples[i]).encode())
     return h.hexdigest()[:32]
 
 
-def check_disk(out: Path, need_bytes: int, margin: float, tokens: int, store_dtype: str,
-               alt_bytes: int | None) -> None:
+def check_disk(out: Path, need_bytes: int, margin: float, tokens: int, store_dtype: str, alt_bytes: int | None) -> None:
     """Refuse to start when `need_bytes` plus `margin` does not fit in the free disk under `out`."""
     free = shutil.disk_usage(out).free
     want = int(need_bytes * (1 + margin))
@@ -92,11 +102,18 @@ def check_disk(out: Path, need_bytes: int, margin: float, tokens: int, store_dty
     raise DiskSpaceError(
         f"{out}: extracting {tokens:,} tokens as {store_dtype} needs {want / GB:.2f} GB "
         f"({need_bytes / GB:.2f} GB + {margin:.0%} margin) but {free / GB:.2f} GB is free: "
-        f"{(want - free) / GB:.2f} GB missing. Free disk, or use " + ", or ".join(hints))
+        f"{(want - free) / GB:.2f} GB missing. Free disk, or use " + ", or ".join(hints)
+    )
 
 
-def extract(target: Target, samples: list[tuple[list[int], list[int]]], out: Path, cfg: ExtractConfig,
-            model=None, states: VllmStates | None = None) -> dict:
+def extract(
+    target: Target,
+    samples: list[tuple[list[int], list[int]]],
+    out: Path,
+    cfg: ExtractConfig,
+    model=None,
+    states: VllmStates | None = None,
+) -> dict:
     """Write the hidden states of `samples` as shards under `out` (resuming); return what it did.
     `states`: for the vllm backend, a VllmStates of a server already running (else one is started)."""
     cfg = resolved(cfg)
@@ -126,8 +143,10 @@ def extract(target: Target, samples: list[tuple[list[int], list[int]]], out: Pat
         "bytes_per_token": bytes_per_token(n_states, target.hidden_size, cfg.store_dtype),  # hidden states only
         "disk_bytes_per_token": bpt,  # with the token id and loss mask
         "target": desc,
-        "shards": [{"name": shard_name(n), "tokens": sum(lengths[i] for i in m), "samples": len(m), "plan": p}
-                   for n, (m, p) in enumerate(zip(shards, plans))],
+        "shards": [
+            {"name": shard_name(n), "tokens": sum(lengths[i] for i in m), "samples": len(m), "plan": p}
+            for n, (m, p) in enumerate(zip(shards, plans))
+        ],
         "samples": [placement[i] for i in range(len(samples))],
     }
 
@@ -141,9 +160,12 @@ def extract(target: Target, samples: list[tuple[list[int], list[int]]], out: Pat
     alt = None
     if cfg.store_dtype != "fp8_e4m3":
         alt = todo_tokens * disk_bytes_per_token(n_states, target.hidden_size, "fp8_e4m3")
-    print(f"extract: {len(samples)} samples, {total:,} tokens x {bpt:,} bytes/token ({cfg.store_dtype}) = "
-          f"{total * bpt / GB:.2f} GB in {len(shards)} shards; {len(todo)} to write "
-          f"({todo_tokens * bpt / GB:.2f} GB), {shutil.disk_usage(out).free / GB:.1f} GB free", flush=True)
+    print(
+        f"extract: {len(samples)} samples, {total:,} tokens x {bpt:,} bytes/token ({cfg.store_dtype}) = "
+        f"{total * bpt / GB:.2f} GB in {len(shards)} shards; {len(todo)} to write "
+        f"({todo_tokens * bpt / GB:.2f} GB), {shutil.disk_usage(out).free / GB:.1f} GB free",
+        flush=True,
+    )
     check_disk(out, todo_tokens * bpt, cfg.disk_margin, todo_tokens, cfg.store_dtype, alt)
     write_json(out / INDEX, index)
 
@@ -158,18 +180,23 @@ def extract(target: Target, samples: list[tuple[list[int], list[int]]], out: Pat
                 forward = functools.partial(forward_states, model, target)
             else:
                 raise ValueError(f"extract.backend = {cfg.backend!r}: expected 'transformers' or 'vllm'")
-            _write_shards(forward, samples, lengths, shards, todo, plans, out, cfg, len(target.aux_layer_ids),
-                          stats)
+            _write_shards(forward, samples, lengths, shards, todo, plans, out, cfg, len(target.aux_layer_ids), stats)
     index["state"] = "done"
     write_json(out / INDEX, index)
-    stats.update(samples=len(samples), tokens=total, shards=len(shards), bytes_per_token=index["bytes_per_token"],
-                 disk_bytes_per_token=bpt,
-                 disk_bytes=sum((out / s["name"]).stat().st_size for s in index["shards"]))
+    stats.update(
+        samples=len(samples),
+        tokens=total,
+        shards=len(shards),
+        bytes_per_token=index["bytes_per_token"],
+        disk_bytes_per_token=bpt,
+        disk_bytes=sum((out / s["name"]).stat().st_size for s in index["shards"]),
+    )
     return stats
 
 
-def _write_shards(forward, samples, lengths, shards, todo, plans, out: Path, cfg: ExtractConfig, num_aux: int,
-                  stats: dict) -> None:
+def _write_shards(
+    forward, samples, lengths, shards, todo, plans, out: Path, cfg: ExtractConfig, num_aux: int, stats: dict
+) -> None:
     """Compute the `todo` shards batch by batch with `forward` and write each one (in a thread)."""
     import torch
     from tqdm import tqdm
@@ -221,14 +248,20 @@ def run(recipe: Recipe, folder: RunFolder) -> dict:
     _, samples = load_tokens(folder.tokens, target.vocab_size)
     stats = extract(target, samples, folder.hidden, cfg)
     seconds = stats["seconds"]
-    counts = {k: stats[k] for k in ("samples", "tokens", "shards", "shards_written", "tokens_written",
-                                    "disk_bytes")}
-    metrics = {"bytes_per_token": stats["bytes_per_token"], "disk_bytes_per_token": stats["disk_bytes_per_token"],
-               "tokens_per_s": round(stats["tokens_written"] / seconds, 1) if seconds else None,
-               "mb_per_s_written": round(stats["bytes_written"] / 1e6 / seconds, 1) if seconds else None}
+    counts = {k: stats[k] for k in ("samples", "tokens", "shards", "shards_written", "tokens_written", "disk_bytes")}
+    metrics = {
+        "bytes_per_token": stats["bytes_per_token"],
+        "disk_bytes_per_token": stats["disk_bytes_per_token"],
+        "tokens_per_s": round(stats["tokens_written"] / seconds, 1) if seconds else None,
+        "mb_per_s_written": round(stats["bytes_written"] / 1e6 / seconds, 1) if seconds else None,
+    }
     print(f"next: specdraft train --run {folder.path}")
-    return folder.record("extract", state="done", config=cfg, counts=counts, metrics=metrics,
-                      seconds=time.time() - t_start,
-                      extra={"aux_layer_ids": target.aux_layer_ids, "store_dtype": cfg.store_dtype})
-
-
+    return folder.record(
+        "extract",
+        state="done",
+        config=cfg,
+        counts=counts,
+        metrics=metrics,
+        seconds=time.time() - t_start,
+        extra={"aux_layer_ids": target.aux_layer_ids, "store_dtype": cfg.store_dtype},
+    )

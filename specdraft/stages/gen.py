@@ -155,11 +155,20 @@ def generate_batch(model, batch_ids: list[list[int]], eos_id: int, pad_id: int, 
     width = max(len(ids) for ids in batch_ids)
     input_ids = torch.tensor([[pad_id] * (width - len(ids)) + ids for ids in batch_ids])
     attention = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in batch_ids])
-    sampling = {"do_sample": False} if cfg.temperature == 0 else {
-        "do_sample": True, "temperature": cfg.temperature, "top_p": cfg.top_p}
+    sampling = (
+        {"do_sample": False}
+        if cfg.temperature == 0
+        else {"do_sample": True, "temperature": cfg.temperature, "top_p": cfg.top_p}
+    )
     with torch.inference_mode():
-        out = model.generate(input_ids=input_ids.to(model.device), attention_mask=attention.to(model.device), max_new_tokens=cfg.max_new_tokens,
-                             eos_token_id=eos_id, pad_token_id=pad_id, **sampling)
+        out = model.generate(
+            input_ids=input_ids.to(model.device),
+            attention_mask=attention.to(model.device),
+            max_new_tokens=cfg.max_new_tokens,
+            eos_token_id=eos_id,
+            pad_token_id=pad_id,
+            **sampling,
+        )
     results = []
     for row in out[:, width:].tolist():
         if eos_id in row:
@@ -180,12 +189,18 @@ def _assistant_message(target: Target, ids: list[int], finish: str) -> dict:
     if markers is not None:
         for special in tok.all_special_tokens:
             content = content.replace(special, "")
-    return {"role": "assistant", "content": content, "reasoning": reasoning, "reasoning_source": source,
-            "token_ids": ids}
+    return {
+        "role": "assistant",
+        "content": content,
+        "reasoning": reasoning,
+        "reasoning_source": source,
+        "token_ids": ids,
+    }
 
 
-def generate_rows(model, rows: list[list[int]], eos_id: int, pad_id: int, cfg, stats: Counter,
-                  on_call=None) -> list[tuple[list[int], str]]:
+def generate_rows(
+    model, rows: list[list[int]], eos_id: int, pad_id: int, cfg, stats: Counter, on_call=None
+) -> list[tuple[list[int], str]]:
     """Every prompt answered, in the order given: sorted by length and cut into `generate` calls of at most
     cfg.batch_size rows and cfg.batch_tokens rows x (longest prompt + max_new_tokens); a call that runs out
     of GPU memory is halved and retried (stats["oom_splits"]), down to one row. After each call,
@@ -198,10 +213,15 @@ def generate_rows(model, rows: list[list[int]], eos_id: int, pad_id: int, cfg, s
     start = 0
     while start < len(order):
         n = 1
-        while start + n < len(order) and n < cfg.batch_size and (not cfg.batch_tokens or (n + 1) * (
-                len(rows[order[start + n]]) + cfg.max_new_tokens) <= cfg.batch_tokens):
+        while (
+            start + n < len(order)
+            and n < cfg.batch_size
+            and (
+                not cfg.batch_tokens or (n + 1) * (len(rows[order[start + n]]) + cfg.max_new_tokens) <= cfg.batch_tokens
+            )
+        ):
             n += 1
-        pending.append(order[start:start + n])
+        pending.append(order[start : start + n])
         start += n
     while pending:
         call = pending.pop(0)
@@ -223,8 +243,16 @@ def generate_rows(model, rows: list[list[int]], eos_id: int, pad_id: int, cfg, s
     return results
 
 
-def answer_turns(model, target: Target, convs: list[dict], cfg, max_length: int, bar=None,
-                 after_call=None, stats: Counter | None = None) -> Counter:
+def answer_turns(
+    model,
+    target: Target,
+    convs: list[dict],
+    cfg,
+    max_length: int,
+    bar=None,
+    after_call=None,
+    stats: Counter | None = None,
+) -> Counter:
     """Answer each conversation's user turns in order, batched across conversations: the next turn of
     every conversation that still has one is answered together (generate_rows), its prompt the target's
     template over the conversation so far (its own earlier answers as text, as a server would be sent
@@ -259,8 +287,9 @@ def answer_turns(model, target: Target, convs: list[dict], cfg, max_length: int,
                 c["turn"] = turn + 1
                 if turn < len(c["later_users"]) and (not cfg.max_turns or turn + 1 < cfg.max_turns):
                     nxt = c["messages"] + [{"role": "user", "content": c["later_users"][turn]}]
-                    ids_next = target.chat_ids([_as_history(m) for m in nxt], add_generation_prompt=True,
-                                               tools=c.get("tools"))
+                    ids_next = target.chat_ids(
+                        [_as_history(m) for m in nxt], add_generation_prompt=True, tools=c.get("tools")
+                    )
                     if len(ids_next) + cfg.max_new_tokens <= max_length:
                         c["messages"], c["turn_prompt_ids"] = nxt, ids_next
                         moved.append(c)
@@ -273,8 +302,15 @@ def answer_turns(model, target: Target, convs: list[dict], cfg, max_length: int,
                 bar.update(len(finished))
             clock[0] = time.time()
 
-        generate_rows(model, [c["turn_prompt_ids"] for c in active], target.eos_token_id,
-                      target.tokenizer.pad_token_id, cfg, stats, on_call=settle)
+        generate_rows(
+            model,
+            [c["turn_prompt_ids"] for c in active],
+            target.eos_token_id,
+            target.tokenizer.pad_token_id,
+            cfg,
+            stats,
+            on_call=settle,
+        )
         active = still
     return stats
 
@@ -289,8 +325,9 @@ def _as_history(message: dict) -> dict:
     return {k: v for k, v in message.items() if k in ("role", "content")}
 
 
-def write_user_turns(model, target: Target, cfg, rows: int, system: list[dict], max_prompt_tokens: int,
-                     claimed: set[str], stats: Counter) -> list[dict]:
+def write_user_turns(
+    model, target: Target, cfg, rows: int, system: list[dict], max_prompt_tokens: int, claimed: set[str], stats: Counter
+) -> list[dict]:
     """Magpie in-process: `rows` user turns sampled from the target's own user-turn prefix (at
     SELF_INSTRUCT_TEMPERATURE, up to max_new_tokens each), as first-turn conversations for answer_turns.
     Kept: whole turns (ended by the end-of-turn token), not empty, new (their magpie_id not in `claimed`,
@@ -299,8 +336,14 @@ def write_user_turns(model, target: Target, cfg, rows: int, system: list[dict], 
     import dataclasses
 
     prefix = user_turn_prefix(target, cfg.system_prompt)
-    sampled = generate_rows(model, [prefix] * rows, target.eos_token_id, target.tokenizer.pad_token_id,
-                            dataclasses.replace(cfg, temperature=SELF_INSTRUCT_TEMPERATURE), stats)
+    sampled = generate_rows(
+        model,
+        [prefix] * rows,
+        target.eos_token_id,
+        target.tokenizer.pad_token_id,
+        dataclasses.replace(cfg, temperature=SELF_INSTRUCT_TEMPERATURE),
+        stats,
+    )
     convs = []
     for ids, finish in sampled:
         text = target.tokenizer.decode(ids[:-1], skip_special_tokens=True).strip() if finish == "stop" else ""
@@ -358,27 +401,34 @@ def run_inprocess(recipe: Recipe, folder: RunFolder) -> dict:
     stats: Counter = Counter()
     device = resolve_device(cfg.device, "gen.device")
     dtype = resolve_dtype(cfg.dtype, device)
-    generator = {"kind": "inprocess", "target": target.describe()["fingerprint"],
-                 "sampling": _inprocess_sampling(cfg, dtype)}
+    generator = {
+        "kind": "inprocess",
+        "target": target.describe()["fingerprint"],
+        "sampling": _inprocess_sampling(cfg, dtype),
+    }
     if pending or wanted:
         model = target.load_model(dtype, device)
         torch.manual_seed(cfg.seed)
         bar = tqdm(total=len(pending) + wanted, desc="gen", unit="conv")
         group = cfg.group_size or max(1, len(pending))
-        with open(folder.conversations, "a", encoding="utf-8") as out, \
-                open(flight_path, "a", encoding="utf-8") as flight:
+        with (
+            open(folder.conversations, "a", encoding="utf-8") as out,
+            open(flight_path, "a", encoding="utf-8") as flight,
+        ):
             save = _CallSaver(out, flight, generator, target.eos_token_id, bar, stats)
             for start in range(0, len(pending), group):
-                answer_turns(model, target, pending[start:start + group], cfg, recipe.render.max_length, bar,
-                             save, stats)
+                answer_turns(
+                    model, target, pending[start : start + group], cfg, recipe.render.max_length, bar, save, stats
+                )
             wanted = _self_instruct_inprocess(model, target, recipe, wanted, claimed, pending, save)
         bar.close()
     flight_path.unlink(missing_ok=True)
     return _record_inprocess(recipe, folder, counts, stats, len(pending), wanted, t_start)
 
 
-def _inprocess_prompts(recipe: Recipe, target: Target, done: set[str], resumed: list[dict]
-                       ) -> tuple[list[dict], int, dict]:
+def _inprocess_prompts(
+    recipe: Recipe, target: Target, done: set[str], resumed: list[dict]
+) -> tuple[list[dict], int, dict]:
     """(the source's prompts still to answer, self-instruct conversations still wanted, the manifest's
     counts so far) of an in-process run that has `done` saved and `resumed` in flight."""
     cfg = recipe.gen
@@ -390,8 +440,12 @@ def _inprocess_prompts(recipe: Recipe, target: Target, done: set[str], resumed: 
     fresh = [c for c in chosen if c["id"] not in done and c["id"] not in resumed_ids]
     # Similar lengths in one group keep its turns' prompts alike too.
     fresh.sort(key=lambda c: len(c["prompt_ids"]))
-    counts = {"prompts": len(chosen), "skipped_too_long": too_long,
-              "already_done": sum(c["id"] in done for c in chosen), "resumed_in_flight": len(resumed)}
+    counts = {
+        "prompts": len(chosen),
+        "skipped_too_long": too_long,
+        "already_done": sum(c["id"] in done for c in chosen),
+        "resumed_in_flight": len(resumed),
+    }
     # gen.self_instruct_samples: written and answered once the source's prompts are.
     wanted = max(0, cfg.self_instruct_samples - sum(i.startswith(MAGPIE_PREFIX) for i in done | resumed_ids))
     return fresh, wanted, counts
@@ -399,8 +453,14 @@ def _inprocess_prompts(recipe: Recipe, target: Target, done: set[str], resumed: 
 
 def _inprocess_sampling(cfg, dtype: str) -> dict:
     """How in-process answers are generated (stored in the manifest and each record)."""
-    sampling = {"temperature": cfg.temperature, "top_p": cfg.top_p, "max_new_tokens": cfg.max_new_tokens,
-                "seed": cfg.seed, "dtype": dtype, "max_turns": cfg.max_turns}
+    sampling = {
+        "temperature": cfg.temperature,
+        "top_p": cfg.top_p,
+        "max_new_tokens": cfg.max_new_tokens,
+        "seed": cfg.seed,
+        "dtype": dtype,
+        "max_turns": cfg.max_turns,
+    }
     if cfg.self_instruct or cfg.self_instruct_samples:
         sampling["user_turn_temperature"] = SELF_INSTRUCT_TEMPERATURE
     return sampling
@@ -436,17 +496,20 @@ class _CallSaver:
             self.out.flush()
             os.fsync(self.out.fileno())
         if moved:
-            self.flight.write("".join(json.dumps({k: c.get(k) for k in _IN_FLIGHT_FIELDS}, ensure_ascii=False) + "\n"
-                                      for c in moved))
+            self.flight.write(
+                "".join(json.dumps({k: c.get(k) for k in _IN_FLIGHT_FIELDS}, ensure_ascii=False) + "\n" for c in moved)
+            )
             self.flight.flush()
             os.fsync(self.flight.fileno())
         stats = self.stats
-        self.bar.set_postfix(tok_s=f"{stats['generated_tokens'] / max(stats['generate_seconds'], 1e-9):.0f}",
-                             answers=stats["answers"])
+        self.bar.set_postfix(
+            tok_s=f"{stats['generated_tokens'] / max(stats['generate_seconds'], 1e-9):.0f}", answers=stats["answers"]
+        )
 
 
-def _self_instruct_inprocess(model, target: Target, recipe: Recipe, wanted: int, claimed: set[str],
-                             pending: list[dict], save: _CallSaver) -> int:
+def _self_instruct_inprocess(
+    model, target: Target, recipe: Recipe, wanted: int, claimed: set[str], pending: list[dict], save: _CallSaver
+) -> int:
     """Self-instruct in-process: write user turns and answer the new ones (appended to `pending`) until
     `wanted` are saved or the attempts (SELF_INSTRUCT_ATTEMPTS_PER_SAMPLE per wanted conversation) run
     out; returns how many are still wanted."""
@@ -462,34 +525,52 @@ def _self_instruct_inprocess(model, target: Target, recipe: Recipe, wanted: int,
         stats["user_turns_written"] += rows
         # a seed of its own per round and per resumed run, so no round repeats an earlier one
         torch.manual_seed(cfg.seed + len(claimed) + attempts)
-        convs = write_user_turns(model, target, cfg, rows, system, recipe.data.max_prompt_tokens,
-                                 claimed, stats)[:wanted]
+        convs = write_user_turns(model, target, cfg, rows, system, recipe.data.max_prompt_tokens, claimed, stats)[
+            :wanted
+        ]
         answer_turns(model, target, convs, cfg, recipe.render.max_length, save.bar, save, stats)
         wanted -= len(convs)
         pending.extend(convs)
     return wanted
 
 
-def _record_inprocess(recipe: Recipe, folder: RunFolder, counts: dict, stats: Counter, generated: int,
-                      wanted: int, t_start: float) -> dict:
+def _record_inprocess(
+    recipe: Recipe, folder: RunFolder, counts: dict, stats: Counter, generated: int, wanted: int, t_start: float
+) -> dict:
     """The manifest's gen entry; a self-instruct run that ran out of attempts with conversations still
     `wanted` is recorded failed and stops, as the server path does."""
     cfg = recipe.gen
     if cfg.self_instruct or cfg.self_instruct_samples:
         counts.update({k: stats[k] for k in ("user_turns_written", "unusable", "duplicate", "too_long")})
-    counts.update({"generated": generated, "turns": stats["turns"], "records": len(finished_ids(folder.conversations)),
-                   "generated_tokens": stats["generated_tokens"], "finished_with_eos": stats["finished_with_eos"],
-                   "generate_calls": stats["generate_calls"], "oom_splits": stats["oom_splits"]})
+    counts.update(
+        {
+            "generated": generated,
+            "turns": stats["turns"],
+            "records": len(finished_ids(folder.conversations)),
+            "generated_tokens": stats["generated_tokens"],
+            "finished_with_eos": stats["finished_with_eos"],
+            "generate_calls": stats["generate_calls"],
+            "oom_splits": stats["oom_splits"],
+        }
+    )
     gen_seconds = stats["generate_seconds"]
     metrics = {"tokens_per_s": round(stats["generated_tokens"] / gen_seconds, 1) if gen_seconds else None}
     if wanted:
-        stop = (f"self-instruct gave up: {stats['unusable']} unusable, {stats['duplicate']} duplicate and "
-                f"{stats['too_long']} too long user turns, {wanted} conversations still wanted")
-        folder.record("gen", state="failed", config=cfg, counts=counts, metrics=metrics,
-                      seconds=time.time() - t_start, extra={"stopped": stop})
+        stop = (
+            f"self-instruct gave up: {stats['unusable']} unusable, {stats['duplicate']} duplicate and "
+            f"{stats['too_long']} too long user turns, {wanted} conversations still wanted"
+        )
+        folder.record(
+            "gen",
+            state="failed",
+            config=cfg,
+            counts=counts,
+            metrics=metrics,
+            seconds=time.time() - t_start,
+            extra={"stopped": stop},
+        )
         raise GenStopped(f"gen stopped: {stop} ({counts['records']} saved in {folder.conversations})")
-    return folder.record("gen", state="done", config=cfg, counts=counts, metrics=metrics,
-                         seconds=time.time() - t_start)
+    return folder.record("gen", state="done", config=cfg, counts=counts, metrics=metrics, seconds=time.time() - t_start)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -526,11 +607,18 @@ def run_source(recipe: Recipe, folder: RunFolder) -> dict:
             f.write(json.dumps(record, ensure_ascii=False) + "\n")
             f.flush()
         os.fsync(f.fileno())
-    counts = {"prompts": len(chosen), "skipped_too_long": too_long,
-              "skipped_no_answer": len(chosen) - len(answered), "already_done": len(answered) - len(pending),
-              "written": len(pending), "records": len(finished_ids(out_path))}
-    print(f"gen: {counts['records']} conversations with the source's own answers in {out_path} "
-          f"({counts['skipped_no_answer']} prompts without one skipped)\nnext: specdraft render --run {folder.path}")
+    counts = {
+        "prompts": len(chosen),
+        "skipped_too_long": too_long,
+        "skipped_no_answer": len(chosen) - len(answered),
+        "already_done": len(answered) - len(pending),
+        "written": len(pending),
+        "records": len(finished_ids(out_path)),
+    }
+    print(
+        f"gen: {counts['records']} conversations with the source's own answers in {out_path} "
+        f"({counts['skipped_no_answer']} prompts without one skipped)\nnext: specdraft render --run {folder.path}"
+    )
     return folder.record("gen", state="done", config=cfg, counts=counts, seconds=time.time() - t_start)
 
 
@@ -542,7 +630,8 @@ def user_turn_prefix(target: Target, system_prompt: str) -> list[int]:
     """The token ids the target's own template puts before a user's words (Magpie's prompt)."""
     tok = target.tokenizer
     messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + [
-        {"role": "user", "content": _USER_SENTINEL}]
+        {"role": "user", "content": _USER_SENTINEL}
+    ]
     text = tok.apply_chat_template(messages, tokenize=False)
     return tok.encode(text[: text.index(_USER_SENTINEL)], add_special_tokens=False)
 
@@ -552,9 +641,11 @@ def _conversation_prompts(recipe: Recipe, target: Target, counts: Counter):
     d, cfg = recipe.data, recipe.gen
     for conv in prompts(d.source, "train", d.eval_fraction, d.split_seed, data=d):
         if conv.get("tools"):
-            raise DataError(f"data source {d.source!r}: conversation {conv['id']} has tools, which gen does not "
-                            f"send to servers yet: answer it in-process (no gen.endpoints) or keep the source's "
-                            f"answers (gen.answers = \"source\")")
+            raise DataError(
+                f"data source {d.source!r}: conversation {conv['id']} has tools, which gen does not "
+                f"send to servers yet: answer it in-process (no gen.endpoints) or keep the source's "
+                f"answers (gen.answers = \"source\")"
+            )
         system = [{"role": "system", "content": m["content"]} for m in conv["messages"][:1] if m["role"] == "system"]
         if not system and cfg.system_prompt:
             system = [{"role": "system", "content": cfg.system_prompt}]
@@ -600,8 +691,9 @@ class ServerGen:
     async def _chat(self, pool: ServerPool, messages: list[dict]) -> tuple[dict, str | None, int | None, str]:
         """One answer: (assistant message, finish reason, prompt tokens, endpoint)."""
         wire = [{"role": m["role"], "content": m["content"]} for m in messages]
-        body, endpoint = await pool.post("/v1/chat/completions",
-                                         {"model": self.model, "messages": wire, **self.sampling()})
+        body, endpoint = await pool.post(
+            "/v1/chat/completions", {"model": self.model, "messages": wire, **self.sampling()}
+        )
         try:
             choice = body["choices"][0]
             message = choice["message"]
@@ -617,9 +709,17 @@ class ServerGen:
 
     async def _self_instruct_prompt(self, pool: ServerPool, attempt: int, prefix: list[int]) -> str | None:
         """A user turn written by the target itself, or None when it came back unusable."""
-        body, _ = await pool.post("/v1/completions", {
-            "model": self.model, "prompt": prefix, "max_tokens": self.cfg.max_new_tokens,
-            "temperature": SELF_INSTRUCT_TEMPERATURE, "top_p": self.cfg.top_p, "seed": self.cfg.seed + attempt})
+        body, _ = await pool.post(
+            "/v1/completions",
+            {
+                "model": self.model,
+                "prompt": prefix,
+                "max_tokens": self.cfg.max_new_tokens,
+                "temperature": SELF_INSTRUCT_TEMPERATURE,
+                "top_p": self.cfg.top_p,
+                "seed": self.cfg.seed + attempt,
+            },
+        )
         choice = (body.get("choices") or [{}])[0]
         text = (choice.get("text") or "").strip()
         # Cut off at max_tokens, the user turn never ended: not a prompt anyone wrote.
@@ -642,10 +742,19 @@ class ServerGen:
                     self.counts["empty_reasoning"] += 1
                     raise RequestFailed(f"empty reasoning at turn {turn} (expect_reasoning)", endpoint=endpoint)
             messages.append(answer)
-        return {"id": item["id"], "split": "train", "messages": messages, "finish_reason": finish,
-                "prompt_tokens": prompt_tokens,
-                "generator": {"kind": "server", "endpoint": ",".join(dict.fromkeys(endpoints)),
-                              "model": self.model, "sampling": self.sampling()}}
+        return {
+            "id": item["id"],
+            "split": "train",
+            "messages": messages,
+            "finish_reason": finish,
+            "prompt_tokens": prompt_tokens,
+            "generator": {
+                "kind": "server",
+                "endpoint": ",".join(dict.fromkeys(endpoints)),
+                "model": self.model,
+                "sampling": self.sampling(),
+            },
+        }
 
     async def _task(self, pool: ServerPool, item: dict, prefix: list[int] | None, claimed: set[str]):
         try:
@@ -671,19 +780,23 @@ class ServerGen:
         if self.expect_reasoning and len(self.recent_empty) >= need:
             empty = sum(self.recent_empty)
             if empty > c.empty_reasoning_share * len(self.recent_empty):
-                return (f"{empty} of the last {len(self.recent_empty)} answers came back without reasoning "
-                        f"(threshold {c.empty_reasoning_share:.0%}), but this target is expected to reason. Likely "
-                        f"causes: the server was started without a reasoning parser (vLLM: --reasoning-parser "
-                        f"NAME; then the reasoning stays inline or is dropped), thinking is disabled in the chat "
-                        f"template (chat_template_kwargs {{\"enable_thinking\": true}}), or the server's reasoning "
-                        f"field is one this client does not know. Fix the server, or set "
-                        f"gen.expect_reasoning=false if the answers are meant to have none.")
+                return (
+                    f"{empty} of the last {len(self.recent_empty)} answers came back without reasoning "
+                    f"(threshold {c.empty_reasoning_share:.0%}), but this target is expected to reason. Likely "
+                    f"causes: the server was started without a reasoning parser (vLLM: --reasoning-parser "
+                    f"NAME; then the reasoning stays inline or is dropped), thinking is disabled in the chat "
+                    f"template (chat_template_kwargs {{\"enable_thinking\": true}}), or the server's reasoning "
+                    f"field is one this client does not know. Fix the server, or set "
+                    f"gen.expect_reasoning=false if the answers are meant to have none."
+                )
         need = min(c.error_window, target_n)
         if len(self.recent_failed) >= need:
             failed = sum(self.recent_failed)
             if failed > c.max_error_share * len(self.recent_failed):
-                return (f"{failed} of the last {len(self.recent_failed)} conversations failed after retries "
-                        f"(threshold {c.max_error_share:.0%}); see {self.err_path} for the reasons")
+                return (
+                    f"{failed} of the last {len(self.recent_failed)} conversations failed after retries "
+                    f"(threshold {c.max_error_share:.0%}); see {self.err_path} for the reasons"
+                )
         return None
 
     async def run(self, target_n: int, done: set[str], items=None, self_instruct: bool | None = None) -> str | None:
@@ -700,9 +813,16 @@ class ServerGen:
         saved, claimed, stop = len(done), set(done), None
         t0 = time.time()
         bar = tqdm(total=target_n, initial=saved, desc="gen", unit="conv", dynamic_ncols=True)
-        async with ServerPool(cfg.endpoints, concurrency=cfg.concurrency, timeout_s=cfg.timeout_s,
-                              max_retries=cfg.max_retries, backoff_s=cfg.backoff_s,
-                              backoff_max_s=cfg.backoff_max_s, seed=cfg.seed, auth=self.auth) as pool:
+        async with ServerPool(
+            cfg.endpoints,
+            concurrency=cfg.concurrency,
+            timeout_s=cfg.timeout_s,
+            max_retries=cfg.max_retries,
+            backoff_s=cfg.backoff_s,
+            backoff_max_s=cfg.backoff_max_s,
+            seed=cfg.seed,
+            auth=self.auth,
+        ) as pool:
             if not self.model:
                 listed = await pool.get("/v1/models")
                 self.model = listed["data"][0]["id"]
@@ -711,8 +831,10 @@ class ServerGen:
                 try:
                     while saved < target_n and stop is None:
                         # Never more in flight than slots, nor than conversations still wanted: the count is exact.
-                        while len(in_flight) < min(pool.slots, target_n - saved) and (
-                                item := next(items, None)) is not None:
+                        while (
+                            len(in_flight) < min(pool.slots, target_n - saved)
+                            and (item := next(items, None)) is not None
+                        ):
                             in_flight.add(asyncio.create_task(self._task(pool, item, prefix, claimed)))
                         if not in_flight:
                             stop = self._ran_out(saved, target_n, self_instruct)
@@ -768,9 +890,19 @@ class ServerGen:
             out.flush()
             self.recent_failed.append(False)
             return True
-        err.write(json.dumps({"id": item.get("id"), "reason": value.reason, "status": value.status,
-                              "attempts": value.attempts, "endpoint": value.endpoint,
-                              "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}) + "\n")
+        err.write(
+            json.dumps(
+                {
+                    "id": item.get("id"),
+                    "reason": value.reason,
+                    "status": value.status,
+                    "attempts": value.attempts,
+                    "endpoint": value.endpoint,
+                    "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                }
+            )
+            + "\n"
+        )
         err.flush()
         self.counts["failed"] += 1
         self.recent_failed.append(True)
@@ -780,24 +912,38 @@ class ServerGen:
         """Why the run stops with nothing left to ask."""
         if not self_instruct:
             return f"the source ran out: {saved} of {target_n} conversations saved"
-        return (f"self-instruct gave up: {self.counts['duplicate'] + self.counts['unusable']} "
-                f"unusable or duplicate user turns for {saved} saved")
+        return (
+            f"self-instruct gave up: {self.counts['duplicate'] + self.counts['unusable']} "
+            f"unusable or duplicate user turns for {saved} saved"
+        )
 
     def _show(self, bar, pool: ServerPool, elapsed: float) -> None:
-        bar.set_postfix(failed=self.counts["failed"], retries=sum(pool.retries.values()),
-                        err=f"{sum(self.recent_failed) / max(len(self.recent_failed), 1):.1%}",
-                        tok_s=f"{self.tokens / max(elapsed, 1e-9):.0f}")
+        bar.set_postfix(
+            failed=self.counts["failed"],
+            retries=sum(pool.retries.values()),
+            err=f"{sum(self.recent_failed) / max(len(self.recent_failed), 1):.1%}",
+            tok_s=f"{self.tokens / max(elapsed, 1e-9):.0f}",
+        )
 
     def requested(self) -> dict:
         """What the run asked the servers for, as the manifest records it."""
         cfg = self.cfg
-        return {"endpoints": cfg.endpoints, "model": self.model, "sampling": self.sampling(),
-                # the key's variable and the headers' names; never their values
-                "auth": {"api_key_env": cfg.api_key_env, "key_sent": self.auth.key_set,
-                         "headers": sorted(k for k in self.auth.headers if k != "Authorization")},
-                "system_prompt": cfg.system_prompt, "self_instruct": cfg.self_instruct,
-                "self_instruct_samples": cfg.self_instruct_samples,
-                "expect_reasoning": self.expect_reasoning, "thinking_markers": self.markers}
+        return {
+            "endpoints": cfg.endpoints,
+            "model": self.model,
+            "sampling": self.sampling(),
+            # the key's variable and the headers' names; never their values
+            "auth": {
+                "api_key_env": cfg.api_key_env,
+                "key_sent": self.auth.key_set,
+                "headers": sorted(k for k in self.auth.headers if k != "Authorization"),
+            },
+            "system_prompt": cfg.system_prompt,
+            "self_instruct": cfg.self_instruct,
+            "self_instruct_samples": cfg.self_instruct_samples,
+            "expect_reasoning": self.expect_reasoning,
+            "thinking_markers": self.markers,
+        }
 
 
 def run_server(recipe: Recipe, folder: RunFolder) -> dict:
@@ -816,8 +962,10 @@ def run_server(recipe: Recipe, folder: RunFolder) -> dict:
         items = list(_conversation_prompts(recipe, target, gen.counts))
         target_n = len(items)
     if len(done) > target_n:
-        raise DataError(f"{folder.conversations} already holds {len(done)} conversations, more than "
-                        f"gen.num_samples = {target_n}; raise it or use another run folder")
+        raise DataError(
+            f"{folder.conversations} already holds {len(done)} conversations, more than "
+            f"gen.num_samples = {target_n}; raise it or use another run folder"
+        )
     stop = asyncio.run(gen.run(target_n, done, items))
     if cfg.self_instruct_samples and stop is None:
         done = finished_ids(folder.conversations)
@@ -827,34 +975,66 @@ def run_server(recipe: Recipe, folder: RunFolder) -> dict:
     return _record_server(gen, folder, target_n, len(already), stop, time.time() - t_start)
 
 
-def _record_server(gen: ServerGen, folder: RunFolder, target_n: int, already: int, stop: str | None,
-                   seconds: float) -> dict:
+def _record_server(
+    gen: ServerGen, folder: RunFolder, target_n: int, already: int, stop: str | None, seconds: float
+) -> dict:
     """The manifest's gen entry; a run that stopped early is recorded (failed when short) and stops."""
     saved = len(finished_ids(folder.conversations))
-    counts = {"target": target_n, "records": saved, "already_done": already, **gen.counts,
-              "retries": gen.retries, "generated_tokens": gen.tokens}
+    counts = {
+        "target": target_n,
+        "records": saved,
+        "already_done": already,
+        **gen.counts,
+        "retries": gen.retries,
+        "generated_tokens": gen.tokens,
+    }
     new = gen.counts["saved_this_run"]
-    metrics = {"tokens_per_s": round(gen.tokens / seconds, 1) if seconds else None,
-               "samples_per_s": round(new / seconds, 3) if seconds else None}
+    metrics = {
+        "tokens_per_s": round(gen.tokens / seconds, 1) if seconds else None,
+        "samples_per_s": round(new / seconds, 3) if seconds else None,
+    }
     if stop is not None:
-        folder.record("gen", state="failed" if saved < target_n else "done", config=gen.cfg, counts=counts,
-                      metrics=metrics, seconds=seconds, extra={"requested": gen.requested(), "stopped": stop})
+        folder.record(
+            "gen",
+            state="failed" if saved < target_n else "done",
+            config=gen.cfg,
+            counts=counts,
+            metrics=metrics,
+            seconds=seconds,
+            extra={"requested": gen.requested(), "stopped": stop},
+        )
         raise GenStopped(f"gen stopped: {stop} ({saved} of {target_n} saved in {folder.conversations})")
-    entry = folder.record("gen", state="done", config=gen.cfg, counts=counts, metrics=metrics, seconds=seconds,
-                          extra={"requested": gen.requested()})
-    print(f"gen: {saved} conversations in {folder.conversations} ({gen.counts['failed']} failed, "
-          f"{sum(gen.retries.values())} retries)\nnext: specdraft render --run {folder.path}")
+    entry = folder.record(
+        "gen",
+        state="done",
+        config=gen.cfg,
+        counts=counts,
+        metrics=metrics,
+        seconds=seconds,
+        extra={"requested": gen.requested()},
+    )
+    print(
+        f"gen: {saved} conversations in {folder.conversations} ({gen.counts['failed']} failed, "
+        f"{sum(gen.retries.values())} retries)\nnext: specdraft render --run {folder.path}"
+    )
     return entry
 
 
 def nothing_to_generate(recipe: Recipe, folder: RunFolder) -> dict:
     """A pre-rendered source has no prompts to answer: gen records itself done with no conversations, and
     render takes the rows as they are."""
-    print(f"gen: {recipe.data.source} holds pre-rendered rows ({recipe.data.input_ids_field} + "
-          f"{recipe.data.loss_mask_field}): nothing to generate, render takes them as they are\n"
-          f"next: specdraft render --run {folder.path}")
-    return folder.record("gen", state="done", config=recipe.gen, counts={"records": 0},
-                         extra={"skipped": "pre-rendered source: nothing to generate"})
+    print(
+        f"gen: {recipe.data.source} holds pre-rendered rows ({recipe.data.input_ids_field} + "
+        f"{recipe.data.loss_mask_field}): nothing to generate, render takes them as they are\n"
+        f"next: specdraft render --run {folder.path}"
+    )
+    return folder.record(
+        "gen",
+        state="done",
+        config=recipe.gen,
+        counts={"records": 0},
+        extra={"skipped": "pre-rendered source: nothing to generate"},
+    )
 
 
 def preflight(recipe: Recipe) -> None:
@@ -871,17 +1051,23 @@ def run(recipe: Recipe, folder: RunFolder) -> dict:
     if cfg.answers not in ANSWERS:
         raise ConfigError(f"gen.answers: expected one of {ANSWERS}, got {cfg.answers!r}")
     if cfg.self_instruct and (cfg.answers == "source" or num_samples(recipe) is None):
-        raise ConfigError("gen.self_instruct: the target writes the prompts, so there are no source answers "
-                          "and no 'every conversation'; set gen.num_samples and gen.answers = \"target\"")
+        raise ConfigError(
+            "gen.self_instruct: the target writes the prompts, so there are no source answers "
+            "and no 'every conversation'; set gen.num_samples and gen.answers = \"target\""
+        )
     if cfg.self_instruct_samples and (cfg.self_instruct or cfg.answers == "source"):
-        raise ConfigError("gen.self_instruct_samples adds conversations the target writes to the source's; with "
-                          "gen.self_instruct (all of them written) or gen.answers = \"source\" (no target answers) "
-                          "there is nothing to add them to: set it to 0")
+        raise ConfigError(
+            "gen.self_instruct_samples adds conversations the target writes to the source's; with "
+            "gen.self_instruct (all of them written) or gen.answers = \"source\" (no target answers) "
+            "there is nothing to add them to: set it to 0"
+        )
     # A resumed run that switched modes would mix both kinds of answers and spoil the ablation.
     other = answers_on_disk(folder.conversations) - {cfg.answers}
     if other:
-        raise DataError(f"{folder.conversations} holds {other.pop()} answers, but gen.answers = "
-                        f"{cfg.answers!r}: use another run folder")
+        raise DataError(
+            f"{folder.conversations} holds {other.pop()} answers, but gen.answers = "
+            f"{cfg.answers!r}: use another run folder"
+        )
     if cfg.answers == "source":
         return run_source(recipe, folder)
     if cfg.endpoints:

@@ -59,15 +59,23 @@ def check_out(source: Path, out: Path) -> None:
     src = source.resolve()
     relation = _relation(out.resolve(), src)
     if relation:
-        raise ValueError(f"import: {out} {relation} the drafter folder being imported ({source}), which "
-                         "writing the checkpoint there would destroy; write it to a folder apart from it")
+        raise ValueError(
+            f"import: {out} {relation} the drafter folder being imported ({source}), which "
+            "writing the checkpoint there would destroy; write it to a folder apart from it"
+        )
     for scratch in scratch_paths(out):
         if _relation(src, scratch.resolve()):
-            raise ValueError(f"import: writing {out} first clears {scratch}, which holds the drafter folder "
-                             f"being imported ({source}); give --out another name")
-    check_new_or_ours(out, _earlier_import, "import: --out",
-                      "writing the checkpoint there would delete them (only an earlier import's checkpoint is "
-                      "replaced): give --out a new or empty folder, or move them out first")
+            raise ValueError(
+                f"import: writing {out} first clears {scratch}, which holds the drafter folder "
+                f"being imported ({source}); give --out another name"
+            )
+    check_new_or_ours(
+        out,
+        _earlier_import,
+        "import: --out",
+        "writing the checkpoint there would delete them (only an earlier import's checkpoint is "
+        "replaced): give --out a new or empty folder, or move them out first",
+    )
 
 
 def run_import(source: str, recipe, folder: RunFolder | None = None, out: str | None = None) -> dict:
@@ -78,8 +86,10 @@ def run_import(source: str, recipe, folder: RunFolder | None = None, out: str | 
     if folder is not None:
         trained = folder.stage("train")
         if trained and trained.get("state") == "done" and "imported_from" not in trained:
-            raise ValueError(f"import: {folder.path} already holds a trained drafter ({trained.get('checkpoint')}); "
-                             "import into a new run (--run) or a folder (--out)")
+            raise ValueError(
+                f"import: {folder.path} already holds a trained drafter ({trained.get('checkpoint')}); "
+                "import into a new run (--run) or a folder (--out)"
+            )
         out_path = folder.checkpoint("imported")
         index = folder.hidden / INDEX
         extracted = read_index(folder.hidden, ("aux_layer_ids",))["aux_layer_ids"] if index.exists() else None
@@ -107,6 +117,8 @@ def run_import(source: str, recipe, folder: RunFolder | None = None, out: str | 
     # Recorded as the run's drafter: eval and export load the train stage's checkpoint.
     folder.record("train", state="done", extra={"checkpoint": rel, "imported_from": info["folder"]})
     formats = "both" if len(method.formats) > 1 else method.formats[0]
-    print(f"\nnext: specdraft eval --run {folder.path}    "
-          f"(then: specdraft export --run {folder.path} --formats {formats})")
+    print(
+        f"\nnext: specdraft eval --run {folder.path}    "
+        f"(then: specdraft export --run {folder.path} --formats {formats})"
+    )
     return entry

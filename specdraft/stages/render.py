@@ -90,8 +90,10 @@ class Mismatch:
     theirs: str
 
     def __str__(self) -> str:
-        return (f"conversation {self.conversation} turn {self.turn}: {self.kind} mismatch at token "
-                f"{self.position}: ours {self.ours} vs {self.theirs}")
+        return (
+            f"conversation {self.conversation} turn {self.turn}: {self.kind} mismatch at token "
+            f"{self.position}: ours {self.ours} vs {self.theirs}"
+        )
 
 
 def first_difference(a: list[int], b: list[int]) -> int | None:
@@ -137,15 +139,19 @@ class ChatTemplate:
         return hashlib.sha256((self.tokenizer.chat_template or "").encode()).hexdigest()[:16]
 
     def describe(self) -> dict:
-        return {"reasoning": self.reasoning_field or ("wrapped" if self.markers else "unsupported"),
-                "tools": "written" if self.writes_tools else "ignored",
-                "tool_calls": "written" if self.writes_tool_calls else "ignored",
-                "thinking_markers": list(self.markers) if self.markers else None,
-                "template_kwargs": self.template_kwargs, "chat_template_sha256": self.sha256}
+        return {
+            "reasoning": self.reasoning_field or ("wrapped" if self.markers else "unsupported"),
+            "tools": "written" if self.writes_tools else "ignored",
+            "tool_calls": "written" if self.writes_tool_calls else "ignored",
+            "thinking_markers": list(self.markers) if self.markers else None,
+            "template_kwargs": self.template_kwargs,
+            "chat_template_sha256": self.sha256,
+        }
 
     def text(self, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None = None) -> str:
-        return self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt,
-                                                  tokenize=False, **self.template_kwargs)
+        return self.tokenizer.apply_chat_template(
+            messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=False, **self.template_kwargs
+        )
 
     def encode(self, text: str) -> list[int]:
         # The template writes the special tokens itself (bos included), as apply_chat_template does.
@@ -165,8 +171,10 @@ class ChatTemplate:
 
         rendered = []
         for name in REASONING_FIELDS:
-            probe = [{"role": "user", "content": "?"},
-                     {"role": "assistant", "content": PLACEHOLDER, name: PROBE_REASONING}]
+            probe = [
+                {"role": "user", "content": "?"},
+                {"role": "assistant", "content": PLACEHOLDER, name: PROBE_REASONING},
+            ]
             try:
                 if PROBE_REASONING in self.text(probe, add_generation_prompt=False):
                     rendered.append(name)
@@ -181,10 +189,21 @@ class ChatTemplate:
         `tool_calls`, into the text (SmolLM2's writes neither: it renders role and content only)."""
         from jinja2 import TemplateError
 
-        tools = [{"type": "function", "function": {"name": PROBE_TOOL, "description": "probe",
-                                                   "parameters": {"type": "object", "properties": {}}}}]
-        call = {"role": "assistant", "content": "", "tool_calls": [
-            {"type": "function", "function": {"name": PROBE_TOOL, "arguments": {}}}]}
+        tools = [
+            {
+                "type": "function",
+                "function": {
+                    "name": PROBE_TOOL,
+                    "description": "probe",
+                    "parameters": {"type": "object", "properties": {}},
+                },
+            }
+        ]
+        call = {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"type": "function", "function": {"name": PROBE_TOOL, "arguments": {}}}],
+        }
         user = [{"role": "user", "content": "?"}]
         found = []
         for messages, with_tools, prompt in ((user, tools, True), (user + [call], None, False)):
@@ -237,8 +256,10 @@ class ChatTemplate:
         opens_thinking = bool(self.markers) and prompt_text.rstrip().endswith(self.markers[0])
         if (reasoning or opens_thinking) and not self.reasoning_field:
             if not self.markers:
-                raise RenderError("the turn has reasoning, but the chat template ignores it and the target "
-                                  "has no thinking markers to wrap it in")
+                raise RenderError(
+                    "the turn has reasoning, but the chat template ignores it and the target "
+                    "has no thinking markers to wrap it in"
+                )
             full_text = self._wrap(head, reasoning) + m["content"] + tail
         else:
             full_text = self.text(history + [self.message(m)], add_generation_prompt=False, tools=tools)
@@ -250,13 +271,13 @@ class ChatTemplate:
             full = self.encode(full_text)
             pos = first_difference(full[: len(prompt)], prompt)
             mismatch = ("prefix", len(prompt) if pos is None else pos, full, prompt)
-            generated = full_text[len(prompt_text):]
+            generated = full_text[len(prompt_text) :]
         elif not full_text.endswith(tail):
-            generated = full_text[len(prompt_text):]
+            generated = full_text[len(prompt_text) :]
             ours = prompt + self.encode(generated)
             mismatch = ("end", len(ours), ours, ours + tail_ids)
         else:
-            generated = full_text[len(prompt_text): len(full_text) - len(tail)]
+            generated = full_text[len(prompt_text) : len(full_text) - len(tail)]
         # The served target reads the prompt's tokens and generates after them, so the turn is
         # tokenized on its own, not merged with the prompt's last characters.
         body = self.encode(generated) + ([end_id] if end_id is not None else [])
@@ -302,8 +323,10 @@ def check_token_ids(record: dict, where: str, vocab_size: int) -> None:
             raise DataError(f"{where}: {name} is not a list of token ids, got {ids!r:.80}")
         bad = next((t for t in ids if not (is_token_id(t) and t < vocab_size)), None)
         if bad is not None:
-            raise DataError(f"{where}: {name} holds {bad!r}, outside the target's vocabulary [0, {vocab_size}) "
-                            f"(generated by another target?); rerun `specdraft gen` with this recipe's target")
+            raise DataError(
+                f"{where}: {name} holds {bad!r}, outside the target's vocabulary [0, {vocab_size}) "
+                f"(generated by another target?); rerun `specdraft gen` with this recipe's target"
+            )
 
 
 def render_conversation(template: ChatTemplate, record: dict, max_length: int) -> Rendered:
@@ -330,8 +353,11 @@ def render_conversation(template: ChatTemplate, record: dict, max_length: int) -
         own = own_token_ids(record, messages, i)
         if turn.mismatch:
             kind, pos, ours, theirs = turn.mismatch
-            out.mismatches.append(Mismatch(cid, i, kind, pos, template.decode_at(ours, pos),
-                                           "template " + template.decode_at(theirs, pos)))
+            out.mismatches.append(
+                Mismatch(
+                    cid, i, kind, pos, template.decode_at(ours, pos), "template " + template.decode_at(theirs, pos)
+                )
+            )
             if own is None:
                 # Without the target's own ids there is no trustworthy copy of this turn.
                 raise TemplateMismatch(str(out.mismatches[-1]))
@@ -344,8 +370,16 @@ def render_conversation(template: ChatTemplate, record: dict, max_length: int) -
             pos = first_difference(own, retokenized)
             if pos is not None:
                 out.retokenized_differs += 1
-                out.mismatches.append(Mismatch(cid, i, "retokenized", pos, template.decode_at(own, pos),
-                                               "re-tokenized " + template.decode_at(retokenized, pos)))
+                out.mismatches.append(
+                    Mismatch(
+                        cid,
+                        i,
+                        "retokenized",
+                        pos,
+                        template.decode_at(own, pos),
+                        "re-tokenized " + template.decode_at(retokenized, pos),
+                    )
+                )
             body = own
             after = turn.after if stopped else []
         else:
@@ -367,12 +401,16 @@ def verify_client(auth: Auth | None = None):
     """The client of render.verify_endpoint, carrying gen's key and headers (`auth`) on every request."""
     import httpx
 
-    return httpx.Client(timeout=VERIFY_TIMEOUT_S, transport=httpx.HTTPTransport(retries=VERIFY_CONNECT_RETRIES),
-                        headers=(auth or Auth()).headers)
+    return httpx.Client(
+        timeout=VERIFY_TIMEOUT_S,
+        transport=httpx.HTTPTransport(retries=VERIFY_CONNECT_RETRIES),
+        headers=(auth or Auth()).headers,
+    )
 
 
-def verify_with_server(template: ChatTemplate, record: dict, url: str, model: str | None = None,
-                       client=None, auth: Auth | None = None) -> list[Mismatch]:
+def verify_with_server(
+    template: ChatTemplate, record: dict, url: str, model: str | None = None, client=None, auth: Auth | None = None
+) -> list[Mismatch]:
     """Compare each assistant turn's generation prompt with the server's own tokenization of it
     (vLLM's `/tokenize` with `messages`; it passes an assistant message's `reasoning` to the template).
     `auth` is what `client` sends (it makes the client when none is given); a 401/403 raises ServerRefused."""
@@ -383,11 +421,20 @@ def verify_with_server(template: ChatTemplate, record: dict, url: str, model: st
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
-        sent = [{"role": x["role"], "content": x["content"], **{k: x[k] for k in TOOL_FIELDS if k in x},
-                 **({"reasoning": x["reasoning"]} if x["role"] == "assistant" and x.get("reasoning") else {})}
-                for x in messages[:i]]
-        body = {"messages": sent, "add_generation_prompt": True,
-                **({"tools": record["tools"]} if record.get("tools") else {})}
+        sent = [
+            {
+                "role": x["role"],
+                "content": x["content"],
+                **{k: x[k] for k in TOOL_FIELDS if k in x},
+                **({"reasoning": x["reasoning"]} if x["role"] == "assistant" and x.get("reasoning") else {}),
+            }
+            for x in messages[:i]
+        ]
+        body = {
+            "messages": sent,
+            "add_generation_prompt": True,
+            **({"tools": record["tools"]} if record.get("tools") else {}),
+        }
         if model:
             body["model"] = model
         if template.template_kwargs:
@@ -401,8 +448,16 @@ def verify_with_server(template: ChatTemplate, record: dict, url: str, model: st
         ours = template.prompt_ids(messages[:i], record.get("tools"))
         pos = first_difference(ours, theirs)
         if pos is not None:
-            found.append(Mismatch(record["id"], i, "vllm_prompt", pos, template.decode_at(ours, pos),
-                                  "vLLM " + template.decode_at(theirs, pos)))
+            found.append(
+                Mismatch(
+                    record["id"],
+                    i,
+                    "vllm_prompt",
+                    pos,
+                    template.decode_at(ours, pos),
+                    "vLLM " + template.decode_at(theirs, pos),
+                )
+            )
     return found
 
 
@@ -415,9 +470,21 @@ def _template_kwargs(recipe: Recipe) -> dict:
 
 
 # What the manifest's render entry counts (tokens and loss_tokens follow once they are written).
-COUNTS = ("conversations", "samples", "turns", "reasoning_turns", "turns_with_token_ids", "retokenized_differs",
-          "tool_call_turns", "untrained_tool_calls", "template_mismatches", "skipped_mismatch", "skipped_no_answer",
-          "vllm_checked", "vllm_mismatches")
+COUNTS = (
+    "conversations",
+    "samples",
+    "turns",
+    "reasoning_turns",
+    "turns_with_token_ids",
+    "retokenized_differs",
+    "tool_call_turns",
+    "untrained_tool_calls",
+    "template_mismatches",
+    "skipped_mismatch",
+    "skipped_no_answer",
+    "vllm_checked",
+    "vllm_mismatches",
+)
 
 
 @dataclass
@@ -431,10 +498,14 @@ class Tally:
         self.examples.extend(str(x) for x in found[: MAX_EXAMPLES - len(self.examples)])
 
     def rendered(self, r: Rendered) -> None:
-        for key, value in (("turns", r.turns), ("reasoning_turns", r.reasoning_turns),
-                           ("turns_with_token_ids", r.turns_with_ids),
-                           ("retokenized_differs", r.retokenized_differs), ("tool_call_turns", r.tool_call_turns),
-                           ("untrained_tool_calls", r.untrained_tool_calls)):
+        for key, value in (
+            ("turns", r.turns),
+            ("reasoning_turns", r.reasoning_turns),
+            ("turns_with_token_ids", r.turns_with_ids),
+            ("retokenized_differs", r.retokenized_differs),
+            ("tool_call_turns", r.tool_call_turns),
+            ("untrained_tool_calls", r.untrained_tool_calls),
+        ):
             self.counts[key] += value
         self.counts["template_mismatches"] += sum(x.kind in ("prefix", "end") for x in r.mismatches)
         self.keep([x for x in r.mismatches if x.kind != "retokenized"])
@@ -447,8 +518,7 @@ class Tally:
             # ids avoid it.
             "retokenized_differs_share": round(c["retokenized_differs"] / with_ids, 4) if with_ids else None,
             "template_mismatch_share": round(c["template_mismatches"] / c["turns"], 4) if c["turns"] else None,
-            "vllm_mismatch_share": (round(c["vllm_mismatches"] / c["vllm_checked"], 4)
-                                    if c["vllm_checked"] else None),
+            "vllm_mismatch_share": (round(c["vllm_mismatches"] / c["vllm_checked"], 4) if c["vllm_checked"] else None),
         }
 
 
@@ -490,15 +560,21 @@ class Packed:
         }
         # The tokens and their index renamed in together: the last good pair stays until both are written.
         with staged_files(out / "tokens.safetensors", out / "index.json") as (tokens, index_json):
-            save_safetensors({"input_ids": torch.tensor(self.ids, dtype=torch.int32),
-                              "loss_mask": torch.tensor(self.mask, dtype=torch.uint8),
-                              "offsets": torch.tensor(self.offsets, dtype=torch.int64)}, tokens)
+            save_safetensors(
+                {
+                    "input_ids": torch.tensor(self.ids, dtype=torch.int32),
+                    "loss_mask": torch.tensor(self.mask, dtype=torch.uint8),
+                    "offsets": torch.tensor(self.offsets, dtype=torch.int64),
+                },
+                tokens,
+            )
             index_json.write_text(json.dumps(index, indent=2) + "\n")
         return index
 
 
-def render_record(template: ChatTemplate, record: dict, cfg, tally: Tally, client, src: Path,
-                  auth: Auth | None = None) -> Rendered | None:
+def render_record(
+    template: ChatTemplate, record: dict, cfg, tally: Tally, client, src: Path, auth: Auth | None = None
+) -> Rendered | None:
     """One conversation of the conversations file `src` rendered, checked against `client`'s server when
     there is one, and tallied; None when a template mismatch without the target's ids skips it."""
     tally.counts["conversations"] += 1
@@ -544,8 +620,10 @@ def run_rendered(recipe: Recipe, folder: RunFolder, target: Target, template: Ch
             continue
         top = max(row["input_ids"])
         if top >= target.vocab_size:
-            raise DataError(f"{where}: token id {top} is outside the target's vocabulary [0, {target.vocab_size}): "
-                            f"rendered for another tokenizer?")
+            raise DataError(
+                f"{where}: token id {top} is outside the target's vocabulary [0, {target.vocab_size}): "
+                f"rendered for another tokenizer?"
+            )
         counts["rows"] += 1
         counts["cut_at_max_length"] += len(row["input_ids"]) > cfg.max_length
         sample = (row["input_ids"][: cfg.max_length], row["loss_mask"][: cfg.max_length])
@@ -554,13 +632,23 @@ def run_rendered(recipe: Recipe, folder: RunFolder, target: Target, template: Ch
         raise DataError(f"{d.source}: no row with a loss token within render.max_length = {cfg.max_length}")
     index = packed.save(folder.tokens, template, target)
     counts.update(samples=len(packed.names), tokens=len(packed.ids), loss_tokens=index["num_loss_tokens"])
-    trusted = (f"{counts['rows']} pre-rendered rows of {d.source} taken as they are ({d.input_ids_field} + "
-               f"{d.loss_mask_field}), not re-rendered through the chat template")
-    print(f"render: {trusted}; {counts['samples']} samples, {counts['loss_tokens']:,} loss tokens, "
-          f"{counts['cut_at_max_length']} cut at {cfg.max_length} tokens, {counts['held_out_for_eval']} rows "
-          f"held out for eval\nnext: specdraft extract --run {folder.path}")
-    return folder.record("render", state="done", config=cfg, counts=counts, seconds=time.time() - t_start,
-                         extra={"trusted": trusted, "template": template.describe()})
+    trusted = (
+        f"{counts['rows']} pre-rendered rows of {d.source} taken as they are ({d.input_ids_field} + "
+        f"{d.loss_mask_field}), not re-rendered through the chat template"
+    )
+    print(
+        f"render: {trusted}; {counts['samples']} samples, {counts['loss_tokens']:,} loss tokens, "
+        f"{counts['cut_at_max_length']} cut at {cfg.max_length} tokens, {counts['held_out_for_eval']} rows "
+        f"held out for eval\nnext: specdraft extract --run {folder.path}"
+    )
+    return folder.record(
+        "render",
+        state="done",
+        config=cfg,
+        counts=counts,
+        seconds=time.time() - t_start,
+        extra={"trusted": trusted, "template": template.describe()},
+    )
 
 
 def preflight(recipe: Recipe) -> None:
@@ -595,21 +683,33 @@ def run(recipe: Recipe, folder: RunFolder) -> dict:
         if r is not None:
             counts["skipped_no_answer"] += packed.add(record["id"], r.samples)
     if not packed.names:
-        raise DataError(f"{src}: no conversation with assistant tokens to render"
-                        + (f" (first problem: {examples[0]})" if examples else ""))
+        raise DataError(
+            f"{src}: no conversation with assistant tokens to render"
+            + (f" (first problem: {examples[0]})" if examples else "")
+        )
     counts["samples"] = len(packed.names)
     index = packed.save(folder.tokens, template, target)
     counts.update({"tokens": len(packed.ids), "loss_tokens": index["num_loss_tokens"]})
     for line in examples[:5]:
         print(f"render: {line}")
     if counts["untrained_tool_calls"]:
-        print(f"render: {counts['untrained_tool_calls']} of {counts['tool_call_turns']} tool-calling turns are kept "
-              f"as context, not trained: the target's chat template does not write tool calls")
-    print(f"render: {counts['samples']} samples from {counts['conversations']} conversations, "
-          f"{counts['loss_tokens']:,} loss tokens; re-tokenization differs on "
-          f"{counts['retokenized_differs']}/{counts['turns_with_token_ids']} turns with the target's ids; "
-          f"{counts['template_mismatches']} template and {counts['vllm_mismatches']} vLLM mismatches")
+        print(
+            f"render: {counts['untrained_tool_calls']} of {counts['tool_call_turns']} tool-calling turns are kept "
+            f"as context, not trained: the target's chat template does not write tool calls"
+        )
+    print(
+        f"render: {counts['samples']} samples from {counts['conversations']} conversations, "
+        f"{counts['loss_tokens']:,} loss tokens; re-tokenization differs on "
+        f"{counts['retokenized_differs']}/{counts['turns_with_token_ids']} turns with the target's ids; "
+        f"{counts['template_mismatches']} template and {counts['vllm_mismatches']} vLLM mismatches"
+    )
     print(f"next: specdraft extract --run {folder.path}")
-    return folder.record("render", state="done", config=cfg, counts=counts, metrics=tally.metrics(),
-                         seconds=time.time() - t_start,
-                         extra={"mismatches": examples, "template": template.describe()})
+    return folder.record(
+        "render",
+        state="done",
+        config=cfg,
+        counts=counts,
+        metrics=tally.metrics(),
+        seconds=time.time() - t_start,
+        extra={"mismatches": examples, "template": template.describe()},
+    )

@@ -27,11 +27,17 @@ PHASE_OF_STAGE = {"gen": "gen", "extract": "extract", "train": "train", "eval": 
 ICONS = {"done": "✅", "in progress": "🔄", "not started": "⏳", "failed": "❌", "not needed": "➖"}
 # Units of the figures stages record (by metric name; other names get one from their suffix).
 UNITS = {
-    "tokens_per_s": "tok/s", "autoregressive_tokens_per_s": "tok/s", "speculative_tokens_per_s": "tok/s",
-    "bytes_per_token": "bytes/token", "tau": "tokens/round (mean accepted + 1)",
-    "per_position_acceptance": "fraction accepted, per draft position", "speedup": "x (speculative / plain tok/s)",
-    "draft_to_target_cost": "ratio (draft step / target step time)", "vocab_coverage": "fraction of answer tokens",
-    "final_step_accuracy": "fraction, per TTT step", "mfu": "fraction of peak FLOPs",
+    "tokens_per_s": "tok/s",
+    "autoregressive_tokens_per_s": "tok/s",
+    "speculative_tokens_per_s": "tok/s",
+    "bytes_per_token": "bytes/token",
+    "tau": "tokens/round (mean accepted + 1)",
+    "per_position_acceptance": "fraction accepted, per draft position",
+    "speedup": "x (speculative / plain tok/s)",
+    "draft_to_target_cost": "ratio (draft step / target step time)",
+    "vocab_coverage": "fraction of answer tokens",
+    "final_step_accuracy": "fraction, per TTT step",
+    "mfu": "fraction of peak FLOPs",
 }
 SUFFIX_UNITS = {"_per_s": "/s", "_bytes": "bytes", "_seconds": "s", "_rate": "fraction", "_fraction": "fraction"}
 
@@ -53,19 +59,27 @@ def _where(entry: dict) -> str:
 
 # --- the status ----------------------------------------------------------------------------------
 
+
 def _stages(folder: RunFolder, manifest: dict, recipe: dict) -> list[dict]:
     rows = []
     for stage in STAGE_ORDER:
         entry = manifest.get("stages", {}).get(stage)
         row = {"stage": stage, "source": f"stages.{stage}"}
         if entry and entry["state"] == "done":
-            row.update(state="done", counts=entry.get("counts") or {}, seconds=entry.get("seconds"),
-                       finished=entry.get("finished"))
+            row.update(
+                state="done",
+                counts=entry.get("counts") or {},
+                seconds=entry.get("seconds"),
+                finished=entry.get("finished"),
+            )
             if entry.get("attempt"):
                 # A later run that did not succeed, recorded beside the good one, which stays in use.
                 attempt = entry["attempt"]
-                row["attempt"] = {k: attempt[k] for k in ("state", "finished", "error", "recipe_not_recorded")
-                                  if attempt.get(k) is not None}
+                row["attempt"] = {
+                    k: attempt[k]
+                    for k in ("state", "finished", "error", "recipe_not_recorded")
+                    if attempt.get(k) is not None
+                }
                 row["attempt"]["source"] = f"stages.{stage}.attempt"
         else:
             progress = STAGES[stage].progress(folder, recipe) if STAGES[stage].progress else None
@@ -104,17 +118,36 @@ def _measured(manifest: dict) -> list[dict]:
         for name, value in metrics.items():
             if value is None:
                 continue
-            rows.append({"stage": stage, "name": name, "value": value, "unit": _unit(name),
-                         "where": _where(entry), "source": f"stages.{stage}.metrics.{name}"})
+            rows.append(
+                {
+                    "stage": stage,
+                    "name": name,
+                    "value": value,
+                    "unit": _unit(name),
+                    "where": _where(entry),
+                    "source": f"stages.{stage}.metrics.{name}",
+                }
+            )
         if entry.get("seconds") is not None:
-            rows.append({"stage": stage, "name": "wall time", "value": entry["seconds"], "unit": "s",
-                         "where": _where(entry), "source": f"stages.{stage}.seconds"})
+            rows.append(
+                {
+                    "stage": stage,
+                    "name": "wall time",
+                    "value": entry["seconds"],
+                    "unit": "s",
+                    "where": _where(entry),
+                    "source": f"stages.{stage}.seconds",
+                }
+            )
     return rows
 
 
 def _environment(manifest: dict) -> dict | None:
-    recorded = [(e.get("finished", ""), s, e["environment"]) for s, e in manifest.get("stages", {}).items()
-                if e.get("environment")]
+    recorded = [
+        (e.get("finished", ""), s, e["environment"])
+        for s, e in manifest.get("stages", {}).items()
+        if e.get("environment")
+    ]
     if not recorded:
         return None
     _, stage, env = max(recorded, key=lambda r: r[0])
@@ -122,10 +155,18 @@ def _environment(manifest: dict) -> dict | None:
     for _, s, e in sorted(recorded, key=lambda r: STAGE_ORDER.index(r[1]) if r[1] in STAGE_ORDER else 99):
         hosts.setdefault(e.get("host", "?"), []).append(s)
     disk = env.get("disk") or {}
-    sizes = {"ram": env.get("ram_bytes"), "gpu_memory": (env.get("gpus") or [{}])[0].get("memory_bytes"),
-             "disk_free": disk.get("free_bytes"), "disk_total": disk.get("total_bytes")}
-    return {"source": f"stages.{stage}.environment", "env": env, "hosts": hosts,
-            "sizes": {k: human_bytes(v) for k, v in sizes.items() if v is not None}}
+    sizes = {
+        "ram": env.get("ram_bytes"),
+        "gpu_memory": (env.get("gpus") or [{}])[0].get("memory_bytes"),
+        "disk_free": disk.get("free_bytes"),
+        "disk_total": disk.get("total_bytes"),
+    }
+    return {
+        "source": f"stages.{stage}.environment",
+        "env": env,
+        "hosts": hosts,
+        "sizes": {k: human_bytes(v) for k, v in sizes.items() if v is not None},
+    }
 
 
 # Counts a stage records that say something went wrong, whichever stage records them: what to say.
@@ -155,8 +196,13 @@ def _problems(manifest: dict, stages: list[dict]) -> list[dict]:
                 out.append({"text": f"{stage}: {c[key]} {what}", "source": f"stages.{stage}.counts.{key}"})
         if c.get("generated") and c.get("finished_with_eos") is not None and c["finished_with_eos"] < c["generated"]:
             capped = c["generated"] - c["finished_with_eos"]
-            out.append({"text": f"{stage}: {capped} of {c['generated']} answers stopped at gen.max_new_tokens, "
-                                f"not at EOS (cut off)", "source": f"stages.{stage}.counts.generated - finished_with_eos"})
+            out.append(
+                {
+                    "text": f"{stage}: {capped} of {c['generated']} answers stopped at gen.max_new_tokens, "
+                    f"not at EOS (cut off)",
+                    "source": f"stages.{stage}.counts.generated - finished_with_eos",
+                }
+            )
     for check in (manifest.get("plan") or {}).get("checks", []):
         if not check["ok"]:
             out.append({"text": f"plan: {check['check']} does not fit: {check['text']}", "source": "plan.checks"})
@@ -168,13 +214,17 @@ def _next_command(folder: RunFolder, manifest: dict, stages: list[dict]) -> dict
         if row["state"] not in ("done", "not needed"):
             cmd = f"specdraft {row['stage']} --run {folder.path}"
             why = {"in progress": "resumes from what is on disk", "failed": "reruns the failed stage"}.get(
-                row["state"], "the next stage")
+                row["state"], "the next stage"
+            )
             return {"command": cmd, "why": why}
     export = manifest["stages"]["export"]
     serve = export.get("serve_commands") or {"vllm": export.get("serve_command")}
     drafter = next(iter((export.get("folders") or {"vllm": {"path": "export/vllm"}}).values()))["path"]
-    return {"command": f"specdraft doctor {folder.path / drafter}",
-            "why": "every stage is done: check the exported drafter, then serve it", "serve": serve}
+    return {
+        "command": f"specdraft doctor {folder.path / drafter}",
+        "why": "every stage is done: check the exported drafter, then serve it",
+        "serve": serve,
+    }
 
 
 def _remaining(manifest: dict, stages: list[dict]) -> dict | None:
@@ -192,10 +242,23 @@ def _remaining(manifest: dict, stages: list[dict]) -> dict | None:
         done = ((row.get("progress") or {}).get("fraction") or 0.0) if row["state"] == "in progress" else 0.0
         left = trow["seconds"] * (1 - done)
         total += left
-        rows.append({"phase": trow["phase"], "planned_seconds": trow["seconds"], "done_fraction": round(done, 4),
-                     "seconds_left": round(left, 1), "text": human_seconds(left), "basis": trow["source"]})
-    return {"seconds": round(total, 1), "text": human_seconds(total), "rows": rows, "computed": plan.get("computed"),
-            "source": "plan.time x the share not yet done"}
+        rows.append(
+            {
+                "phase": trow["phase"],
+                "planned_seconds": trow["seconds"],
+                "done_fraction": round(done, 4),
+                "seconds_left": round(left, 1),
+                "text": human_seconds(left),
+                "basis": trow["source"],
+            }
+        )
+    return {
+        "seconds": round(total, 1),
+        "text": human_seconds(total),
+        "rows": rows,
+        "computed": plan.get("computed"),
+        "source": "plan.time x the share not yet done",
+    }
 
 
 def _planned_vs_measured(manifest: dict) -> list[dict]:
@@ -209,10 +272,16 @@ def _planned_vs_measured(manifest: dict) -> list[dict]:
         if planned is None and measured is None:
             continue
         ratio = measured / planned["seconds"] if planned and measured is not None and planned["seconds"] else None
-        rows.append({"stage": stage, "planned_seconds": planned["seconds"] if planned else None,
-                     "measured_seconds": measured, "ratio": round(ratio, 3) if ratio is not None else None,
-                     "basis": planned["source"] if planned else None,
-                     "source": f"planned.{phase}.seconds, stages.{stage}.seconds"})
+        rows.append(
+            {
+                "stage": stage,
+                "planned_seconds": planned["seconds"] if planned else None,
+                "measured_seconds": measured,
+                "ratio": round(ratio, 3) if ratio is not None else None,
+                "basis": planned["source"] if planned else None,
+                "source": f"planned.{phase}.seconds, stages.{stage}.seconds",
+            }
+        )
     return rows
 
 
@@ -220,12 +289,17 @@ def collect(folder: RunFolder) -> dict:
     """The status as JSON: every figure with the manifest path it came from."""
     manifest = folder.manifest()
     if "recipe" not in manifest:
-        raise FileNotFoundError(f"{folder.manifest_path}: no manifest; run a stage first (specdraft gen --run {folder.path})")
+        raise FileNotFoundError(
+            f"{folder.manifest_path}: no manifest; run a stage first (specdraft gen --run {folder.path})"
+        )
     recipe = manifest["recipe"]
     stages = _stages(folder, manifest, recipe)
-    sizes = {p: size_of(p) or 0 for p in sorted(folder.path.iterdir())
-             if not p.name.startswith(".") and p != folder.status}
-    files = [{"path": p.name + ("/" if p.is_dir() else ""), "bytes": n, "text": human_bytes(n)} for p, n in sizes.items()]
+    sizes = {
+        p: size_of(p) or 0 for p in sorted(folder.path.iterdir()) if not p.name.startswith(".") and p != folder.status
+    }
+    files = [
+        {"path": p.name + ("/" if p.is_dir() else ""), "bytes": n, "text": human_bytes(n)} for p, n in sizes.items()
+    ]
     plan = manifest.get("plan") or {}
     return {
         "run": str(folder.path),
@@ -234,8 +308,8 @@ def collect(folder: RunFolder) -> dict:
         "goal": _goal(recipe),
         "environment": _environment(manifest),
         "target": {"source": "plan.target", **plan["target"]} if plan.get("target") else None,
-        "aux_layer_ids": plan.get("aux_layer_ids") or (manifest.get("stages", {}).get("extract") or {}).get(
-            "aux_layer_ids"),
+        "aux_layer_ids": plan.get("aux_layer_ids")
+        or (manifest.get("stages", {}).get("extract") or {}).get("aux_layer_ids"),
         "stages": stages,
         "measured": _measured(manifest),
         "problems": _problems(manifest, stages),
@@ -249,19 +323,26 @@ def collect(folder: RunFolder) -> dict:
 def _goal(recipe: dict) -> dict:
     t, d, g, tr, ex, ev = (recipe[k] for k in ("target", "data", "gen", "train", "export", "eval"))
     hidden = {"online": "on the fly (online)", "served": "streamed from a vLLM server (served, none stored)"}.get(
-        tr.get("hidden"), "extracted to disk")
-    answers = ("with the source's own answers" if g.get("answers") == "source" else
-               f"whose answers the target writes itself (up to {g['max_new_tokens']} tokens each)")
+        tr.get("hidden"), "extracted to disk"
+    )
+    answers = (
+        "with the source's own answers"
+        if g.get("answers") == "source"
+        else f"whose answers the target writes itself (up to {g['max_new_tokens']} tokens each)"
+    )
     vocab = f"a {tr['draft_vocab_size']}-token draft vocabulary" if tr["draft_vocab_size"] else "the whole vocabulary"
     drafter, k = METHODS.get(tr.get("method"), METHODS[DEFAULT]).goal(tr, ex, ev, vocab)
-    text = (f"{recipe.get('description') or 'A speculative-decoding drafter'}. Target: {t['model']}. Data: "
-            f"{d['num_train'] or 'all train-split'} {d['source']} conversations {answers}, rendered with the "
-            f"target's own chat template, hidden states {hidden}. Done means: a {drafter}, and measured by eval: "
-            f"tau and per-position acceptance over {ev['num_prompts']} held-out prompts with K = {k} draft tokens.")
+    text = (
+        f"{recipe.get('description') or 'A speculative-decoding drafter'}. Target: {t['model']}. Data: "
+        f"{d['num_train'] or 'all train-split'} {d['source']} conversations {answers}, rendered with the "
+        f"target's own chat template, hidden states {hidden}. Done means: a {drafter}, and measured by eval: "
+        f"tau and per-position acceptance over {ev['num_prompts']} held-out prompts with K = {k} draft tokens."
+    )
     return {"text": text, "source": "recipe"}
 
 
 # --- Markdown ------------------------------------------------------------------------------------
+
 
 def _fmt(v) -> str:
     if isinstance(v, list):
@@ -275,8 +356,10 @@ def _fmt(v) -> str:
 
 def _progress_text(p: dict) -> str:
     if "shards" in p:
-        return (f"{p['shards']} of {p['shards_of']} shards, {p['samples']} of {p['samples_of']} samples, "
-                f"{p['tokens']:,} of {p['tokens_of']:,} tokens (from {p['source']})")
+        return (
+            f"{p['shards']} of {p['shards_of']} shards, {p['samples']} of {p['samples_of']} samples, "
+            f"{p['tokens']:,} of {p['tokens_of']:,} tokens (from {p['source']})"
+        )
     if "records" in p:
         return f"{p['records']} of {p['of']} {p['unit']} (from {p['source']})"
     return f"checkpoint at step {p['latest_checkpoint_step']} (from {p['source']})"
@@ -284,13 +367,18 @@ def _progress_text(p: dict) -> str:
 
 def _attempt_text(a: dict) -> str:
     """A later run of a done stage that did not succeed, as STATUS.md says it."""
-    what = {"failed": f"a later run failed ({a['finished']})" + (f": {a['error']}" if a.get("error") else ""),
-            "partial": f"a later run is in progress or was cut off ({a['finished']}); the same command resumes it"}
+    what = {
+        "failed": f"a later run failed ({a['finished']})" + (f": {a['error']}" if a.get("error") else ""),
+        "partial": f"a later run is in progress or was cut off ({a['finished']}); the same command resumes it",
+    }
     text = what.get(a["state"], f"a later run is {a['state']} ({a['finished']})")
     changes = a.get("recipe_not_recorded") or {}
     if changes:
-        text += "; its settings were not kept (" + ", ".join(f"{k} = {new!r}, the run keeps {old!r}"
-                                                          for k, (old, new) in changes.items()) + ")"
+        text += (
+            "; its settings were not kept ("
+            + ", ".join(f"{k} = {new!r}, the run keeps {old!r}" for k, (old, new) in changes.items())
+            + ")"
+        )
     return text + "; the last good run's record and files are kept and used"
 
 
@@ -311,8 +399,11 @@ def _md_stages(s: dict) -> list[str]:
     out += [f"then serve with {engine}: `{cmd}`" for engine, cmd in (nxt.get("serve") or {}).items()]
     rem = s["remaining"]
     if rem:
-        out += ["", f"**Remaining time (plan of {rem['computed']}):** {rem['text']}"
-                + "".join(f"; {r['phase']} {r['text']}" for r in rem["rows"])]
+        out += [
+            "",
+            f"**Remaining time (plan of {rem['computed']}):** {rem['text']}"
+            + "".join(f"; {r['phase']} {r['text']}" for r in rem["rows"]),
+        ]
     else:
         out += ["", f"**Remaining time:** no plan recorded; `specdraft plan {s['run']}` writes one."]
     return out
@@ -348,14 +439,23 @@ def _md_target(s: dict) -> list[str]:
         return out + [f"- aux layer ids: {s['aux_layer_ids']}"]
     moe, mla, q = t.get("moe"), t.get("mla"), t.get("quantization")
     return out + [
-        (f"- architecture: {', '.join(t.get('architectures') or [])} (model_type {t['model_type']}, "
-         f"language model {t['text_model_type']}); config `{t['config']}`"),
-        (f"- layers {t['num_layers']}, hidden {t['hidden_size']}, intermediate {t['intermediate_size']}, heads "
-         f"{t['num_attention_heads']} (KV {t['num_key_value_heads']}, head dim {t['head_dim']}), vocab "
-         f"{t['vocab_size']:,}, tied embeddings {t['tie_word_embeddings']}"),
+        (
+            f"- architecture: {', '.join(t.get('architectures') or [])} (model_type {t['model_type']}, "
+            f"language model {t['text_model_type']}); config `{t['config']}`"
+        ),
+        (
+            f"- layers {t['num_layers']}, hidden {t['hidden_size']}, intermediate {t['intermediate_size']}, heads "
+            f"{t['num_attention_heads']} (KV {t['num_key_value_heads']}, head dim {t['head_dim']}), vocab "
+            f"{t['vocab_size']:,}, tied embeddings {t['tie_word_embeddings']}"
+        ),
         f"- parameters {t['parameters']['total']:,} ({t['parameters']['active']:,} active per token)",
-        "- MoE: " + (f"{moe['routed_experts']} routed experts, {moe['shared_experts']} shared, top-{moe['top_k']}, "
-                     f"expert intermediate {moe['expert_intermediate_size']}" if moe else "none (dense)"),
+        "- MoE: "
+        + (
+            f"{moe['routed_experts']} routed experts, {moe['shared_experts']} shared, top-{moe['top_k']}, "
+            f"expert intermediate {moe['expert_intermediate_size']}"
+            if moe
+            else "none (dense)"
+        ),
         "- MLA: " + (", ".join(f"{k} {v}" for k, v in mla.items()) if mla else "none"),
         f"- MTP layers: {t['mtp_layers'] or 'none'}",
         "- quantization: " + (f"{q['kind']} ({q['method']})" if q else "none"),
@@ -376,24 +476,33 @@ def _md_environment(s: dict) -> list[str]:
     out += [
         f"- host {env.get('host')} ({env.get('platform')}); recorded by {e['source']}",
         f"- CPU {env.get('cpu')}, {env.get('cpu_count')} cores; RAM {e['sizes']['ram']}"
-        if env.get("ram_bytes") else f"- CPU {env.get('cpu')}",
+        if env.get("ram_bytes")
+        else f"- CPU {env.get('cpu')}",
         "- GPUs: " + (f"{len(gpus)}x {gpus[0]['name']}, {e['sizes']['gpu_memory']} each{links}" if gpus else "none"),
     ]
     if env.get("numa_nodes"):
-        out.append("- NUMA: " + "; ".join(f"{n} CPUs {c}" for n, c in env["numa_nodes"].items())
-                   + ("; GPU NUMA affinity " + ", ".join(f"{g} node {n}" for g, n in topo["numa_affinity"].items())
-                      if topo.get("numa_affinity") else ""))
+        out.append(
+            "- NUMA: "
+            + "; ".join(f"{n} CPUs {c}" for n, c in env["numa_nodes"].items())
+            + (
+                "; GPU NUMA affinity " + ", ".join(f"{g} node {n}" for g, n in topo["numa_affinity"].items())
+                if topo.get("numa_affinity")
+                else ""
+            )
+        )
     if env.get("disk"):
         d = env["disk"]
         out.append(f"- disk at {d['path']}: {e['sizes']['disk_free']} free of {e['sizes']['disk_total']}")
     v = env.get("versions") or {}
-    out.append(f"- Python {env.get('python')}, torch {v.get('torch')}, transformers {v.get('transformers')}, "
-               f"CUDA {env.get('cuda') or 'none'}, driver {env.get('driver') or 'none'}"
-               + "".join(", " + (f"{k} {x['version']} ({x['where']})" if x else f"{k} not found")
-                         for k, x in engines.items()))
+    out.append(
+        f"- Python {env.get('python')}, torch {v.get('torch')}, transformers {v.get('transformers')}, "
+        f"CUDA {env.get('cuda') or 'none'}, driver {env.get('driver') or 'none'}"
+        + "".join(", " + (f"{k} {x['version']} ({x['where']})" if x else f"{k} not found") for k, x in engines.items())
+    )
     if len(e["hosts"]) > 1:
-        out.append("- stages ran on more than one host: "
-                   + "; ".join(f"{h}: {', '.join(st)}" for h, st in e["hosts"].items()))
+        out.append(
+            "- stages ran on more than one host: " + "; ".join(f"{h}: {', '.join(st)}" for h, st in e["hosts"].items())
+        )
     return out
 
 

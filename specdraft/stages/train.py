@@ -71,8 +71,9 @@ def check_memory(recipe: Recipe, folder: RunFolder) -> None:
         return
     if memory.fits:
         return
-    text = (f"{memory.text} at train.batch_tokens = {recipe.train.batch_tokens:,}; "
-            + (f"fits with: {' or '.join(memory.fixes)}" if memory.fixes else "no batch size fits (specdraft plan)"))
+    text = f"{memory.text} at train.batch_tokens = {recipe.train.batch_tokens:,}; " + (
+        f"fits with: {' or '.join(memory.fixes)}" if memory.fixes else "no batch size fits (specdraft plan)"
+    )
     if memory.beyond_device:
         raise TrainMemoryError(f"train: {text}")
     print(f"train: warning: {text}", file=sys.stderr)
@@ -80,8 +81,20 @@ def check_memory(recipe: Recipe, folder: RunFolder) -> None:
 
 # Fields that fix the data order, the schedule or the shapes: a resumed run must keep them, and its
 # method's own (Method.resume_fixed).
-RESUME_FIXED = ("method", "seed", "batch_tokens", "micro_batches", "epochs", "holdout", "draft_vocab_size", "lr",
-                "warmup_steps", "schedule", "lm_head_init", "optimizer")
+RESUME_FIXED = (
+    "method",
+    "seed",
+    "batch_tokens",
+    "micro_batches",
+    "epochs",
+    "holdout",
+    "draft_vocab_size",
+    "lr",
+    "warmup_steps",
+    "schedule",
+    "lm_head_init",
+    "optimizer",
+)
 
 
 def check_resumable(path: Path, cfg: TrainConfig) -> None:
@@ -92,11 +105,16 @@ def check_resumable(path: Path, cfg: TrainConfig) -> None:
         raise FileError(f"{path / 'config.json'}: no 'train' config to resume with; {RESTART}")
     defaults = TrainConfig()  # a field newer than the checkpoint had its default then
     fixed = RESUME_FIXED + named(cfg.method).resume_fixed
-    changed = [f"{k}: {saved.get(k, getattr(defaults, k))!r} -> {getattr(cfg, k)!r}" for k in fixed
-               if saved.get(k, getattr(defaults, k)) != getattr(cfg, k)]
+    changed = [
+        f"{k}: {saved.get(k, getattr(defaults, k))!r} -> {getattr(cfg, k)!r}"
+        for k in fixed
+        if saved.get(k, getattr(defaults, k)) != getattr(cfg, k)
+    ]
     if changed:
-        raise ValueError(f"{path}: cannot resume with a changed train config ({'; '.join(changed)}); restore "
-                         "those fields, or start over with --set train.resume=false (checkpoints are replaced)")
+        raise ValueError(
+            f"{path}: cannot resume with a changed train config ({'; '.join(changed)}); restore "
+            "those fields, or start over with --set train.resume=false (checkpoints are replaced)"
+        )
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -117,8 +135,10 @@ class Trainer:
         check_memory(recipe, folder)
         self.rank, self.world, self.device = training.distributed()
         if self.cfg.micro_batches % self.world:
-            raise ValueError(f"train.micro_batches = {self.cfg.micro_batches} must be a multiple of the "
-                             f"{self.world} torchrun processes")
+            raise ValueError(
+                f"train.micro_batches = {self.cfg.micro_batches} must be a multiple of the "
+                f"{self.world} torchrun processes"
+            )
         self.resuming = self.will_resume()
         torch.manual_seed(self.cfg.seed)
         counts = self.load_samples()
@@ -158,7 +178,7 @@ class Trainer:
         self.lengths = [len(ids) for ids, _ in samples]
         self.train_idx, self.held_idx = training.split_holdout(len(self.source), cfg.holdout, cfg.seed)
         if cfg.max_samples:
-            self.train_idx = self.train_idx[:cfg.max_samples]
+            self.train_idx = self.train_idx[: cfg.max_samples]
         return vocab.token_counts([samples[i] for i in self.train_idx], self.target.vocab_size)
 
     def open_source(self):
@@ -201,8 +221,10 @@ class Trainer:
         self.optimizers = training.make_optimizers(self.wrapped, cfg)
         self.steps_per_epoch = training.epoch_steps(self.train_idx, self.lengths, cfg)
         total_steps = self.total_steps = cfg.epochs * self.steps_per_epoch
-        self.schedulers = [torch.optim.lr_scheduler.LambdaLR(o, lambda s: training.lr_factor(s, total_steps, cfg))
-                           for o in self.optimizers]
+        self.schedulers = [
+            torch.optim.lr_scheduler.LambdaLR(o, lambda s: training.lr_factor(s, total_steps, cfg))
+            for o in self.optimizers
+        ]
         self.autocast_dtype, self.autocast = training.autocast_for(cfg, self.device)
         self.held_rows = pack(self.held_idx, self.lengths, cfg.batch_tokens)
 
@@ -214,8 +236,11 @@ class Trainer:
         parts."""
         cfg, folder = self.cfg, self.folder
         previous = folder.stage("train")
-        stopped = (previous is None or previous["state"] != "done"
-                   or previous.get("checkpoint", "").startswith(f"{folder.previous_checkpoints.name}/"))
+        stopped = (
+            previous is None
+            or previous["state"] != "done"
+            or previous.get("checkpoint", "").startswith(f"{folder.previous_checkpoints.name}/")
+        )
         resuming = cfg.resume and (folder.checkpoint("latest") / COMPLETE).exists() and stopped
         if resuming:
             check_resumable(folder.checkpoint("latest"), cfg)
@@ -225,25 +250,34 @@ class Trainer:
     def resume_or_start(self) -> None:
         """Continue from `latest` (will_resume), else start over."""
         cfg, folder, resumed = self.cfg, self.folder, self.resuming
-        self.meta = {"method": cfg.method, "train": to_dict(cfg), "autocast": self.autocast_dtype,
-                     "aux_layer_ids": self.source.aux_layer_ids, "target": self.target.describe(),
-                     "vocab_coverage": round(self.coverage, 4), "holdout_samples": self.held_idx}
+        self.meta = {
+            "method": cfg.method,
+            "train": to_dict(cfg),
+            "autocast": self.autocast_dtype,
+            "aux_layer_ids": self.source.aux_layer_ids,
+            "target": self.target.describe(),
+            "vocab_coverage": round(self.coverage, 4),
+            "holdout_samples": self.held_idx,
+        }
         self.state = {"step": 0, "tokens": 0, "seconds": 0.0, "best_tau": None}
         if self.world > 1:
             torch.distributed.barrier()  # every rank has decided before rank 0 rewrites the manifest
         if resumed:
-            self.state.update(load_training(folder.checkpoint("latest"), self.wrapped, self.optimizers,
-                                            self.schedulers))
+            self.state.update(
+                load_training(folder.checkpoint("latest"), self.wrapped, self.optimizers, self.schedulers)
+            )
         if self.rank == 0:
             if not resumed:
                 folder.set_aside_checkpoints()  # the last good training's stay until this one succeeds
             folder.checkpoints.mkdir(parents=True, exist_ok=True)
             folder.record("train", state="partial", config=cfg)
             training.keep_log_until(folder.train_log, self.state["step"])
-            print(f"train: {cfg.method} drafter, {len(self.train_idx)} samples (+{len(self.held_idx)} held out), "
-                  f"draft vocab {self.dcfg.draft_vocab_size} (covers {self.coverage:.1%} of answer tokens), "
-                  f"{self.n_trainable / 1e6:.2f} M trainable parameters, {self.total_steps} steps on "
-                  f"{self.world} process(es)" + (f", resumed at step {self.state['step']}" if resumed else ""))
+            print(
+                f"train: {cfg.method} drafter, {len(self.train_idx)} samples (+{len(self.held_idx)} held out), "
+                f"draft vocab {self.dcfg.draft_vocab_size} (covers {self.coverage:.1%} of answer tokens), "
+                f"{self.n_trainable / 1e6:.2f} M trainable parameters, {self.total_steps} steps on "
+                f"{self.world} process(es)" + (f", resumed at step {self.state['step']}" if resumed else "")
+            )
 
     @contextlib.contextmanager
     def timed(self, phase: str):
@@ -257,12 +291,23 @@ class Trainer:
         from tqdm import tqdm
 
         cfg, state = self.cfg, self.state
-        self.bar = tqdm(total=self.total_steps, initial=state["step"], desc="train", unit="step",
-                        disable=self.rank != 0)
+        self.bar = tqdm(
+            total=self.total_steps, initial=state["step"], desc="train", unit="step", disable=self.rank != 0
+        )
         self.phase.update({"steps": 0.0, "held-out": 0.0, "checkpoints": 0.0})
         t_loop, seconds_before = time.time(), state["seconds"]  # state["seconds"] sums the steps (from resume)
-        batches = training.step_batches(self.source, self.tops, self.train_idx, self.lengths, cfg, state["step"],
-                                        self.steps_per_epoch, self.rank, self.world, self.device)
+        batches = training.step_batches(
+            self.source,
+            self.tops,
+            self.train_idx,
+            self.lengths,
+            cfg,
+            state["step"],
+            self.steps_per_epoch,
+            self.rank,
+            self.world,
+            self.device,
+        )
         for epoch, micro in batches:
             stats = self.train_step(micro)
             self.log(epoch, stats)
@@ -281,8 +326,9 @@ class Trainer:
             self.checkpoint("final")
         self.phase["steps"] = state["seconds"] - seconds_before
         # What the loop spent neither stepping, scoring nor saving: waiting for the loader's next batch.
-        self.phase["data wait"] = (time.time() - t_loop - self.phase["steps"] - self.phase["held-out"]
-                                   - self.phase["checkpoints"])
+        self.phase["data wait"] = (
+            time.time() - t_loop - self.phase["steps"] - self.phase["held-out"] - self.phase["checkpoints"]
+        )
         return self.finish()
 
     def train_step(self, micro: list[dict]) -> torch.Tensor:
@@ -323,8 +369,14 @@ class Trainer:
         step = state["step"]
         s = summarize(step_stats.cpu())
         weighted = sum(w * x for w, x in zip(self.method.loss_weights(cfg), s["loss"]))
-        record = {"kind": "train", "step": step, "epoch": epoch, "lr": self.schedulers[0].get_last_lr()[0],
-                  "weighted_loss": round(weighted, 6), **s}
+        record = {
+            "kind": "train",
+            "step": step,
+            "epoch": epoch,
+            "lr": self.schedulers[0].get_last_lr()[0],
+            "weighted_loss": round(weighted, 6),
+            **s,
+        }
         training.append_record(self.folder.train_log, record)
         if writer and step % cfg.log_every == 0:
             writer.add_scalar("train/loss", weighted, step)
@@ -334,8 +386,11 @@ class Trainer:
                 writer.add_scalar(f"train/cond_accept_{i}", s["cond_accept"][i], step)
             writer.add_scalar("train/lr", record["lr"], step)
         self.bar.update(1)
-        self.bar.set_postfix(loss=f"{weighted:.3f}", acc0=f"{s['acc'][0]:.2f}",
-                             tok_s=f"{state['tokens'] / max(state['seconds'], 1e-9):,.0f}")
+        self.bar.set_postfix(
+            loss=f"{weighted:.3f}",
+            acc0=f"{s['acc'][0]:.2f}",
+            tok_s=f"{state['tokens'] / max(state['seconds'], 1e-9):,.0f}",
+        )
 
     def evaluate_held_out(self) -> None:
         """The held-out samples' loss, acceptance and tau, logged and kept as the checkpoints' metrics."""
@@ -343,8 +398,9 @@ class Trainer:
 
         step = self.state["step"]
         # `model` is the unwrapped module under DDP (no gradient hooks needed) and the sharded one under FSDP.
-        self.last_eval = training.evaluate(self.model, self.source, self.held_rows, self.tops, self.cfg, self.device,
-                                           self.autocast, self.positions)
+        self.last_eval = training.evaluate(
+            self.model, self.source, self.held_rows, self.tops, self.cfg, self.device, self.autocast, self.positions
+        )
         if self.rank != 0:
             return
         training.append_record(self.folder.train_log, {"kind": "eval", "step": step, **self.last_eval})
@@ -352,8 +408,10 @@ class Trainer:
             self.writer.add_scalar("heldout/tau", self.last_eval["tau"], step)
             for i, a in enumerate(self.last_eval["cond_accept"]):
                 self.writer.add_scalar(f"heldout/cond_accept_{i}", a, step)
-        tqdm.write(f"step {step}: held-out tau {self.last_eval['tau']:.3f}, conditional "
-                   f"acceptance {' / '.join(f'{a:.3f}' for a in self.last_eval['cond_accept'])}")
+        tqdm.write(
+            f"step {step}: held-out tau {self.last_eval['tau']:.3f}, conditional "
+            f"acceptance {' / '.join(f'{a:.3f}' for a in self.last_eval['cond_accept'])}"
+        )
 
     def keep_best(self) -> None:
         """The `best` checkpoint, when the last held-out tau is the best so far."""
@@ -365,8 +423,16 @@ class Trainer:
         """The checkpoint `name` ("latest", "best" or "final") with the last held-out metrics; every
         process takes part."""
         meta = {**self.meta, "step": self.state["step"], "metrics": self.last_eval}
-        save_training(self.folder.checkpoint(name), self.wrapped, self.optimizers, self.schedulers, self.dcfg,
-                      meta, self.state, self.rank)
+        save_training(
+            self.folder.checkpoint(name),
+            self.wrapped,
+            self.optimizers,
+            self.schedulers,
+            self.dcfg,
+            meta,
+            self.state,
+            self.rank,
+        )
 
     def finish(self) -> dict:
         """The curves, the wall-time breakdown and the stage's record in the manifest (rank 0)."""
@@ -379,12 +445,20 @@ class Trainer:
             training.plot_curves(folder.train_log, folder.curves, self.method)
         # The export stage reads `best` when held-out data chose one, else the final weights.
         chosen = "best" if (folder.checkpoint("best") / COMPLETE).exists() else "final"
-        metrics = {"tokens_per_s": round(state["tokens"] / state["seconds"], 1) if state["seconds"] else None,
-                   "heldout": self.last_eval, "best_tau": state["best_tau"],
-                   "vocab_coverage": round(self.coverage, 4)}
-        counts = {"steps": state["step"], "epochs": cfg.epochs, "samples": len(self.train_idx),
-                  "heldout_samples": len(self.held_idx), "trainable_params": self.n_trainable,
-                  "processes": self.world}
+        metrics = {
+            "tokens_per_s": round(state["tokens"] / state["seconds"], 1) if state["seconds"] else None,
+            "heldout": self.last_eval,
+            "best_tau": state["best_tau"],
+            "vocab_coverage": round(self.coverage, 4),
+        }
+        counts = {
+            "steps": state["step"],
+            "epochs": cfg.epochs,
+            "samples": len(self.train_idx),
+            "heldout_samples": len(self.held_idx),
+            "trainable_params": self.n_trainable,
+            "processes": self.world,
+        }
         phase = {k: round(v, 1) for k, v in self.phase.items()}
         busy = self.phase["steps"] + self.phase["data wait"]
         metrics["wait_share"] = round(max(0.0, self.phase["data wait"]) / busy, 4) if busy > 0 else None
@@ -393,12 +467,17 @@ class Trainer:
         print(f"train: {time.time() - self.t_start:.0f} s: " + ", ".join(f"{k} {v:.0f} s" for k, v in phase.items()))
         metrics["phase_seconds"] = phase
         print(f"next: specdraft export --run {folder.path}")
-        entry = folder.record("train", state="done", config=cfg, counts=counts, metrics=metrics,
-                              seconds=time.time() - self.t_start,
-                              extra={"checkpoint": str(folder.checkpoint(chosen).relative_to(folder.path))})
+        entry = folder.record(
+            "train",
+            state="done",
+            config=cfg,
+            counts=counts,
+            metrics=metrics,
+            seconds=time.time() - self.t_start,
+            extra={"checkpoint": str(folder.checkpoint(chosen).relative_to(folder.path))},
+        )
         folder.drop_previous_checkpoints()
         return entry
-
 
     def close(self) -> None:
         """Stop what the source started (a states server)."""

@@ -32,24 +32,51 @@ def vocab_maps(vocab: int, draft_vocab: int):
 def eagle3(target: str, draft_vocab: int):
     from speculators.models.eagle3 import Eagle3DraftModel
 
-    layer = create_transformer_layer_config(verifier_name_or_path=target, num_layers=1, draft_arch="llama",
-                                            hidden_act="silu", sliding_window=2048, full_attention_indices=[])
+    layer = create_transformer_layer_config(
+        verifier_name_or_path=target,
+        num_layers=1,
+        draft_arch="llama",
+        hidden_act="silu",
+        sliding_window=2048,
+        full_attention_indices=[],
+    )
     t2d, d2t = vocab_maps(layer.vocab_size, draft_vocab)
     return Eagle3DraftModel.from_training_args(
-        verifier_config=layer, t2d=t2d, d2t=d2t, verifier_name_or_path=target, draft_vocab_size=draft_vocab,
-        norm_before_residual=True, ttt_steps=3, draft_attn_impl="eager")
+        verifier_config=layer,
+        t2d=t2d,
+        d2t=d2t,
+        verifier_name_or_path=target,
+        draft_vocab_size=draft_vocab,
+        norm_before_residual=True,
+        ttt_steps=3,
+        draft_attn_impl="eager",
+    )
 
 
 def dflash(target: str, draft_vocab: int, mask_token_id: int, aux_ids: list[int]):
     from speculators.models.dflash import DFlashDraftModel
 
-    layer = create_transformer_layer_config(verifier_name_or_path=target, num_layers=2, draft_arch="qwen3",
-                                            hidden_act="silu", sliding_window=2048, full_attention_indices=[0, 1])
+    layer = create_transformer_layer_config(
+        verifier_name_or_path=target,
+        num_layers=2,
+        draft_arch="qwen3",
+        hidden_act="silu",
+        sliding_window=2048,
+        full_attention_indices=[0, 1],
+    )
     t2d, d2t = vocab_maps(layer.vocab_size, draft_vocab)
     model = DFlashDraftModel.from_training_args(
-        verifier_config=layer, t2d=t2d, d2t=d2t, verifier_name_or_path=target,
-        draft_vocab_size=min(draft_vocab, layer.vocab_size), block_size=4, mask_token_id=mask_token_id,
-        target_layer_ids=aux_ids, sliding_window_non_causal=True, draft_attn_impl="eager")
+        verifier_config=layer,
+        t2d=t2d,
+        d2t=d2t,
+        verifier_name_or_path=target,
+        draft_vocab_size=min(draft_vocab, layer.vocab_size),
+        block_size=4,
+        mask_token_id=mask_token_id,
+        target_layer_ids=aux_ids,
+        sliding_window_non_causal=True,
+        draft_attn_impl="eager",
+    )
     # Freshly built norms are all ones: make them differ, so a norm read into the wrong place shows.
     with torch.no_grad():
         for name, t in model.named_parameters():

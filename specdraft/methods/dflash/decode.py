@@ -45,8 +45,11 @@ class BlockContext:
         d = self.drafter
         positions = torch.arange(first_position, first_position + aux.shape[0], device=aux.device)[None]  # [1, m]
         new = d.context(aux.to(d.fc.weight.dtype)[None], positions)
-        self.kv = new if self.kv is None else [(torch.cat([k, nk], 2), torch.cat([v, nv], 2))
-                                               for (k, v), (nk, nv) in zip(self.kv, new)]
+        self.kv = (
+            new
+            if self.kv is None
+            else [(torch.cat([k, nk], 2), torch.cat([v, nv], 2)) for (k, v), (nk, nv) in zip(self.kv, new)]
+        )
         self.anchor, self.anchor_position = next_tokens[-1], first_position + len(next_tokens)
 
     def draft(self) -> list[int]:
@@ -70,8 +73,10 @@ class StaticBlockContext:
         dtype, device = drafter.fc.weight.dtype, drafter.fc.weight.device
         self.drafter, self.capacity, self.graphs = drafter, capacity, graphs
         shape = (1, cfg.num_key_value_heads, capacity, cfg.head_dim)
-        self.kv = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-                   for _ in range(cfg.num_layers)]  # per layer (keys, values) [1, kv heads, C, d]
+        self.kv = [
+            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            for _ in range(cfg.num_layers)
+        ]  # per layer (keys, values) [1, kv heads, C, d]
         self.anchor, self.anchor_position = -1, -1
 
     def reset(self, max_accepted: int):
@@ -110,8 +115,9 @@ class StaticBlockContext:
     @torch.inference_mode()
     def draft_ids(self) -> torch.Tensor:
         """As BlockContext.draft_ids: the block-draft graph's own output [K], valid until its next call."""
-        return self.graphs(("block-draft",), self._draft, torch.tensor([[self.anchor]]),
-                           torch.tensor(self.anchor_position))
+        return self.graphs(
+            ("block-draft",), self._draft, torch.tensor([[self.anchor]]), torch.tensor(self.anchor_position)
+        )
 
     def _draft(self, token, position):
         """token [1, 1], position [] -> the drafted target ids [block_size - 1]."""
@@ -119,7 +125,9 @@ class StaticBlockContext:
         bs = d.config.block_size
         ids = d.block_inputs(token)  # [1, bs]: the anchor, then the mask token
         positions = (position + torch.arange(bs, device=token.device))[None]  # [1, bs]
-        visible = (torch.arange(self.capacity, device=token.device) < position)[None, None].expand(1, bs, -1)  # [1, bs, C]
+        visible = (torch.arange(self.capacity, device=token.device) < position)[None, None].expand(
+            1, bs, -1
+        )  # [1, bs, C]
         logits = d(ids, positions, self.kv, visible)  # [1, bs, Vd]
         return d.to_target_ids(logits[0, 1:].argmax(-1))
 
@@ -141,8 +149,9 @@ class GreedyBlock(GreedyTree):
     def draft(self, state) -> torch.Tensor:
         return state.draft_ids()  # [K] target ids, on the device
 
-    def verify(self, runner, root: int, draft: torch.Tensor, n: int
-               ) -> tuple[tuple[list[int], list[int]], torch.Tensor]:
+    def verify(
+        self, runner, root: int, draft: torch.Tensor, n: int
+    ) -> tuple[tuple[list[int], list[int]], torch.Tensor]:
         logits, aux = runner.forward(torch.cat([torch.tensor([root], device=draft.device), draft]))
         read = torch.cat([draft, logits.argmax(-1)])  # the drafts, then the target's token after each fed row
         with host_read():
@@ -155,7 +164,8 @@ class GreedyBlock(GreedyTree):
         return super().accept(Tree.chain(tokens), choice)
 
 
-def speculative_dflash(runner, drafter: DFlashDrafter, prompt: list[int], max_new: int, eos: int,
-                       stats: Stats) -> list[int]:
+def speculative_dflash(
+    runner, drafter: DFlashDrafter, prompt: list[int], max_new: int, eos: int, stats: Stats
+) -> list[int]:
     """Greedy speculative decoding with DFlash blocks; returns the generated ids."""
     return decode(runner, drafter, prompt, max_new, eos, GreedyBlock(drafter.config.speculative_tokens), stats)

@@ -34,13 +34,20 @@ def _layer_checks(config: dict, target) -> list[Check]:
     ids = list(top or [j + 1 for j in nested or []])
     L = target.num_layers
     return [
-        Check("target layer ids in both conventions", agree,
-              f"eagle_aux_hidden_state_layer_ids {top} (residual after k layers), dflash_config.target_layer_ids "
-              f"{nested} (output of layer j = k - 1)",
-              "write both from one list (k = j + 1): vLLM reads the top-level list first, and a list in the other "
-              "convention feeds the neighbouring layers, silently"),
-        Check("target layer ids in range", bool(ids) and all(1 <= k < L for k in ids) and ids == sorted(set(ids)),
-              f"{ids} for a target of {L} layers", f"ascending residual ids 1 <= k < {L}, the extracted ones"),
+        Check(
+            "target layer ids in both conventions",
+            agree,
+            f"eagle_aux_hidden_state_layer_ids {top} (residual after k layers), dflash_config.target_layer_ids "
+            f"{nested} (output of layer j = k - 1)",
+            "write both from one list (k = j + 1): vLLM reads the top-level list first, and a list in the other "
+            "convention feeds the neighbouring layers, silently",
+        ),
+        Check(
+            "target layer ids in range",
+            bool(ids) and all(1 <= k < L for k in ids) and ids == sorted(set(ids)),
+            f"{ids} for a target of {L} layers",
+            f"ascending residual ids 1 <= k < {L}, the extracted ones",
+        ),
     ]
 
 
@@ -54,14 +61,26 @@ def _mask_checks(folder: Path, config: dict, target) -> list[Check]:
     reserved = {tok.bos_token_id, tok.eos_token_id, tok.pad_token_id, tok.unk_token_id} - {None}
     ok = isinstance(mask, int) and 0 <= mask < target.vocab_size and mask not in reserved
     shown = f"{mask} ({tok.convert_ids_to_tokens(mask)!r})" if ok else f"{mask!r}"
-    checks = [Check("mask token id", ok, f"{shown} in a vocabulary of {target.vocab_size}",
-                    "mask_token_id (dflash_config's; speculators': the top-level one) must be the trained mask "
-                    "token: an id of the target's vocabulary that is not bos / eos / pad / unk (specdraft's "
-                    "default: dflash.default_mask_token)")]
+    checks = [
+        Check(
+            "mask token id",
+            ok,
+            f"{shown} in a vocabulary of {target.vocab_size}",
+            "mask_token_id (dflash_config's; speculators': the top-level one) must be the trained mask "
+            "token: an id of the target's vocabulary that is not bos / eos / pad / unk (specdraft's "
+            "default: dflash.default_mask_token)",
+        )
+    ]
     if (folder / "mask_embedding.pt").exists():
-        checks.append(Check("mask embedding", False, "mask_embedding.pt present: vLLM feeds it to the mask slots",
-                            "remove it: specdraft's drafters train on the target's embedding row of the mask token "
-                            "(and specdraft never unpickles a .pt to check it)"))
+        checks.append(
+            Check(
+                "mask embedding",
+                False,
+                "mask_embedding.pt present: vLLM feeds it to the mask slots",
+                "remove it: specdraft's drafters train on the target's embedding row of the mask token "
+                "(and specdraft never unpickles a .pt to check it)",
+            )
+        )
     elif ok:
         row = target.embed_weight()[mask].float()
         try:
@@ -72,10 +91,15 @@ def _mask_checks(folder: Path, config: dict, target) -> list[Check]:
             names = {n.removeprefix("model."): n for n in f.keys()}  # noqa: SIM118 - safe_open has no __iter__
             own = f.get_tensor(names["embed_tokens.weight"])[mask].float() if "embed_tokens.weight" in names else None
         served = own if own is not None else row
-        checks.append(Check("mask embedding", bool(row.abs().sum() > 0) and torch.allclose(served, row, atol=1e-2),
-                            f"the {'folder' if own is not None else 'target'}'s row {mask}, norm {served.norm():.3f}",
-                            "the mask slots must read the target's row of the mask token, as trained: drop the "
-                            "folder's embed_tokens or re-export"))
+        checks.append(
+            Check(
+                "mask embedding",
+                bool(row.abs().sum() > 0) and torch.allclose(served, row, atol=1e-2),
+                f"the {'folder' if own is not None else 'target'}'s row {mask}, norm {served.norm():.3f}",
+                "the mask slots must read the target's row of the mask token, as trained: drop the "
+                "folder's embed_tokens or re-export",
+            )
+        )
     return checks
 
 
@@ -84,14 +108,25 @@ def _shape_checks(config: dict) -> list[Check]:
     block = config.get("block_size")
     dflash = config.get("dflash_config") or {}
     return [
-        Check("block size", isinstance(block, int) and block >= 2, f"{block!r}",
-              "write block_size (the anchor plus the drafted tokens) and serve with num_speculative_tokens = "
-              "block_size - 1: vLLM drafts the K of the serve command, whatever the block was"),
-        Check("block attention bidirectional", dflash.get("causal") is False and not config.get("is_causal"),
-              f"dflash_config.causal {dflash.get('causal')!r}, is_causal {config.get('is_causal')!r}",
-              "write dflash_config.causal = false: the drafter's block attention is not causal"),
-        Check("rotary layout written", config.get("is_neox_style") is True, f"is_neox_style {config.get('is_neox_style')!r}",
-              "write is_neox_style = true, the layout the drafter rotates in"),
+        Check(
+            "block size",
+            isinstance(block, int) and block >= 2,
+            f"{block!r}",
+            "write block_size (the anchor plus the drafted tokens) and serve with num_speculative_tokens = "
+            "block_size - 1: vLLM drafts the K of the serve command, whatever the block was",
+        ),
+        Check(
+            "block attention bidirectional",
+            dflash.get("causal") is False and not config.get("is_causal"),
+            f"dflash_config.causal {dflash.get('causal')!r}, is_causal {config.get('is_causal')!r}",
+            "write dflash_config.causal = false: the drafter's block attention is not causal",
+        ),
+        Check(
+            "rotary layout written",
+            config.get("is_neox_style") is True,
+            f"is_neox_style {config.get('is_neox_style')!r}",
+            "write is_neox_style = true, the layout the drafter rotates in",
+        ),
     ]
 
 
@@ -101,19 +136,35 @@ def _run_checks(drafter, run_path: Path, target) -> tuple[list[Check], object]:
     trained = trained_config(run_path)
     if trained is not None:
         for name in ("mask_token_id", "block_size", "aux_layer_ids"):
-            checks.append(Check(f"{name} = trained", getattr(cfg, name) == trained.get(name),
-                                f"folder {getattr(cfg, name)}, checkpoint {trained.get(name)}",
-                                "the folder no longer says what the drafter was trained with: re-export from the run"))
+            checks.append(
+                Check(
+                    f"{name} = trained",
+                    getattr(cfg, name) == trained.get(name),
+                    f"folder {getattr(cfg, name)}, checkpoint {trained.get(name)}",
+                    "the folder no longer says what the drafter was trained with: re-export from the run",
+                )
+            )
     served = ((folder.stage("export") or {}).get("speculative_tokens") or {}).get("value")
     if served is not None:
-        checks.append(Check("served K = block_size - 1", served == cfg.speculative_tokens,
-                            f"num_speculative_tokens {served}, block_size {cfg.block_size}",
-                            f"serve with num_speculative_tokens = {cfg.speculative_tokens}"))
+        checks.append(
+            Check(
+                "served K = block_size - 1",
+                served == cfg.speculative_tokens,
+                f"num_speculative_tokens {served}, block_size {cfg.block_size}",
+                f"serve with num_speculative_tokens = {cfg.speculative_tokens}",
+            )
+        )
     more, counts = run_checks(drafter, run_path, target)
     if counts is not None:
         n = int(counts[cfg.mask_token_id])
-        more.append(Check("mask token absent from the training answers", n == 0, f"{n} occurrence(s)",
-                          "choose a mask token the data never contains (train.mask_token_id)"))
+        more.append(
+            Check(
+                "mask token absent from the training answers",
+                n == 0,
+                f"{n} occurrence(s)",
+                "choose a mask token the data never contains (train.mask_token_id)",
+            )
+        )
     return checks + more, counts
 
 
@@ -145,8 +196,10 @@ def measure(drafter, target, conversations: list[tuple[list[int], list[int]]]) -
 
 
 # A folder specdraft did not write is fixed where it was made, not by re-exporting it.
-FOREIGN_FIX = ("the folder is not one vLLM loads as this DFlash drafter, or one specdraft cannot hold: fix its "
-               "config.json where it was made")
+FOREIGN_FIX = (
+    "the folder is not one vLLM loads as this DFlash drafter, or one specdraft cannot hold: fix its "
+    "config.json where it was made"
+)
 
 
 def _speculators_checks(raw: dict, config: dict) -> list[Check]:
@@ -154,13 +207,20 @@ def _speculators_checks(raw: dict, config: dict) -> list[Check]:
     k, block = speculators_k(raw), config.get("block_size")
     if k is None or block is None:
         return []
-    return [Check("served K = block_size - 1", k == block - 1, f"speculative_tokens {k}, block_size {block}",
-                  f"set speculators_config.proposal_methods[0].speculative_tokens to {block - 1}: vLLM drafts that "
-                  "many per round")]
+    return [
+        Check(
+            "served K = block_size - 1",
+            k == block - 1,
+            f"speculative_tokens {k}, block_size {block}",
+            f"set speculators_config.proposal_methods[0].speculative_tokens to {block - 1}: vLLM drafts that "
+            "many per round",
+        )
+    ]
 
 
-def diagnose(folder: Path, config: dict, target, run_path: Path | None, measured: bool,
-             conversations=None) -> list[Check]:
+def diagnose(
+    folder: Path, config: dict, target, run_path: Path | None, measured: bool, conversations=None
+) -> list[Check]:
     """Every check of a DFlash folder (module docstring); a speculators one is checked as the config vLLM
     builds from it."""
     raw, fix = config, "re-export the drafter with `specdraft export`" if "specdraft" in config else FOREIGN_FIX
@@ -176,12 +236,24 @@ def diagnose(folder: Path, config: dict, target, run_path: Path | None, measured
     except ValueError as e:
         return checks + [Check("drafter loads", False, str(e), fix)]
     own = sum(t.numel() for name, t in drafter.named_parameters() if t.requires_grad)
-    checks.append(Check("drafter loads", True, f"{own / 1e6:.2f} M parameters besides the target's embedding"
-                        f"{' and lm_head' if drafter.config.shares_lm_head else ''}"))
+    checks.append(
+        Check(
+            "drafter loads",
+            True,
+            f"{own / 1e6:.2f} M parameters besides the target's embedding"
+            f"{' and lm_head' if drafter.config.shares_lm_head else ''}",
+        )
+    )
     fits = drafter.config.target_hidden_size == target.hidden_size and drafter.config.vocab_size == target.vocab_size
-    checks.append(Check("drafter fits the target", fits,
-                        f"target width {drafter.config.target_hidden_size} / {target.hidden_size}, vocabulary "
-                        f"{drafter.config.vocab_size} / {target.vocab_size}", "the drafter was trained for another target"))
+    checks.append(
+        Check(
+            "drafter fits the target",
+            fits,
+            f"target width {drafter.config.target_hidden_size} / {target.hidden_size}, vocabulary "
+            f"{drafter.config.vocab_size} / {target.vocab_size}",
+            "the drafter was trained for another target",
+        )
+    )
     counts = None
     if run_path is not None:
         found, counts = _run_checks(drafter, run_path, target)
@@ -190,10 +262,16 @@ def diagnose(folder: Path, config: dict, target, run_path: Path | None, measured
     if measured and fits and all(c.ok for c in checks):
         held_out = conversations is None
         m = measure(drafter, target, held_out_conversations(target, run_path) if held_out else conversations)
-        checks.append(Check("first drafted slot agrees with the target", m["agreement"] >= MIN_TOP1_AGREEMENT,
-                            f"{m['agreement']:.1%} of {m['positions']} answer positions of {m['conversations']} "
-                            f"{'held-out ShareGPT' if held_out else 'given'} conversations (floor "
-                            f"{MIN_TOP1_AGREEMENT:.0%})",
-                            "the drafter does not predict this target's next tokens as served: see the checks "
-                            "above; if they pass, it needs more training", m["agreement"]))
+        checks.append(
+            Check(
+                "first drafted slot agrees with the target",
+                m["agreement"] >= MIN_TOP1_AGREEMENT,
+                f"{m['agreement']:.1%} of {m['positions']} answer positions of {m['conversations']} "
+                f"{'held-out ShareGPT' if held_out else 'given'} conversations (floor "
+                f"{MIN_TOP1_AGREEMENT:.0%})",
+                "the drafter does not predict this target's next tokens as served: see the checks "
+                "above; if they pass, it needs more training",
+                m["agreement"],
+            )
+        )
     return checks

@@ -59,8 +59,15 @@ class DFlashConfig:
     max_position_embeddings: int = 8192
 
     @classmethod
-    def from_target(cls, target, *, mask_token_id: int, block_size: int = DEFAULT_BLOCK_SIZE,
-                    num_layers: int = 1, draft_vocab_size: int | None = None) -> DFlashConfig:
+    def from_target(
+        cls,
+        target,
+        *,
+        mask_token_id: int,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        num_layers: int = 1,
+        draft_vocab_size: int | None = None,
+    ) -> DFlashConfig:
         """A drafter as wide as the target (so it shares its embedding and lm_head), reading the
         target's aux layers."""
         c = target.text_config
@@ -148,8 +155,9 @@ class Attention(nn.Module):
         cos, sin = rotary(positions, self.head_dim, self.theta)  # [B, 1, T, d]
         return apply_rotary(k, cos, sin), v
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, context: KV, visible: torch.Tensor | None
-                ) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor, context: KV, visible: torch.Tensor | None
+    ) -> torch.Tensor:
         """x [B, Q, H] (the blocks' normed states) at positions [B, Q]; context keys/values of this
         layer, 2 x [B, nkv, T, d]; visible [B, Q, T] (None: all of the context). -> [B, Q, H]."""
         B, Q, _ = x.shape
@@ -195,8 +203,12 @@ class DFlashDrafter(nn.Module):
             self.lm_head.weight.requires_grad_(False)
         # target id of draft id i is i + d2t[i] (all zeros when the vocabulary is the target's).
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
-        self.register_buffer("t2d", torch.ones(cfg.vocab_size, dtype=torch.bool) if cfg.shares_lm_head
-                             else torch.zeros(cfg.vocab_size, dtype=torch.bool))
+        self.register_buffer(
+            "t2d",
+            torch.ones(cfg.vocab_size, dtype=torch.bool)
+            if cfg.shares_lm_head
+            else torch.zeros(cfg.vocab_size, dtype=torch.bool),
+        )
 
     def context(self, aux: torch.Tensor, positions: torch.Tensor) -> list[KV]:
         """The context of every layer from the target's aux states [B, T, n_aux*Ht] at positions
@@ -208,13 +220,15 @@ class DFlashDrafter(nn.Module):
     def block_inputs(self, anchor_tokens: torch.Tensor) -> torch.Tensor:
         """Block token ids [B, N*bs] for N anchors [B, N]: each block is [anchor, mask, ..., mask]."""
         B, N = anchor_tokens.shape
-        ids = torch.full((B, N, self.config.block_size), self.config.mask_token_id, dtype=torch.long,
-                         device=anchor_tokens.device)  # [B, N, bs]
+        ids = torch.full(
+            (B, N, self.config.block_size), self.config.mask_token_id, dtype=torch.long, device=anchor_tokens.device
+        )  # [B, N, bs]
         ids[:, :, 0] = anchor_tokens
         return ids.reshape(B, N * self.config.block_size)
 
-    def forward(self, block_ids: torch.Tensor, block_positions: torch.Tensor, context: list[KV],
-                visible: torch.Tensor | None) -> torch.Tensor:
+    def forward(
+        self, block_ids: torch.Tensor, block_positions: torch.Tensor, context: list[KV], visible: torch.Tensor | None
+    ) -> torch.Tensor:
         """Draft N blocks at once: block_ids, block_positions [B, Q] (Q = N * block_size, each block
         its anchor then masks, at anchor + 0 .. block_size - 1), every layer's context (`context`)
         and which context positions each query sees (`visible` [B, Q, T]; None: all). -> logits [B, Q, Vd];

@@ -48,10 +48,22 @@ ARCHITECTURE = "DFlashDraftModel"
 TOP_KEYS = ("fc.weight", "hidden_norm.weight", "norm.weight")
 # One decoder layer's tensors ({i}: the layer's index); vLLM stacks q/k/v into qkv_proj and
 # gate/up into gate_up_proj itself.
-LAYER_KEYS = tuple(f"layers.{{i}}.{name}.weight" for name in (
-    "input_layernorm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-    "self_attn.q_norm", "self_attn.k_norm", "post_attention_layernorm", "mlp.gate_proj", "mlp.up_proj",
-    "mlp.down_proj"))
+LAYER_KEYS = tuple(
+    f"layers.{{i}}.{name}.weight"
+    for name in (
+        "input_layernorm",
+        "self_attn.q_proj",
+        "self_attn.k_proj",
+        "self_attn.v_proj",
+        "self_attn.o_proj",
+        "self_attn.q_norm",
+        "self_attn.k_norm",
+        "post_attention_layernorm",
+        "mlp.gate_proj",
+        "mlp.up_proj",
+        "mlp.down_proj",
+    )
+)
 # Only with a draft vocabulary smaller than the target's: the drafter's own lm_head and the map of its
 # ids to the target's (vLLM renames d2t to draft_id_to_target_id and skips t2d).
 DRAFT_VOCAB_KEYS = ("lm_head.weight", "d2t", "t2d")
@@ -72,17 +84,24 @@ def problems(cfg: DFlashConfig, target_num_layers: int) -> list[str]:
     if not cfg.aux_layer_ids:
         out.append("no target layers (aux_layer_ids is empty)")
     elif outside:
-        out.append(f"target layers {outside} outside 1..{target_num_layers - 1} for a target of "
-                   f"{target_num_layers} layers (id k = the residual after k layers)")
+        out.append(
+            f"target layers {outside} outside 1..{target_num_layers - 1} for a target of "
+            f"{target_num_layers} layers (id k = the residual after k layers)"
+        )
     elif list(cfg.aux_layer_ids) != sorted(set(cfg.aux_layer_ids)):
-        out.append(f"target layers {cfg.aux_layer_ids} not strictly ascending (vLLM concatenates them in "
-                   "ascending order)")
+        out.append(
+            f"target layers {cfg.aux_layer_ids} not strictly ascending (vLLM concatenates them in ascending order)"
+        )
     if cfg.block_size < 2:
-        out.append(f"block_size {cfg.block_size}: a block is the anchor plus at least one drafted token "
-                   "(vLLM needs num_speculative_tokens = block_size - 1 >= 1)")
+        out.append(
+            f"block_size {cfg.block_size}: a block is the anchor plus at least one drafted token "
+            "(vLLM needs num_speculative_tokens = block_size - 1 >= 1)"
+        )
     if cfg.hidden_size != cfg.target_hidden_size:
-        out.append(f"hidden_size {cfg.hidden_size} differs from the target's {cfg.target_hidden_size}: vLLM "
-                   "gives the drafter the target's embedding and lm_head, which have the target's width")
+        out.append(
+            f"hidden_size {cfg.hidden_size} differs from the target's {cfg.target_hidden_size}: vLLM "
+            "gives the drafter the target's embedding and lm_head, which have the target's width"
+        )
     return out
 
 
@@ -148,9 +167,11 @@ def _target_layer_ids(config: dict, where: str) -> list[int]:
     nested = (config.get("dflash_config") or {}).get("target_layer_ids")
     from_nested = [j + 1 for j in nested] if nested else None
     if top and from_nested and list(top) != from_nested:
-        raise ValueError(f"{where}: eagle_aux_hidden_state_layer_ids {list(top)} (residual after k layers) and "
-                         f"dflash_config.target_layer_ids {list(nested)} (output of layer j, k = j + 1) name "
-                         "different layers")
+        raise ValueError(
+            f"{where}: eagle_aux_hidden_state_layer_ids {list(top)} (residual after k layers) and "
+            f"dflash_config.target_layer_ids {list(nested)} (output of layer j, k = j + 1) name "
+            "different layers"
+        )
     ids = list(top) if top else from_nested
     if not ids:
         raise ValueError(f"{where}: no target layers (dflash_config.target_layer_ids)")
@@ -161,8 +182,13 @@ def _target_layer_ids(config: dict, where: str) -> list[int]:
 # Qwen3Config (5.19 in its venv), whose defaults these are (measured with vLLM's own get_config: no
 # rope_theta gives 10,000, so vLLM's 1,000,000 default for DFlash never applies; no head_dim gives 128,
 # not hidden_size / heads; no num_key_value_heads gives 32, not num_attention_heads).
-VLLM_DEFAULTS = {"head_dim": 128, "num_key_value_heads": 32, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
-                 "max_position_embeddings": 32768}
+VLLM_DEFAULTS = {
+    "head_dim": 128,
+    "num_key_value_heads": 32,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "max_position_embeddings": 32768,
+}
 # Fields vLLM refuses to load as null (transformers' strict config fields); a null num_key_value_heads
 # means num_attention_heads there.
 NOT_NULL = ("head_dim", "rms_norm_eps", "max_position_embeddings", "rope_theta")
@@ -185,12 +211,12 @@ def _refusals(config: dict, dflash: dict, where: str) -> None:
         raise ValueError(f"{where}: rope_type {rope.get('rope_type')!r}; the drafter implements only default RoPE")
     nulls = [k for k in NOT_NULL if k in config and config[k] is None]
     if nulls:
-        raise ValueError(f"{where}: {nulls} null, which vLLM refuses to load; give the values or leave the "
-                         "fields out")
+        raise ValueError(f"{where}: {nulls} null, which vLLM refuses to load; give the values or leave the fields out")
 
 
 def _defaulted(config: dict, dflash: dict, notes: list[str]) -> dict:
     """The fields vLLM reads with a default when absent, as vLLM reads them; each default taken is noted."""
+
     def read(key, default, why):
         if config.get(key) is not None:
             return config[key]
@@ -203,7 +229,9 @@ def _defaulted(config: dict, dflash: dict, notes: list[str]) -> dict:
         theta = VLLM_DEFAULTS["rope_theta"]
         notes.append(f"rope_theta: absent, read as {theta:g} (vLLM's Qwen3 config default)")
     vocab = config["vocab_size"]
-    kv_default = config["num_attention_heads"] if "num_key_value_heads" in config else VLLM_DEFAULTS["num_key_value_heads"]
+    kv_default = (
+        config["num_attention_heads"] if "num_key_value_heads" in config else VLLM_DEFAULTS["num_key_value_heads"]
+    )
     mask = dflash.get("mask_token_id")
     if mask is None and config.get("mask_token_id") is not None:
         mask = config["mask_token_id"]
@@ -212,17 +240,22 @@ def _defaulted(config: dict, dflash: dict, notes: list[str]) -> dict:
     block = config.get("block_size") or dflash.get("block_size")
     if block is None:
         block = DEFAULT_BLOCK_SIZE
-        notes.append(f"block_size: absent (vLLM never reads it), taken as {block}: serve it with "
-                     f"num_speculative_tokens {block - 1} unless its trainer says otherwise")
+        notes.append(
+            f"block_size: absent (vLLM never reads it), taken as {block}: serve it with "
+            f"num_speculative_tokens {block - 1} unless its trainer says otherwise"
+        )
     return {
         "num_key_value_heads": read("num_key_value_heads", kv_default, "vLLM's Qwen3 config default"),
         "head_dim": read("head_dim", VLLM_DEFAULTS["head_dim"], "vLLM's Qwen3 config default"),
         "draft_vocab_size": read("draft_vocab_size", vocab, "the target's vocabulary, through its lm_head"),
         "target_hidden_size": read("target_hidden_size", config["hidden_size"], "vLLM: hidden_size"),
         "rms_norm_eps": read("rms_norm_eps", VLLM_DEFAULTS["rms_norm_eps"], "vLLM's Qwen3 config default"),
-        "max_position_embeddings": read("max_position_embeddings", VLLM_DEFAULTS["max_position_embeddings"],
-                                        "vLLM's Qwen3 config default"),
-        "rope_theta": float(theta), "mask_token_id": mask, "block_size": block,
+        "max_position_embeddings": read(
+            "max_position_embeddings", VLLM_DEFAULTS["max_position_embeddings"], "vLLM's Qwen3 config default"
+        ),
+        "rope_theta": float(theta),
+        "mask_token_id": mask,
+        "block_size": block,
     }
 
 
@@ -236,9 +269,17 @@ def _defaulted(config: dict, dflash: dict, notes: list[str]) -> dict:
 SPECULATORS_TYPE = "dflash"
 # Layer fields vLLM has no default for on this path: its config is transformer_layer_config as written,
 # with no Qwen3 config behind it, so a missing one fails to load there.
-SPECULATORS_LAYER_NEEDS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size",
-                           "num_hidden_layers", "vocab_size", "rms_norm_eps", "max_position_embeddings",
-                           "hidden_act")
+SPECULATORS_LAYER_NEEDS = (
+    "hidden_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "intermediate_size",
+    "num_hidden_layers",
+    "vocab_size",
+    "rms_norm_eps",
+    "max_position_embeddings",
+    "hidden_act",
+)
 # vLLM's DFlash layer's theta for a config without one (not Qwen3's 10,000: no Qwen3 config here).
 SPECULATORS_ROPE_THETA = 1_000_000.0
 
@@ -264,38 +305,49 @@ def _speculators_refusals(config: dict, layer: dict, where: str) -> None:
     """What vLLM would not load, or our drafter cannot be: refused, with the reason."""
     absent = [k for k in SPECULATORS_LAYER_NEEDS if layer.get(k) is None]
     if absent:
-        raise ValueError(f"{where}: transformer_layer_config has no {absent}, without which vLLM cannot build "
-                         "the drafter")
+        raise ValueError(
+            f"{where}: transformer_layer_config has no {absent}, without which vLLM cannot build the drafter"
+        )
     mask = config.get("mask_token_id")
     if not isinstance(mask, int):
-        raise ValueError(f"{where}: mask_token_id {mask!r}; vLLM requires the id of the token that fills the "
-                         "mask slots")
+        raise ValueError(
+            f"{where}: mask_token_id {mask!r}; vLLM requires the id of the token that fills the mask slots"
+        )
     ids = config.get("aux_hidden_state_layer_ids")
     if not isinstance(ids, list) or not ids or not all(isinstance(k, int) for k in ids):
         raise ValueError(f"{where}: aux_hidden_state_layer_ids {ids!r}; vLLM requires a list of target layer ids")
     if config.get("sample_from_anchor"):
-        raise ValueError(f"{where}: sample_from_anchor true (the anchor slot drafts a token too); specdraft's "
-                         "DFlash drafter drafts from the mask slots only")
+        raise ValueError(
+            f"{where}: sample_from_anchor true (the anchor slot drafts a token too); specdraft's "
+            "DFlash drafter drafts from the mask slots only"
+        )
     if layer.get("is_causal"):  # vLLM reads it before dflash_config.causal
-        raise ValueError(f"{where}: transformer_layer_config.is_causal true: vLLM serves the block attention "
-                         "causal; specdraft's DFlash drafter attends both ways within the block")
+        raise ValueError(
+            f"{where}: transformer_layer_config.is_causal true: vLLM serves the block attention "
+            "causal; specdraft's DFlash drafter attends both ways within the block"
+        )
     non_causal = config.get("sliding_window_non_causal", True)  # vLLM: causal = not this, in every layer
     if layer.get("is_causal") is None and not non_causal:
-        raise ValueError(f"{where}: sliding_window_non_causal {json.dumps(non_causal)}, which vLLM reads as causal "
-                         "attention within the block in every layer; specdraft's DFlash drafter attends both ways "
-                         "(as speculators trains full-attention layers)")
+        raise ValueError(
+            f"{where}: sliding_window_non_causal {json.dumps(non_causal)}, which vLLM reads as causal "
+            "attention within the block in every layer; specdraft's DFlash drafter attends both ways "
+            "(as speculators trains full-attention layers)"
+        )
 
 
 def _speculators_block(config: dict, notes: list[str]) -> int | None:
     """block_size, which vLLM does not read: it drafts speculators_config's K per round."""
     block, k = config.get("block_size"), speculators_k(config)
     if block is None and k is not None:
-        notes.append(f"block_size: absent; read as speculative_tokens + 1 = {k + 1} (vLLM drafts "
-                     f"speculators_config's {k} per round)")
+        notes.append(
+            f"block_size: absent; read as speculative_tokens + 1 = {k + 1} (vLLM drafts "
+            f"speculators_config's {k} per round)"
+        )
         return k + 1
     if block is not None and k is not None and k != block - 1:
-        notes.append(f"speculative_tokens {k}: vLLM drafts {k} per round, not block_size - 1 = {block - 1} "
-                     "(doctor fails it)")
+        notes.append(
+            f"speculative_tokens {k}: vLLM drafts {k} per round, not block_size - 1 = {block - 1} (doctor fails it)"
+        )
     return block
 
 
@@ -311,16 +363,20 @@ def _speculators_fields(config: dict, layer: dict, notes: list[str]) -> dict:
 
     fields = {
         "target_hidden_size": read("target_hidden_size", hidden, f"the drafter's hidden size {hidden}, as vLLM does"),
-        "draft_vocab_size": read("draft_vocab_size", vocab, f"the whole vocabulary, {vocab}, as vLLM does (the "
-                                 "target's lm_head, shared)"),
+        "draft_vocab_size": read(
+            "draft_vocab_size", vocab, f"the whole vocabulary, {vocab}, as vLLM does (the target's lm_head, shared)"
+        ),
     }
     read("sample_from_anchor", False, "false, as vLLM does (the anchor slot drafts nothing)")
     if layer.get("is_causal") is None and "sliding_window_non_causal" not in config:
-        notes.append("sliding_window_non_causal: absent; read as true, as vLLM does (attention within the block "
-                     "both ways)")
+        notes.append(
+            "sliding_window_non_causal: absent; read as true, as vLLM does (attention within the block both ways)"
+        )
     if layer.get("head_dim") is None:
         fields["head_dim"] = hidden // layer["num_attention_heads"]
-        notes.append(f"head_dim: absent; read as hidden_size / num_attention_heads = {fields['head_dim']}, as vLLM does")
+        notes.append(
+            f"head_dim: absent; read as hidden_size / num_attention_heads = {fields['head_dim']}, as vLLM does"
+        )
     rope = layer.get("rope_parameters") or layer.get("rope_scaling") or {}
     if rope.get("rope_theta", layer.get("rope_theta")) is None:
         fields["rope_parameters"] = {"rope_type": "default", **rope, "rope_theta": SPECULATORS_ROPE_THETA}
@@ -341,12 +397,22 @@ def from_speculators(config: dict, where: str, notes: list[str]) -> dict:
             raise ValueError(f"{where}: no transformer_layer_config (the drafter's layers)")
         _speculators_refusals(config, layer, where)
         ids = list(config["aux_hidden_state_layer_ids"])
-        notes.append(f"aux_hidden_state_layer_ids {ids}: vLLM's target_layer_ids {[k - 1 for k in ids]} (the "
-                     f"output of layer j = k - 1), i.e. the residual after k layers, specdraft's {ids}")
-        native = {**layer, **_speculators_fields(config, layer, notes), "architectures": [ARCHITECTURE],
-                  "eagle_aux_hidden_state_layer_ids": ids,
-                  "dflash_config": {"mask_token_id": config["mask_token_id"], "target_layer_ids": [k - 1 for k in ids],
-                                    "sample_from_anchor": False, "causal": False}}
+        notes.append(
+            f"aux_hidden_state_layer_ids {ids}: vLLM's target_layer_ids {[k - 1 for k in ids]} (the "
+            f"output of layer j = k - 1), i.e. the residual after k layers, specdraft's {ids}"
+        )
+        native = {
+            **layer,
+            **_speculators_fields(config, layer, notes),
+            "architectures": [ARCHITECTURE],
+            "eagle_aux_hidden_state_layer_ids": ids,
+            "dflash_config": {
+                "mask_token_id": config["mask_token_id"],
+                "target_layer_ids": [k - 1 for k in ids],
+                "sample_from_anchor": False,
+                "causal": False,
+            },
+        }
         block = _speculators_block(config, notes)
         return native if block is None else {**native, "block_size": block}
     except (TypeError, AttributeError, KeyError, IndexError) as e:
@@ -365,17 +431,25 @@ def parse_config(config: dict, where: str, notes: list[str] | None = None) -> DF
         raise ValueError(f"{where}: architectures {config.get('architectures')} lack {ARCHITECTURE!r}")
     dflash = config.get("dflash_config") or {}
     _refusals(config, dflash, where)
-    absent = [k for k in ("hidden_size", "num_attention_heads", "intermediate_size", "num_hidden_layers",
-                          "vocab_size") if config.get(k) is None]
+    absent = [
+        k
+        for k in ("hidden_size", "num_attention_heads", "intermediate_size", "num_hidden_layers", "vocab_size")
+        if config.get(k) is None
+    ]
     if absent:
         raise ValueError(f"{where}: no {absent}")
     fields = _defaulted(config, dflash, notes)
     if fields["mask_token_id"] is None:
         raise ValueError(f"{where}: no 'mask_token_id' (dflash_config.mask_token_id): the mask slots' token")
     return DFlashConfig(
-        hidden_size=config["hidden_size"], num_attention_heads=config["num_attention_heads"],
-        intermediate_size=config["intermediate_size"], num_layers=config["num_hidden_layers"],
-        vocab_size=config["vocab_size"], aux_layer_ids=_target_layer_ids(config, where), **fields)
+        hidden_size=config["hidden_size"],
+        num_attention_heads=config["num_attention_heads"],
+        intermediate_size=config["intermediate_size"],
+        num_layers=config["num_hidden_layers"],
+        vocab_size=config["vocab_size"],
+        aux_layer_ids=_target_layer_ids(config, where),
+        **fields,
+    )
 
 
 def _vocab_map(state: dict, cfg: DFlashConfig, folder: Path) -> None:
@@ -391,8 +465,9 @@ def _vocab_map(state: dict, cfg: DFlashConfig, folder: Path) -> None:
     state["d2t"] = d2t
 
 
-def read_dflash(folder: Path, embed: torch.Tensor, lm_head: torch.Tensor | None = None,
-                notes: list[str] | None = None) -> DFlashDrafter:
+def read_dflash(
+    folder: Path, embed: torch.Tensor, lm_head: torch.Tensor | None = None, notes: list[str] | None = None
+) -> DFlashDrafter:
     """A DFlash folder -> our drafter (float32, eval mode). `embed` is the target's embedding, and
     `lm_head` the target's lm_head weight when the folder drafts over the whole vocabulary (both are
     what vLLM gives the drafter). Every tensor the config needs must be there, named when missing;

@@ -44,8 +44,9 @@ def candidate_anchors(loss_mask: torch.Tensor, documents: torch.Tensor) -> torch
     return loss_mask & nxt_mask & (nxt_doc == documents) & (documents != PAD_DOCUMENT)
 
 
-def sample_anchors(candidates: torch.Tensor, max_anchors: int, generator: torch.Generator | None = None
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
+def sample_anchors(
+    candidates: torch.Tensor, max_anchors: int, generator: torch.Generator | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Up to max_anchors candidates per row, at random, in ascending order -> anchors [B, N] and which
     are real [B, N] (rows with fewer candidates are padded with anchor 0, not real). N is the most any
     row has, at most max_anchors."""
@@ -77,8 +78,14 @@ class DFlashObjective(nn.Module):
     input_ids, loss_mask, documents, positions, top [B, T], aux [B, T, n_aux*Ht], last [B, T, H]).
     Returns the weighted loss and per-slot statistics [block_size - 1, len(STAT_COLUMNS)]."""
 
-    def __init__(self, drafter: DFlashDrafter, draft_head: torch.Tensor, gamma: float = DEFAULT_GAMMA,
-                 max_anchors: int = DEFAULT_MAX_ANCHORS, loss: str = "soft_ce"):
+    def __init__(
+        self,
+        drafter: DFlashDrafter,
+        draft_head: torch.Tensor,
+        gamma: float = DEFAULT_GAMMA,
+        max_anchors: int = DEFAULT_MAX_ANCHORS,
+        loss: str = "soft_ce",
+    ):
         super().__init__()
         self.drafter = drafter
         # The draft vocab's rows of the target's lm_head [Vd, H]: frozen, it gives the target distribution.
@@ -101,12 +108,19 @@ class DFlashObjective(nn.Module):
         anchor_doc = docs.gather(1, anchor_q)  # [B, Q]
         # Context: positions before the anchor, in the anchor's document, of real blocks only.
         t = torch.arange(T, device=ids.device)
-        visible = ((t[None, None] < anchor_q[..., None]) & (docs[:, None, :] == anchor_doc[..., None])
-                   & real.repeat_interleave(bs, dim=1)[..., None])  # [B, Q, T]
+        visible = (
+            (t[None, None] < anchor_q[..., None])
+            & (docs[:, None, :] == anchor_doc[..., None])
+            & real.repeat_interleave(bs, dim=1)[..., None]
+        )  # [B, Q, T]
         label_mask = shifted(mask, at, False) & (shifted(docs, at, PAD_DOCUMENT) == anchor_doc)  # [B, Q]
         supervised = label_mask & (slot.repeat(N)[None] > 0) & real.repeat_interleave(bs, dim=1)  # [B, Q]
         return {
-            "anchors": anchors, "real": real, "at": at, "visible": visible, "supervised": supervised,
+            "anchors": anchors,
+            "real": real,
+            "at": at,
+            "visible": visible,
+            "supervised": supervised,
             "block_ids": d.block_inputs(ids.gather(1, anchors)),  # [B, Q]
             "block_positions": (pos.gather(1, anchors)[..., None] + slot).reshape(B, N * bs),  # [B, Q]
         }
@@ -134,8 +148,9 @@ class DFlashObjective(nn.Module):
         return total, stats
 
 
-def slot_stats(per: torch.Tensor, correct: torch.Tensor, where: torch.Tensor, evaluable: torch.Tensor,
-               block_size: int) -> torch.Tensor:
+def slot_stats(
+    per: torch.Tensor, correct: torch.Tensor, where: torch.Tensor, evaluable: torch.Tensor, block_size: int
+) -> torch.Tensor:
     """Per drafted slot j = 1 .. bs - 1, common.STAT_COLUMNS: summed loss and its count, top-1 correct among
     them, evaluable slots, rounds correct through slot j, rounds correct before it -> [bs - 1, 6]."""
     B, Q = per.shape
@@ -143,6 +158,12 @@ def slot_stats(per: torch.Tensor, correct: torch.Tensor, where: torch.Tensor, ev
     per, correct, where, evaluable = (x.reshape(shape)[..., 1:] for x in (per, correct, where, evaluable))
     chain = torch.cumprod(correct.long(), dim=-1).bool()  # all drafts correct through slot j
     before = torch.cat([torch.ones_like(chain[..., :1]), chain[..., :-1]], dim=-1)
-    rows = [(per * where).sum((0, 1)), where.sum((0, 1)), (correct & where).sum((0, 1)), evaluable.sum((0, 1)),
-            (chain & evaluable).sum((0, 1)), (before & evaluable).sum((0, 1))]
+    rows = [
+        (per * where).sum((0, 1)),
+        where.sum((0, 1)),
+        (correct & where).sum((0, 1)),
+        evaluable.sum((0, 1)),
+        (chain & evaluable).sum((0, 1)),
+        (before & evaluable).sum((0, 1)),
+    ]
     return torch.stack([r.float() for r in rows], dim=-1)  # [bs - 1, 6]

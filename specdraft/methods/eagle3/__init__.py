@@ -48,8 +48,12 @@ def init_from(drafter: Eagle3Drafter, folder: Path, embed: torch.Tensor) -> None
     src = read_drafter(Path(folder), embed)
     want = {k: v.shape for k, v in drafter.state_dict().items()}
     have = {k: v.shape for k, v in src.state_dict().items()}
-    problems = [f"{k}: drafter for this target needs {tuple(want[k])}, {folder} has "
-                f"{tuple(have[k]) if k in have else 'nothing'}" for k in want if have.get(k) != want[k]]
+    problems = [
+        f"{k}: drafter for this target needs {tuple(want[k])}, {folder} has "
+        f"{tuple(have[k]) if k in have else 'nothing'}"
+        for k in want
+        if have.get(k) != want[k]
+    ]
     problems += [f"{k}: in {folder} but not used by this drafter" for k in have if k not in want]
     if problems:
         raise ValueError(f"train.init_from = {folder} does not fit the target:\n  " + "\n  ".join(problems))
@@ -63,11 +67,13 @@ def init_from(drafter: Eagle3Drafter, folder: Path, embed: torch.Tensor) -> None
 def sglang_serve_command(target_path: str, drafter_dir: Path, speculative_tokens: int) -> str:
     """A chain of K drafted tokens: K steps of top-1, verified as K + 1 tokens."""
     k = speculative_tokens
-    return (f"python -m sglang.launch_server --model-path {shlex.quote(str(target_path))} "
-            f"--speculative-algorithm EAGLE3 "
-            f"--speculative-draft-model-path {shlex.quote(str(Path(drafter_dir).resolve()))} "
-            f"--speculative-num-steps {k} --speculative-eagle-topk 1 --speculative-num-draft-tokens {k + 1} "
-            f"--dtype bfloat16")
+    return (
+        f"python -m sglang.launch_server --model-path {shlex.quote(str(target_path))} "
+        f"--speculative-algorithm EAGLE3 "
+        f"--speculative-draft-model-path {shlex.quote(str(Path(drafter_dir).resolve()))} "
+        f"--speculative-num-steps {k} --speculative-eagle-topk 1 --speculative-num-draft-tokens {k + 1} "
+        f"--dtype bfloat16"
+    )
 
 
 def expected_speedups(per_position: list[float], cost: float) -> dict[int, float]:
@@ -84,21 +90,35 @@ def choose_speculative_tokens(folder, default: int) -> dict:
     run's eval report when it measured this drafter (eval finished after train), else `default`."""
     report_path = folder.eval_report
     train, evaluated = folder.stage("train") or {}, folder.stage("eval") or {}
-    if (evaluated.get("state") != "done" or not report_path.exists()
-            or evaluated.get("finished", "") < train.get("finished", "")):
-        return {"value": default, "source": "recipe (eval.draft_tokens); run eval, then export again, "
-                                            "to choose it from measured acceptance"}
+    if (
+        evaluated.get("state") != "done"
+        or not report_path.exists()
+        or evaluated.get("finished", "") < train.get("finished", "")
+    ):
+        return {
+            "value": default,
+            "source": "recipe (eval.draft_tokens); run eval, then export again, to choose it from measured acceptance",
+        }
     fix = "rerun `specdraft eval` to write it again"
     report = read_json(report_path, fix=fix)
     acceptance, cost = report.get("per_position_acceptance"), report.get("draft_to_target_cost")
-    if not (isinstance(acceptance, list) and acceptance and all(isinstance(a, (int, float)) for a in acceptance)
-            and isinstance(cost, (int, float))):
+    if not (
+        isinstance(acceptance, list)
+        and acceptance
+        and all(isinstance(a, (int, float)) for a in acceptance)
+        and isinstance(cost, (int, float))
+    ):
         raise FileError(f"{report_path}: no per_position_acceptance list and draft_to_target_cost; {fix}")
     speedups = expected_speedups(acceptance, cost)
     best = max(speedups, key=speedups.get)
-    return {"value": best, "source": "eval/report.json",
-            "expected_speedup": {k: round(v, 3) for k, v in speedups.items()},
-            "per_position_acceptance": acceptance, "draft_to_target_cost": cost, "measured_up_to": len(speedups)}
+    return {
+        "value": best,
+        "source": "eval/report.json",
+        "expected_speedup": {k: round(v, 3) for k, v in speedups.items()},
+        "per_position_acceptance": acceptance,
+        "draft_to_target_cost": cost,
+        "measured_up_to": len(speedups),
+    }
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -107,7 +127,8 @@ def choose_speculative_tokens(folder, default: int) -> dict:
 
 def _tree_decoding(shape: TreeShape):
     return lambda runner, drafter, prompt, max_new, eos, stats: speculative(
-        runner, drafter, prompt, max_new, eos, shape, stats)
+        runner, drafter, prompt, max_new, eos, shape, stats
+    )
 
 
 class Eagle3(Method):
@@ -125,8 +146,12 @@ class Eagle3(Method):
         """A packed row holds a token and the labels of its every training-time-test step."""
         t = recipe.train
         if t.batch_tokens < t.ttt_steps + 2:
-            raise beyond("train.batch_tokens", t.batch_tokens, f">= train.ttt_steps + 2 = {t.ttt_steps + 2}",
-                         "a packed row must hold a token and the labels of its every training-time-test step")
+            raise beyond(
+                "train.batch_tokens",
+                t.batch_tokens,
+                f">= train.ttt_steps + 2 = {t.ttt_steps + 2}",
+                "a packed row must hold a token and the labels of its every training-time-test step",
+            )
 
     def build(self, cfg, target, counts: torch.Tensor) -> Eagle3Drafter:
         """The drafter on the target's embedding, with the draft vocabulary of `counts` (or init_from's)
@@ -152,18 +177,27 @@ class Eagle3(Method):
         return drafter
 
     def objective(self, drafter: Eagle3Drafter, draft_head: torch.Tensor, cfg) -> nn.Module:
-        return TTT(drafter, draft_head, cfg.ttt_steps, cfg.step_weight_decay, cfg.loss, cfg.gradient_checkpointing,
-                   cfg.hidden_noise)
+        return TTT(
+            drafter,
+            draft_head,
+            cfg.ttt_steps,
+            cfg.step_weight_decay,
+            cfg.loss,
+            cfg.gradient_checkpointing,
+            cfg.hidden_noise,
+        )
 
     def positions(self, cfg) -> int:
         return cfg.ttt_steps
 
     def loss_weights(self, cfg) -> list[float]:
-        return [cfg.step_weight_decay ** i for i in range(cfg.ttt_steps)]
+        return [cfg.step_weight_decay**i for i in range(cfg.ttt_steps)]
 
     def goal(self, train: dict, export: dict, eval: dict, vocab: str) -> tuple[str, int]:
-        return (f"EAGLE-3 drafter trained for {train['epochs']} epochs with {train['ttt_steps']} TTT steps and "
-                f"{vocab}, exported for {', '.join(export['formats'])}"), eval["draft_tokens"]
+        return (
+            f"EAGLE-3 drafter trained for {train['epochs']} epochs with {train['ttt_steps']} TTT steps and "
+            f"{vocab}, exported for {', '.join(export['formats'])}"
+        ), eval["draft_tokens"]
 
     def plan_config(self, target, cfg) -> DrafterConfig:
         return DrafterConfig.from_target(target, cfg.draft_vocab_size)
@@ -179,12 +213,19 @@ class Eagle3(Method):
             # A tree's 4-D mask replaces the model's own, which is where sliding windows and attention
             # sinks live (gpt-oss): verified that way the tree is not exact. Such targets are measured with
             # chains (a chain's mask is the model's causal one).
-            print(f"eval: {runner.target.family.attention} attention: tree drafting measured as a chain of "
-                  f"{tree.depth}")
+            print(
+                f"eval: {runner.target.family.attention} attention: tree drafting measured as a chain of {tree.depth}"
+            )
             tree = TreeShape.chain(tree.depth)
-        return {name: Decode(shape.depth, vars(shape), _tree_decoding(shape),
-                             describe=f"top-k {shape.topk}, depth {shape.depth}, {shape.tokens} tokens")
-                for name, shape in (("chain", TreeShape.chain(cfg.draft_tokens)), ("tree", tree))}
+        return {
+            name: Decode(
+                shape.depth,
+                vars(shape),
+                _tree_decoding(shape),
+                describe=f"top-k {shape.topk}, depth {shape.depth}, {shape.tokens} tokens",
+            )
+            for name, shape in (("chain", TreeShape.chain(cfg.draft_tokens)), ("tree", tree))
+        }
 
     def sampled(self, runner, drafter, prompt, max_new, eos, K, temperature, stats, generator):
         return speculative_sampled(runner, drafter, prompt, max_new, eos, K, temperature, stats, generator)
@@ -199,8 +240,10 @@ class Eagle3(Method):
         speculative_tokens = k["value"]
         if "expected_speedup" in k:
             table = ", ".join(f"K={n}: {v:.2f}x" for n, v in k["expected_speedup"].items())
-            print(f"export: {speculative_tokens} speculative tokens, the best expected speedup from the eval report "
-                  f"({table}; draft/target cost {k['draft_to_target_cost']})")
+            print(
+                f"export: {speculative_tokens} speculative tokens, the best expected speedup from the eval report "
+                f"({table}; draft/target cost {k['draft_to_target_cost']})"
+            )
         else:
             print(f"export: {speculative_tokens} speculative tokens from the {k['source']}")
         # The embedding is frozen at the target's during training, so the engine's shared copy is identical.
@@ -212,10 +255,15 @@ class Eagle3(Method):
             for fmt, tmp in zip(formats, staged):
                 out = folder.export(fmt)
                 if fmt == "vllm":
-                    write_vllm(drafter, tmp, verifier=str(target.path),
-                               verifier_architectures=list(target.config.architectures or []),
-                               speculative_tokens=speculative_tokens, include_embed=include_embed,
-                               provenance=provenance(recipe.name))
+                    write_vllm(
+                        drafter,
+                        tmp,
+                        verifier=str(target.path),
+                        verifier_architectures=list(target.config.architectures or []),
+                        speculative_tokens=speculative_tokens,
+                        include_embed=include_embed,
+                        provenance=provenance(recipe.name),
+                    )
                     commands[fmt] = self.serve_command(target.path, out, speculative_tokens)
                 else:
                     write_sglang(drafter, tmp, include_embed=include_embed, provenance=provenance(recipe.name))
@@ -226,30 +274,49 @@ class Eagle3(Method):
         for fmt in formats:
             print(f"export: {engines[fmt]} drafter in {folder.export(fmt)}\n  serve it with:\n  {commands[fmt]}")
         print(f"\nnext: specdraft doctor {folder.export(formats[0])}")
-        return folder.record("export", state="done", config=recipe.export, counts={"formats": len(written)},
-                          seconds=time.time() - t_start,
-                          extra={"method": "eagle3", "folders": written, "serve_command": commands[formats[0]],
-                                 "serve_commands": commands, "embed_included": include_embed,
-                                 "speculative_tokens": k})
+        return folder.record(
+            "export",
+            state="done",
+            config=recipe.export,
+            counts={"formats": len(written)},
+            seconds=time.time() - t_start,
+            extra={
+                "method": "eagle3",
+                "folders": written,
+                "serve_command": commands[formats[0]],
+                "serve_commands": commands,
+                "embed_included": include_embed,
+                "speculative_tokens": k,
+            },
+        )
+
     def import_folder(self, folder, target, out, extracted_aux_layer_ids=None):
         """A published drafter folder -> a specdraft checkpoint at `out` (the trainer's checkpoint format,
         which eval, export and fine-tuning read), after checking it against `target` (and against the
         layers a run's hidden states hold, when given). Any misfit is an error that lists every one."""
         folder = Path(folder)
         published = read_published(folder, target.default_aux_layer_ids())
-        refuse_misfits(folder, target, fit_problems(published.config, target, EMBED_KEY[1] in published.tensors),
-                       published.config.aux_layer_ids, extracted_aux_layer_ids)
+        refuse_misfits(
+            folder,
+            target,
+            fit_problems(published.config, target, EMBED_KEY[1] in published.tensors),
+            published.config.aux_layer_ids,
+            extracted_aux_layer_ids,
+        )
         embed = target.embed_weight()
         drafter = published.build(embed)
         if EMBED_KEY[1] in published.tensors and not torch.equal(drafter.embed_tokens.weight, embed.float()):
             published.notes.append("embed_tokens: differs from the target's; kept in the checkpoint")
         save_imported(drafter, target, folder, out, published.layout, published.notes)
         return drafter, published
+
     def describe(self, drafter) -> str:
         cfg = drafter.config
-        return (f"EAGLE-3, hidden {cfg.hidden_size}, {cfg.num_attention_heads} heads x {cfg.head_dim}, draft vocab "
-                f"{cfg.draft_vocab_size} of {cfg.vocab_size}, aux layers {cfg.aux_layer_ids}, "
-                f"norm_before_residual {cfg.norm_before_residual}")
+        return (
+            f"EAGLE-3, hidden {cfg.hidden_size}, {cfg.num_attention_heads} heads x {cfg.head_dim}, draft vocab "
+            f"{cfg.draft_vocab_size} of {cfg.vocab_size}, aux layers {cfg.aux_layer_ids}, "
+            f"norm_before_residual {cfg.norm_before_residual}"
+        )
 
     def diagnose(self, folder, config, target, run_path, measured, conversations) -> list:
         return doctor.diagnose(folder, config, target, run_path, measured, conversations)

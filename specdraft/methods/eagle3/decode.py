@@ -33,8 +33,9 @@ class DrafterState:
         positions = torch.arange(first_position, first_position + len(next_tokens), device=aux.device)[None]
         tokens = torch.tensor([next_tokens], device=aux.device)
         logits, h, kv = d(d.project(aux.to(d.fc.weight.dtype))[None], tokens, positions, base=self.cache)
-        self.cache = kv if self.cache is None else (torch.cat([self.cache[0], kv[0]], 2),
-                                                    torch.cat([self.cache[1], kv[1]], 2))
+        self.cache = (
+            kv if self.cache is None else (torch.cat([self.cache[0], kv[0]], 2), torch.cat([self.cache[1], kv[1]], 2))
+        )
         self.root_hidden, self.root_logits = h[:, -1:], logits[0, -1]  # [1, 1, H], [Vd]
         self.root_position = first_position + len(next_tokens) - 1
 
@@ -86,8 +87,13 @@ class StaticDrafterState:
                 raise RuntimeError(f"drafter cache of {self.capacity} slots is full: reserve() more before decoding")
             padded = aux.new_zeros((rows, aux.shape[1]))  # [rows, n_aux*Ht]
             padded[:m] = aux
-            logits, h = self.graphs(("advance", rows), self._advance, padded,
-                                    torch.tensor([next_tokens + [0] * (rows - m)]), torch.tensor(first_position))
+            logits, h = self.graphs(
+                ("advance", rows),
+                self._advance,
+                padded,
+                torch.tensor([next_tokens + [0] * (rows - m)]),
+                torch.tensor(first_position),
+            )
         self.root_hidden, self.root_logits = h[m - 1][None, None], logits[m - 1]  # [1, 1, H], [Vd]
         self.root_position = first_position + m - 1
 
@@ -96,10 +102,16 @@ class StaticDrafterState:
         d, W = self.drafter, tokens.shape[1]
         slots = first + torch.arange(W, device=tokens.device)  # [W]
         # Row j sees the cache before `first` and the new rows 0..j.
-        mask = torch.cat([(torch.arange(self.capacity, device=tokens.device) < first)[None].expand(W, -1),
-                          torch.ones(W, W, dtype=torch.bool, device=tokens.device).tril()], dim=1)  # [W, C+W]
-        logits, h, (k, v) = d(d.project(aux.to(self.keys.dtype))[None], tokens, slots[None],
-                              base=(self.keys, self.values), mask=mask)
+        mask = torch.cat(
+            [
+                (torch.arange(self.capacity, device=tokens.device) < first)[None].expand(W, -1),
+                torch.ones(W, W, dtype=torch.bool, device=tokens.device).tril(),
+            ],
+            dim=1,
+        )  # [W, C+W]
+        logits, h, (k, v) = d(
+            d.project(aux.to(self.keys.dtype))[None], tokens, slots[None], base=(self.keys, self.values), mask=mask
+        )
         self.keys.index_copy_(2, slots, k)
         self.values.index_copy_(2, slots, v)
         return logits[0], h[0]
@@ -109,19 +121,32 @@ class StaticDrafterState:
         """As DrafterState.step (sampled chains draft step by step); the outputs are a graph's: read or
         copy them before the next step of the same depth."""
         flat = [t for kv in diag for t in kv]
-        return self.graphs(("step", depth, tokens.shape[1]), lambda *xs: self._step(depth, *xs),
-                           hidden, tokens, torch.tensor(self.root_position), *flat)
+        return self.graphs(
+            ("step", depth, tokens.shape[1]),
+            lambda *xs: self._step(depth, *xs),
+            hidden,
+            tokens,
+            torch.tensor(self.root_position),
+            *flat,
+        )
 
     @torch.inference_mode()
     def draft(self, shape) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """As DrafterState.draft: the whole tree's drafting steps and selections in one graph."""
+
         def grow(hidden, logits, root):
             def step(h, tokens, depth, diag):
                 return self._step(depth, h, tokens, root, *(t for kv in diag for t in kv))
+
             return grow_tree(self.drafter, step, hidden, logits, shape)
 
-        return self.graphs(("draft", shape.topk, shape.depth), grow, self.root_hidden, self.root_logits,
-                           torch.tensor(self.root_position))
+        return self.graphs(
+            ("draft", shape.topk, shape.depth),
+            grow,
+            self.root_hidden,
+            self.root_logits,
+            torch.tensor(self.root_position),
+        )
 
     def _step(self, depth, hidden, tokens, root, *flat):
         """hidden [1, F, H], tokens [1, F], root [] (the root's position), flat = the ancestors' keys
@@ -135,14 +160,24 @@ class StaticDrafterState:
 STATES = DecodeStates(DrafterState, StaticDrafterState)
 
 
-def speculative(runner, drafter, prompt: list[int], max_new: int, eos: int, shape: TreeShape,
-                stats: Stats) -> list[int]:
+def speculative(
+    runner, drafter, prompt: list[int], max_new: int, eos: int, shape: TreeShape, stats: Stats
+) -> list[int]:
     """Greedy speculative decoding with tree (or chain) drafts; returns the generated ids."""
     return decode(runner, drafter, prompt, max_new, eos, GreedyTree(shape, STATES), stats)
 
 
-def speculative_sampled(runner, drafter, prompt: list[int], max_new: int, eos: int, K: int,
-                        temperature: float, stats: Stats, generator: torch.Generator) -> list[int]:
+def speculative_sampled(
+    runner,
+    drafter,
+    prompt: list[int],
+    max_new: int,
+    eos: int,
+    K: int,
+    temperature: float,
+    stats: Stats,
+    generator: torch.Generator,
+) -> list[int]:
     """Sampled speculative decoding with chains of K drafted tokens; the output is distributed as the
     target's own sampling at `temperature`."""
     return decode(runner, drafter, prompt, max_new, eos, SampledChain(K, temperature, generator, STATES), stats)

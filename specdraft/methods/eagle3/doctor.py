@@ -32,17 +32,35 @@ def _config_checks(config: dict) -> list[Check]:
     speculators = "speculators_model_type" in config
     fmt = "speculators (vLLM)" if speculators else "flat (SGLang / vLLM)"
     ids = config.get("eagle_aux_hidden_state_layer_ids") or (config.get("eagle_config") or {}).get(
-        "eagle_aux_hidden_state_layer_ids")
-    checks.append(Check("aux layer ids written", bool(ids), f"{ids}" if ids else "absent",
-                        "write eagle_aux_hidden_state_layer_ids; without them the engine guesses (2, L//2, L-3) "
-                        "(1.2 % vs 59 % acceptance in vLLM #50170)"))
-    checks.append(Check("norm_before_residual written", "norm_before_residual" in config,
-                        f"{config.get('norm_before_residual')!r} in the {fmt} format",
-                        "write it explicitly: the speculators path reads it as True when absent, the flat path "
-                        "as False, so an absent flag serves another network on one of them"))
+        "eagle_aux_hidden_state_layer_ids"
+    )
+    checks.append(
+        Check(
+            "aux layer ids written",
+            bool(ids),
+            f"{ids}" if ids else "absent",
+            "write eagle_aux_hidden_state_layer_ids; without them the engine guesses (2, L//2, L-3) "
+            "(1.2 % vs 59 % acceptance in vLLM #50170)",
+        )
+    )
+    checks.append(
+        Check(
+            "norm_before_residual written",
+            "norm_before_residual" in config,
+            f"{config.get('norm_before_residual')!r} in the {fmt} format",
+            "write it explicitly: the speculators path reads it as True when absent, the flat path "
+            "as False, so an absent flag serves another network on one of them",
+        )
+    )
     if not speculators and FLAT_ARCHITECTURE not in (config.get("architectures") or []):
-        checks.append(Check("format", False, f"architectures {config.get('architectures')}",
-                            f"a flat drafter needs architectures [{FLAT_ARCHITECTURE!r}]"))
+        checks.append(
+            Check(
+                "format",
+                False,
+                f"architectures {config.get('architectures')}",
+                f"a flat drafter needs architectures [{FLAT_ARCHITECTURE!r}]",
+            )
+        )
     return checks
 
 
@@ -51,40 +69,71 @@ def _target_checks(drafter, target) -> list[Check]:
     L = target.num_layers
     ids = cfg.aux_layer_ids
     checks = [
-        Check("aux layer ids in range", all(1 <= k < L for k in ids),
-              f"{ids} for a target with {L} layers",
-              f"ids are residual streams after k layers, 1 <= k < {L}"),
-        Check("aux layer ids ascending", ids == sorted(set(ids)), f"{ids}",
-              "vLLM concatenates aux states in ascending layer order; list them so, and train fc on that order"),
-        Check("target hidden size", cfg.target_hidden_size == target.hidden_size,
-              f"drafter {cfg.target_hidden_size}, target {target.hidden_size}",
-              "the drafter was trained for another target"),
-        Check("fc input width", drafter.fc.in_features == len(ids) * target.hidden_size,
-              f"{drafter.fc.in_features} = {len(ids)} aux x {target.hidden_size}?",
-              "fc must read one target hidden state per aux layer"),
-        Check("vocab size", cfg.vocab_size == target.vocab_size,
-              f"drafter {cfg.vocab_size}, target {target.vocab_size}",
-              "the drafter's token ids are not the target's; retrain on this target's tokenizer"),
+        Check(
+            "aux layer ids in range",
+            all(1 <= k < L for k in ids),
+            f"{ids} for a target with {L} layers",
+            f"ids are residual streams after k layers, 1 <= k < {L}",
+        ),
+        Check(
+            "aux layer ids ascending",
+            ids == sorted(set(ids)),
+            f"{ids}",
+            "vLLM concatenates aux states in ascending layer order; list them so, and train fc on that order",
+        ),
+        Check(
+            "target hidden size",
+            cfg.target_hidden_size == target.hidden_size,
+            f"drafter {cfg.target_hidden_size}, target {target.hidden_size}",
+            "the drafter was trained for another target",
+        ),
+        Check(
+            "fc input width",
+            drafter.fc.in_features == len(ids) * target.hidden_size,
+            f"{drafter.fc.in_features} = {len(ids)} aux x {target.hidden_size}?",
+            "fc must read one target hidden state per aux layer",
+        ),
+        Check(
+            "vocab size",
+            cfg.vocab_size == target.vocab_size,
+            f"drafter {cfg.vocab_size}, target {target.vocab_size}",
+            "the drafter's token ids are not the target's; retrain on this target's tokenizer",
+        ),
     ]
     text = target.text_config
     # The family's drafter head width: the target's own, except MLA targets (the value head width).
     head_dim = target.drafter_head_dim
-    checks.append(Check("head dim", cfg.head_dim == head_dim,
-                        f"drafter {cfg.num_attention_heads} heads x {cfg.head_dim}, target "
-                        f"{text.num_attention_heads} x {head_dim}",
-                        "EAGLE-3 drafters take the target's attention shape; another head dim means it was "
-                        "built for another target"))
+    checks.append(
+        Check(
+            "head dim",
+            cfg.head_dim == head_dim,
+            f"drafter {cfg.num_attention_heads} heads x {cfg.head_dim}, target {text.num_attention_heads} x {head_dim}",
+            "EAGLE-3 drafters take the target's attention shape; another head dim means it was "
+            "built for another target",
+        )
+    )
     rope_params = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {}
     rope = rope_params.get("rope_theta", getattr(text, "rope_theta", None))
     if rope is not None:
-        checks.append(Check("rope theta", float(rope) == float(cfg.rope_theta),
-                            f"drafter {cfg.rope_theta}, target {rope}",
-                            "the drafter's positions would rotate differently from training"))
+        checks.append(
+            Check(
+                "rope theta",
+                float(rope) == float(cfg.rope_theta),
+                f"drafter {cfg.rope_theta}, target {rope}",
+                "the drafter's positions would rotate differently from training",
+            )
+        )
     # The drafter implements default RoPE only (formats refuse other types on read).
     rope_type = rope_params.get("rope_type", rope_params.get("type", "default"))
-    checks.append(Check("rope type", rope_type == "default", f"drafter default, target {rope_type}",
-                        f"the target scales positions ({rope_type}); a drafter with plain RoPE sees other "
-                        "angles than the target at long context"))
+    checks.append(
+        Check(
+            "rope type",
+            rope_type == "default",
+            f"drafter default, target {rope_type}",
+            f"the target scales positions ({rope_type}); a drafter with plain RoPE sees other "
+            "angles than the target at long context",
+        )
+    )
     return checks
 
 
@@ -108,9 +157,15 @@ def _norm_flag_checks(config: dict, trained: dict | None) -> list[Check]:
         values = set(readings.values()) | ({want} if want is not None else set())
         told = ", ".join(f"{engine} reads {v}" for engine, v in readings.items())
         detail = f"{'trained ' + str(want) + ', ' if want is not None else ''}written {written}, {told}"
-        checks.append(Check(f"{flag} as served", len(values) == 1, detail,
-                            "write the flag as trained; SGLang cannot serve norm_before_residual=True or "
-                            "EAGLE-3.1 norms: serve such a drafter with vLLM"))
+        checks.append(
+            Check(
+                f"{flag} as served",
+                len(values) == 1,
+                detail,
+                "write the flag as trained; SGLang cannot serve norm_before_residual=True or "
+                "EAGLE-3.1 norms: serve such a drafter with vLLM",
+            )
+        )
     return checks
 
 
@@ -142,9 +197,10 @@ def measure(drafter, target, conversations: list[tuple[list[int], list[int]]]) -
             n, P = len(ids), len(prompt)
             top = logits.argmax(-1)[P:]  # [n-P]: the target's next token after each answer token
             # Position t reads (aux_t, x_{t+1}) and predicts x_{t+2}: the target's top-1 at t + 1.
-            draft_logits, _, _ = drafter(drafter.project(aux[None, :-1].float()), ids[None, 1:],
-                                         torch.arange(n - 1)[None])  # [1, n-1, Vd]
-            pred = drafter.to_target_ids(draft_logits[0, P - 1:].argmax(-1))  # [n-P]
+            draft_logits, _, _ = drafter(
+                drafter.project(aux[None, :-1].float()), ids[None, 1:], torch.arange(n - 1)[None]
+            )  # [1, n-1, Vd]
+            pred = drafter.to_target_ids(draft_logits[0, P - 1 :].argmax(-1))  # [n-P]
             agree += int((pred == top).sum())
             positions += n - P
             wanted.update(top.tolist())
@@ -170,25 +226,42 @@ def _measured_checks(drafter, target, run_path: Path | None, conversations=None)
     where = f"{m['positions']} answer positions of {m['conversations']} {kind} conversations"
     shown = ", ".join(f"{tok!r} x{c}" for tok, c in m["frequent"][:5])
     return [
-        Check("top-1 agreement with the target", m["agreement"] >= MIN_TOP1_AGREEMENT,
-              f"{m['agreement']:.1%} of {where} (floor {MIN_TOP1_AGREEMENT:.0%})",
-              "the drafter does not predict this target's next tokens as served: see the aux layer, d2t and "
-              "norm checks; if they pass, the drafter needs more (or on-policy) training data", m["agreement"]),
-        Check("draft vocab covers the target's answers", m["coverage"] >= MIN_COVERAGE,
-              f"{m['coverage']:.1%} of the target's next tokens there",
-              "d2t maps the draft vocab to tokens this target rarely writes (lost, misread or another target's), "
-              "or the draft vocab was built from too little data",
-              m["coverage"]),
-        Check("frequent draft tokens are target tokens", m["frequent_share"] >= MIN_FREQUENT_SHARE,
-              f"{m['frequent_share']:.0%} of the drafter's {FREQUENT_DRAFTS} most frequent predictions are tokens "
-              f"the target predicts there too ({shown})",
-              "d2t does not match the lm_head's rows (e.g. a draft vocab in another order): rebuild d2t with "
-              "the drafter's own vocabulary", m["frequent_share"]),
+        Check(
+            "top-1 agreement with the target",
+            m["agreement"] >= MIN_TOP1_AGREEMENT,
+            f"{m['agreement']:.1%} of {where} (floor {MIN_TOP1_AGREEMENT:.0%})",
+            "the drafter does not predict this target's next tokens as served: see the aux layer, d2t and "
+            "norm checks; if they pass, the drafter needs more (or on-policy) training data",
+            m["agreement"],
+        ),
+        Check(
+            "draft vocab covers the target's answers",
+            m["coverage"] >= MIN_COVERAGE,
+            f"{m['coverage']:.1%} of the target's next tokens there",
+            "d2t maps the draft vocab to tokens this target rarely writes (lost, misread or another target's), "
+            "or the draft vocab was built from too little data",
+            m["coverage"],
+        ),
+        Check(
+            "frequent draft tokens are target tokens",
+            m["frequent_share"] >= MIN_FREQUENT_SHARE,
+            f"{m['frequent_share']:.0%} of the drafter's {FREQUENT_DRAFTS} most frequent predictions are tokens "
+            f"the target predicts there too ({shown})",
+            "d2t does not match the lm_head's rows (e.g. a draft vocab in another order): rebuild d2t with "
+            "the drafter's own vocabulary",
+            m["frequent_share"],
+        ),
     ]
 
 
-def diagnose(folder: Path, config: dict, target, run_path: Path | None, measured: bool,
-             conversations: list[tuple[list[int], list[int]]] | None = None) -> list[Check]:
+def diagnose(
+    folder: Path,
+    config: dict,
+    target,
+    run_path: Path | None,
+    measured: bool,
+    conversations: list[tuple[list[int], list[int]]] | None = None,
+) -> list[Check]:
     """Every check of an EAGLE-3 folder (its config.json read as `config`)."""
     checks = _config_checks(config)
     checks += _norm_flag_checks(config, trained_config(Path(run_path)) if run_path is not None else None)
@@ -196,9 +269,12 @@ def diagnose(folder: Path, config: dict, target, run_path: Path | None, measured
         drafter = read_drafter(folder, target.embed_weight())
     except ValueError as e:
         ours = "specdraft" in config
-        fix = ("re-export the drafter with `specdraft export`" if ours else
-               "the folder is not one the engines load as EAGLE-3 (or a layout specdraft cannot read yet): "
-               "check it against its trainer's export")
+        fix = (
+            "re-export the drafter with `specdraft export`"
+            if ours
+            else "the folder is not one the engines load as EAGLE-3 (or a layout specdraft cannot read yet): "
+            "check it against its trainer's export"
+        )
         return checks + [Check("drafter loads", False, str(e), fix)]
     own = sum(p.numel() for name, p in drafter.named_parameters() if name != "embed_tokens.weight")
     checks.append(Check("drafter loads", True, f"{own / 1e6:.2f} M parameters besides the target's embedding"))
@@ -211,6 +287,5 @@ def diagnose(folder: Path, config: dict, target, run_path: Path | None, measured
     in_range = all(1 <= k < target.num_layers for k in drafter.config.aux_layer_ids)
     fits = drafter.config.target_hidden_size == target.hidden_size and drafter.config.vocab_size == target.vocab_size
     if measured and in_range and fits:
-        checks += _measured_checks(drafter, target, Path(run_path) if run_path is not None else None,
-                                   conversations)
+        checks += _measured_checks(drafter, target, Path(run_path) if run_path is not None else None, conversations)
     return checks

@@ -22,8 +22,7 @@ exactly through that log-sum-exp, so no [T, steps*T] score matrix is ever formed
 
 from __future__ import annotations
 
-import math
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 
 import torch
 from torch import nn
@@ -35,6 +34,7 @@ from specdraft.drafters.common import (  # noqa: F401 (the layer's parts, named 
     DocumentSpans,
     RMSNorm,
     attend,
+    check_fields,
     dense_attention,
     document_mask,
     flex_attention,
@@ -67,21 +67,8 @@ class DrafterConfig:
     norm_output: bool = False
 
     def check(self, where: str) -> DrafterConfig:
-        """Refuse a config read from a file whose values are of the wrong kind or out of range, in one
-        line naming `where`: sizes are whole numbers above 0, layer ids whole numbers >= 0, eps and theta
-        finite and above 0, the norm flags true or false."""
-        def fits(kind: str, v) -> bool:
-            if kind == "int":
-                return type(v) is int and v > 0
-            if kind == "float":
-                return type(v) in (int, float) and math.isfinite(v) and v > 0
-            if kind == "bool":
-                return type(v) is bool
-            return isinstance(v, list) and bool(v) and all(type(i) is int and i >= 0 for i in v)
-
-        for f in fields(self):
-            if not fits(f.type, getattr(self, f.name)):
-                raise ValueError(f"{where}: {f.name} = {getattr(self, f.name)!r} is not a valid {f.type}")
+        """Refuse a config read from a file whose values are of the wrong kind or out of range."""
+        check_fields(self, where)
         return self
 
     @classmethod

@@ -45,11 +45,31 @@ from specdraft.run import write_json
 FLAT_ARCHITECTURE = "LlamaForCausalLMEagle3"
 
 # Our state-dict names, which are the speculators/vLLM names too (vLLM names the decoder layer `layers.0`).
-VLLM_KEYS = {k: k for k in (
-    "fc.weight", *(f"layers.0.{name}.weight" for name in (
-        "input_layernorm", "hidden_norm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
-        "self_attn.o_proj", "post_attention_layernorm", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")),
-    "norm.weight", "lm_head.weight", "d2t", "t2d")}
+VLLM_KEYS = {
+    k: k
+    for k in (
+        "fc.weight",
+        *(
+            f"layers.0.{name}.weight"
+            for name in (
+                "input_layernorm",
+                "hidden_norm",
+                "self_attn.q_proj",
+                "self_attn.k_proj",
+                "self_attn.v_proj",
+                "self_attn.o_proj",
+                "post_attention_layernorm",
+                "mlp.gate_proj",
+                "mlp.up_proj",
+                "mlp.down_proj",
+            )
+        ),
+        "norm.weight",
+        "lm_head.weight",
+        "d2t",
+        "t2d",
+    )
+}
 # Our state-dict names -> the flat (SGLang / EAGLE / SpecForge) names. SGLang loads `midlayer.*` into
 # its one decoder layer, turns d2t into `hot_token_id` (i + d2t[i]) and skips t2d.
 SGLANG_KEYS = {k: k.replace("layers.0.", "midlayer.") for k in VLLM_KEYS}
@@ -87,8 +107,16 @@ def layer_config(cfg: DrafterConfig) -> dict:
     }
 
 
-def _config_from_layer(lc: dict, where: str, *, draft_vocab_size: int, target_hidden_size: int,
-                       aux_layer_ids: list[int], norm_before_residual: bool, norms: dict) -> DrafterConfig:
+def _config_from_layer(
+    lc: dict,
+    where: str,
+    *,
+    draft_vocab_size: int,
+    target_hidden_size: int,
+    aux_layer_ids: list[int],
+    norm_before_residual: bool,
+    norms: dict,
+) -> DrafterConfig:
     """The inverse of `layer_config` (plus the format's own top-level fields) -> our DrafterConfig."""
 
     def need(key):
@@ -142,8 +170,14 @@ def _with_embed(keys: dict[str, str], cfg: DrafterConfig, include_embed: bool) -
     return keys
 
 
-def _build(folder: Path, cfg: DrafterConfig, theirs: dict[str, torch.Tensor], keys: dict[str, str],
-           embed: torch.Tensor | None, notes: list[str] | None = None) -> Eagle3Drafter:
+def _build(
+    folder: Path,
+    cfg: DrafterConfig,
+    theirs: dict[str, torch.Tensor],
+    keys: dict[str, str],
+    embed: torch.Tensor | None,
+    notes: list[str] | None = None,
+) -> Eagle3Drafter:
     """Our drafter (float32, eval mode) from the format's tensors read through `keys` (ours -> theirs).
 
     Every tensor is required, named as the folder names it when missing, except:
@@ -171,13 +205,18 @@ def _build(folder: Path, cfg: DrafterConfig, theirs: dict[str, torch.Tensor], ke
         notes.append("d2t: present (offsets)")
     else:
         d2t = torch.zeros(cfg.draft_vocab_size, dtype=torch.long)
-        notes.append("d2t: absent; the draft vocabulary is the full target vocabulary, no mapping needed"
-                     if cfg.draft_vocab_size == cfg.vocab_size else
-                     f"d2t: ABSENT; the engines map draft id i to target id i (0..{cfg.draft_vocab_size - 1}), "
-                     "almost never what the drafter was trained for (doctor fails it)")
+        notes.append(
+            "d2t: absent; the draft vocabulary is the full target vocabulary, no mapping needed"
+            if cfg.draft_vocab_size == cfg.vocab_size
+            else f"d2t: ABSENT; the engines map draft id i to target id i (0..{cfg.draft_vocab_size - 1}), "
+            "almost never what the drafter was trained for (doctor fails it)"
+        )
     t2d = checked_t2d(d2t, cfg.draft_vocab_size, cfg.vocab_size, state.get("t2d"), folder)
-    notes.append("t2d: present, consistent with d2t" if "t2d" in state else
-                 "t2d: absent; rebuilt from d2t (the engines do not read it)")
+    notes.append(
+        "t2d: present, consistent with d2t"
+        if "t2d" in state
+        else "t2d: absent; rebuilt from d2t (the engines do not read it)"
+    )
     state["d2t"], state["t2d"] = d2t, t2d
     with torch.device("meta"):  # shapes only: a config.json of absurd sizes allocates nothing
         expected = Eagle3Drafter(cfg).state_dict()
@@ -187,8 +226,16 @@ def _build(folder: Path, cfg: DrafterConfig, theirs: dict[str, torch.Tensor], ke
     return load_checked(Eagle3Drafter(cfg), state, expected, folder, names)
 
 
-def write_vllm(drafter: Eagle3Drafter, out: Path, *, verifier: str, verifier_architectures: list[str],
-               speculative_tokens: int, include_embed: bool, provenance: dict) -> Path:
+def write_vllm(
+    drafter: Eagle3Drafter,
+    out: Path,
+    *,
+    verifier: str,
+    verifier_architectures: list[str],
+    speculative_tokens: int,
+    include_embed: bool,
+    provenance: dict,
+) -> Path:
     cfg = drafter.config
     config = {
         "architectures": ["Eagle3Speculator"],
@@ -218,8 +265,10 @@ def _read_norms(config: dict) -> dict[str, bool]:
     False when absent) -> the DrafterConfig fields. Every one of them is read, never dropped: a served
     drafter whose norm_before_fc was lost on load accepts little."""
     eagle = config.get("eagle_config") or {}
-    return {flag: bool(eagle.get(flag, config.get(flag, False)) if flag == "norm_before_fc" else config.get(flag, False))
-            for flag in EAGLE31_FLAGS}
+    return {
+        flag: bool(eagle.get(flag, config.get(flag, False)) if flag == "norm_before_fc" else config.get(flag, False))
+        for flag in EAGLE31_FLAGS
+    }
 
 
 def _parse_vllm(folder: Path, config: dict) -> tuple[DrafterConfig, dict[str, str], str]:
@@ -232,7 +281,9 @@ def _parse_vllm(folder: Path, config: dict) -> tuple[DrafterConfig, dict[str, st
     norms = _read_norms(config)
     layer = config["transformer_layer_config"]
     cfg = _config_from_layer(
-        layer, where, norms=norms,
+        layer,
+        where,
+        norms=norms,
         draft_vocab_size=config["draft_vocab_size"],
         # speculators writes null when it equals the drafter's width, and vLLM reads null so.
         target_hidden_size=config.get("target_hidden_size") or layer.get("hidden_size"),
@@ -268,20 +319,30 @@ def write_sglang(drafter: Eagle3Drafter, out: Path, *, include_embed: bool, prov
     """The flat format, read by SGLang (and vLLM); refuses a drafter SGLang would serve differently."""
     cfg = drafter.config
     if len(cfg.aux_layer_ids) != SGLANG_NUM_AUX:
-        raise ValueError(f"export sglang: {len(cfg.aux_layer_ids)} aux layers {cfg.aux_layer_ids}; SGLang's "
-                         f"EAGLE-3 fc reads exactly {SGLANG_NUM_AUX}")
+        raise ValueError(
+            f"export sglang: {len(cfg.aux_layer_ids)} aux layers {cfg.aux_layer_ids}; SGLang's "
+            f"EAGLE-3 fc reads exactly {SGLANG_NUM_AUX}"
+        )
     if min(cfg.aux_layer_ids) < 1:
-        raise ValueError(f"export sglang: aux layer ids {cfg.aux_layer_ids}; SGLang cannot capture the embeddings (id 0)")
+        raise ValueError(
+            f"export sglang: aux layer ids {cfg.aux_layer_ids}; SGLang cannot capture the embeddings (id 0)"
+        )
     if cfg.norm_before_residual:
-        raise ValueError("export sglang: the drafter uses norm_before_residual=True; SGLang's EAGLE-3 layer always "
-                         "adds the un-normed hidden state as the residual, so it would serve another network")
+        raise ValueError(
+            "export sglang: the drafter uses norm_before_residual=True; SGLang's EAGLE-3 layer always "
+            "adds the un-normed hidden state as the residual, so it would serve another network"
+        )
     on = [flag for flag in EAGLE31_FLAGS if getattr(cfg, flag)]
     if on:
-        raise ValueError(f"export sglang: the drafter uses {on}; SGLang's LlamaForCausalLMEagle3 has none of "
-                         "EAGLE-3.1's norms, so it would serve another network (serve it with vLLM)")
+        raise ValueError(
+            f"export sglang: the drafter uses {on}; SGLang's LlamaForCausalLMEagle3 has none of "
+            "EAGLE-3.1's norms, so it would serve another network (serve it with vLLM)"
+        )
     if include_embed and cfg.target_hidden_size == cfg.hidden_size:
-        raise ValueError("export sglang: the drafter's embedding differs from the target's, but SGLang replaces it "
-                         "with the target's (target_hidden_size == hidden_size), so it would serve another network")
+        raise ValueError(
+            "export sglang: the drafter's embedding differs from the target's, but SGLang replaces it "
+            "with the target's (target_hidden_size == hidden_size), so it would serve another network"
+        )
     write_tensors(drafter, out, _with_embed(SGLANG_KEYS, cfg, include_embed))
     write_json(out / "config.json", flat_config(cfg, provenance))
     return out
@@ -299,7 +360,8 @@ def _flat_aux_layer_ids(config: dict, where: str, default: list[int] | None) -> 
         raise ValueError(
             f"{where}: eagle_aux_hidden_state_layer_ids {list(top)} (vLLM's: residual after k layers) and "
             f"eagle_config.eagle_aux_hidden_state_layer_ids {list(nested)} (SGLang's: output of layer j, k = j + 1) "
-            "name different layers, so vLLM and SGLang would feed this drafter different hidden states")
+            "name different layers, so vLLM and SGLang would feed this drafter different hidden states"
+        )
     ids = list(top) if top else from_nested
     if not ids:
         if default is None:
@@ -308,12 +370,15 @@ def _flat_aux_layer_ids(config: dict, where: str, default: list[int] | None) -> 
     if eagle.get("use_aux_hidden_state", True) is not True:
         raise ValueError(f"{where}: eagle_config.use_aux_hidden_state is not true; not an EAGLE-3 drafter")
     if config.get("num_aux_hidden_states", len(ids)) != len(ids):
-        raise ValueError(f"{where}: num_aux_hidden_states {config['num_aux_hidden_states']} but {len(ids)} aux layer ids")
+        raise ValueError(
+            f"{where}: num_aux_hidden_states {config['num_aux_hidden_states']} but {len(ids)} aux layer ids"
+        )
     return ids
 
 
-def _parse_flat(folder: Path, config: dict, tensor_names: set[str],
-                default_aux_layer_ids: list[int] | None) -> tuple[DrafterConfig, dict[str, str], str]:
+def _parse_flat(
+    folder: Path, config: dict, tensor_names: set[str], default_aux_layer_ids: list[int] | None
+) -> tuple[DrafterConfig, dict[str, str], str]:
     where = f"{folder}/config.json"
     if FLAT_ARCHITECTURE not in (config.get("architectures") or []):
         raise ValueError(f"{where}: architectures {config.get('architectures')} lack {FLAT_ARCHITECTURE!r}")
@@ -325,7 +390,9 @@ def _parse_flat(folder: Path, config: dict, tensor_names: set[str],
         raise ValueError(f"{where}: no 'draft_vocab_size'; SGLang would take the target's lm_head instead")
     norms = _read_norms(config)
     cfg = _config_from_layer(
-        config, where, norms=norms,
+        config,
+        where,
+        norms=norms,
         draft_vocab_size=config["draft_vocab_size"],
         # SGLang's and vLLM's rule when absent: the drafter's own hidden size.
         target_hidden_size=config.get("target_hidden_size") or config.get("hidden_size"),
@@ -378,21 +445,26 @@ def _read_published(folder: Path, config: dict, default_aux_layer_ids: list[int]
         if "norm_before_residual" not in config:
             notes.append("norm_before_residual: absent; read as True, as vLLM's speculators path does")
         if config.get("target_hidden_size") is None:
-            notes.append(f"target_hidden_size: null; read as the drafter's hidden size {cfg.hidden_size}, as vLLM "
-                         "and speculators do")
+            notes.append(
+                f"target_hidden_size: null; read as the drafter's hidden size {cfg.hidden_size}, as vLLM "
+                "and speculators do"
+            )
         notes += _sliding_notes(config["transformer_layer_config"])
     elif FLAT_ARCHITECTURE in (config.get("architectures") or []):
         tensors = read_tensors(folder, "model.")  # some checkpoints prefix every name
         cfg, keys, layout = _parse_flat(folder, config, set(tensors), default_aux_layer_ids)
         if "norm_before_residual" not in config:
-            notes.append("norm_before_residual: absent; read as False, as vLLM's flat path does (SGLang "
-                         "always behaves so)")
+            notes.append(
+                "norm_before_residual: absent; read as False, as vLLM's flat path does (SGLang always behaves so)"
+            )
         eagle = config.get("eagle_config") or {}
         if not config.get("eagle_aux_hidden_state_layer_ids") and not eagle.get("eagle_aux_hidden_state_layer_ids"):
             notes.append(f"aux layer ids: absent; the engines' default for this target, {cfg.aux_layer_ids}")
     else:
-        raise ValueError(f"{folder}/config.json: neither a speculators config (speculators_model_type) nor a "
-                         f"flat EAGLE-3 one (architectures {FLAT_ARCHITECTURE})")
+        raise ValueError(
+            f"{folder}/config.json: neither a speculators config (speculators_model_type) nor a "
+            f"flat EAGLE-3 one (architectures {FLAT_ARCHITECTURE})"
+        )
     return Published(folder, cfg, tensors, keys, layout, notes)
 
 
@@ -401,8 +473,10 @@ def _sliding_notes(layer: dict) -> list[str]:
     drafter attends to the whole context, which is the same network on contexts up to the window."""
     if "sliding_attention" not in (layer.get("layer_types") or []) or not layer.get("sliding_window"):
         return []
-    return [f"layer_types: sliding_attention with a window of {layer['sliding_window']} tokens; read as full "
-            f"attention, the same on contexts up to {layer['sliding_window']} tokens"]
+    return [
+        f"layer_types: sliding_attention with a window of {layer['sliding_window']} tokens; read as full "
+        f"attention, the same on contexts up to {layer['sliding_window']} tokens"
+    ]
 
 
 def read_drafter(folder: Path, embed: torch.Tensor | None = None) -> Eagle3Drafter:
@@ -417,15 +491,18 @@ def fit_problems(cfg: DrafterConfig, target, has_embed: bool) -> list[str]:
     if cfg.vocab_size != target.vocab_size:
         problems.append(f"vocab_size: drafter {cfg.vocab_size}, target {target.vocab_size} (another tokenizer)")
     if cfg.target_hidden_size != target.hidden_size:
-        problems.append(f"target_hidden_size: drafter {cfg.target_hidden_size}, target hidden_size "
-                        f"{target.hidden_size} (fc reads {len(cfg.aux_layer_ids)} x {cfg.target_hidden_size})")
+        problems.append(
+            f"target_hidden_size: drafter {cfg.target_hidden_size}, target hidden_size "
+            f"{target.hidden_size} (fc reads {len(cfg.aux_layer_ids)} x {cfg.target_hidden_size})"
+        )
     outside = [k for k in cfg.aux_layer_ids if not 1 <= k < target.num_layers]
     if outside:
-        problems.append(f"aux layer ids {outside} outside 1..{target.num_layers - 1} for a target with "
-                        f"{target.num_layers} layers")
+        problems.append(
+            f"aux layer ids {outside} outside 1..{target.num_layers - 1} for a target with {target.num_layers} layers"
+        )
     if not has_embed and cfg.hidden_size != target.hidden_size:
-        problems.append(f"embed_tokens: not in the folder, and the target's has width {target.hidden_size}, "
-                        f"not the drafter's hidden_size {cfg.hidden_size}")
+        problems.append(
+            f"embed_tokens: not in the folder, and the target's has width {target.hidden_size}, "
+            f"not the drafter's hidden_size {cfg.hidden_size}"
+        )
     return problems
-
-

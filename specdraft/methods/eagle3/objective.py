@@ -19,8 +19,7 @@ from specdraft.drafters.common import NO_DOCUMENT, position_loss, shift
 from specdraft.methods.eagle3.drafter import Eagle3Drafter, document_mask
 
 
-def unroll(drafter: Eagle3Drafter, aux, ids, documents, positions, steps: int, checkpointing: bool = False,
-           mask=None):
+def unroll(drafter: Eagle3Drafter, aux, ids, documents, positions, steps: int, checkpointing: bool = False, mask=None):
     """Training-time test: yield each step's logits [B, T, Vd] over drafter positions t.
 
     Step i reads token x_{t+1+i} at rotary position t+i; its hidden input is fc(aux) at step 0 and the
@@ -48,8 +47,16 @@ class TTT(nn.Module):
     """The training-time test of one drafter on one packed batch, as one module so DDP and FSDP wrap
     a single forward. Returns the weighted loss and per-step statistics [steps, len(STAT_COLUMNS)]."""
 
-    def __init__(self, drafter: Eagle3Drafter, draft_head: torch.Tensor, steps: int, decay: float,
-                 loss: str = "soft_ce", checkpointing: bool = False, hidden_noise: float = 0.0):
+    def __init__(
+        self,
+        drafter: Eagle3Drafter,
+        draft_head: torch.Tensor,
+        steps: int,
+        decay: float,
+        loss: str = "soft_ce",
+        checkpointing: bool = False,
+        hidden_noise: float = 0.0,
+    ):
         super().__init__()
         self.drafter = drafter
         # The draft vocab's rows of the target's lm_head [Vd, H]: frozen, it gives the target distribution.
@@ -80,15 +87,19 @@ class TTT(nn.Module):
             where = evaluable & shift(inside, 1 + i, False)  # [B, T]
             count = where.sum()
             loss_sum = (position_loss(self.loss, logits, shift(probs, 1 + i)) * where).sum()
-            total = total + self.decay ** i * loss_sum / count.clamp(min=1)
+            total = total + self.decay**i * loss_sum / count.clamp(min=1)
             with torch.no_grad():
                 pred = logits.argmax(-1)
                 correct = (pred + d.d2t[pred]) == shift(batch["top"], 1 + i)  # the target's greedy token
                 before = chain & evaluable
                 chain = chain & correct
-                row = [loss_sum.detach(), count, (correct & where).sum(), evaluable.sum(), (chain & evaluable).sum(),
-                       before.sum()]
+                row = [
+                    loss_sum.detach(),
+                    count,
+                    (correct & where).sum(),
+                    evaluable.sum(),
+                    (chain & evaluable).sum(),
+                    before.sum(),
+                ]
                 stats.append(torch.stack([x.float() for x in row]))
         return total, torch.stack(stats)
-
-

@@ -16,7 +16,6 @@ lm_head_init, norm_before_residual, norm_before_fc, loss, hidden_noise, gradient
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,8 +41,10 @@ def mask_token(cfg, target) -> int:
     """train.mask_token_id, or the target's default mask token; refused outside the vocabulary."""
     mask = cfg.mask_token_id if cfg.mask_token_id >= 0 else default_mask_token(target.tokenizer, target.vocab_size)
     if mask >= target.vocab_size:
-        raise ValueError(f"train.mask_token_id = {mask} is outside its range: < {target.vocab_size:,} (the vocabulary "
-                         f"of {target.path})")
+        raise ValueError(
+            f"train.mask_token_id = {mask} is outside its range: < {target.vocab_size:,} (the vocabulary "
+            f"of {target.path})"
+        )
     return mask
 
 
@@ -71,25 +72,42 @@ def export(recipe, folder, formats: list[str], drafter: PEagleDrafter, target, e
         raise ValueError(f"export: a P-EAGLE drafter has vLLM's folder format only, not {formats}; use --formats vllm")
     K, trained = recipe.eval.draft_tokens, drafter.config.speculative_tokens
     if K > trained:
-        raise ValueError(f"eval.draft_tokens = {K}: the drafter was trained for K = {trained} "
-                         f"(train.ttt_steps); export at most {trained}, or train with ttt_steps >= {K}")
+        raise ValueError(
+            f"eval.draft_tokens = {K}: the drafter was trained for K = {trained} "
+            f"(train.ttt_steps); export at most {trained}, or train with ttt_steps >= {K}"
+        )
     include_embed = not torch.equal(drafter.embed_tokens.weight.detach(), embed.float())
     out = folder.export("vllm")
     with staged_folders(out) as (staged,):  # the last good folder stays until this one is whole
-        write_peagle(drafter, staged, verifier=str(target.path),
-                     verifier_architectures=list(target.config.architectures or []), speculative_tokens=K,
-                     include_embed=include_embed, provenance=provenance(recipe.name))
+        write_peagle(
+            drafter,
+            staged,
+            verifier=str(target.path),
+            verifier_architectures=list(target.config.architectures or []),
+            speculative_tokens=K,
+            include_embed=include_embed,
+            provenance=provenance(recipe.name),
+        )
     command = METHOD.serve_command(target.path, out, K)
-    print(f"export: vLLM P-EAGLE drafter in {out} ({K} parallel drafts per round of the {trained} trained, mask "
-          f"token {drafter.config.mask_token_id})\n  serve it with:\n  {command}\n\nnext: specdraft doctor {out}")
-    return folder.record("export", state="done", config=recipe.export, counts={"formats": 1},
-                         seconds=time.time() - t_start,
-                         extra={"method": "peagle", "serve_command": command, "serve_commands": {"vllm": command},
-                                "folders": {"vllm": {"path": str(out.relative_to(folder.path)),
-                                                     "format": "speculators (peagle)"}},
-                                "embed_included": include_embed,
-                                "speculative_tokens": {"value": K, "source": "recipe (eval.draft_tokens)",
-                                                       "trained": trained}})
+    print(
+        f"export: vLLM P-EAGLE drafter in {out} ({K} parallel drafts per round of the {trained} trained, mask "
+        f"token {drafter.config.mask_token_id})\n  serve it with:\n  {command}\n\nnext: specdraft doctor {out}"
+    )
+    return folder.record(
+        "export",
+        state="done",
+        config=recipe.export,
+        counts={"formats": 1},
+        seconds=time.time() - t_start,
+        extra={
+            "method": "peagle",
+            "serve_command": command,
+            "serve_commands": {"vllm": command},
+            "folders": {"vllm": {"path": str(out.relative_to(folder.path)), "format": "speculators (peagle)"}},
+            "embed_included": include_embed,
+            "speculative_tokens": {"value": K, "source": "recipe (eval.draft_tokens)", "trained": trained},
+        },
+    )
 
 
 @dataclass
@@ -109,23 +127,29 @@ def import_folder(folder: Path, target, out: Path, extracted_aux_layer_ids: list
     cfg = drafter.config
     bad = []
     if cfg.vocab_size != target.vocab_size or cfg.mask_token_id >= target.vocab_size:
-        bad.append(f"vocab_size {cfg.vocab_size} / mask token {cfg.mask_token_id}: the target's vocabulary is "
-                   f"{target.vocab_size}")
+        bad.append(
+            f"vocab_size {cfg.vocab_size} / mask token {cfg.mask_token_id}: the target's vocabulary is "
+            f"{target.vocab_size}"
+        )
     if cfg.target_hidden_size != target.hidden_size:
         bad.append(f"target_hidden_size: drafter {cfg.target_hidden_size}, target {target.hidden_size}")
     outside = [k for k in cfg.aux_layer_ids if not 1 <= k < target.num_layers]
     if outside:
         bad.append(f"aux layer ids {outside} outside 1..{target.num_layers - 1}")
     if extracted_aux_layer_ids is not None and list(extracted_aux_layer_ids) != cfg.aux_layer_ids:
-        bad.append(f"aux layer ids: drafter {cfg.aux_layer_ids}, "
-                   f"the run's hidden states {list(extracted_aux_layer_ids)}")
+        bad.append(
+            f"aux layer ids: drafter {cfg.aux_layer_ids}, the run's hidden states {list(extracted_aux_layer_ids)}"
+        )
     if bad:
         raise ValueError(f"import: {folder} does not fit the target {target.path}: " + "; ".join(bad))
     if "para_depths" not in config:
         notes.append(f"para_depths: absent; the K trained taken as the K served, {cfg.speculative_tokens}")
     aux_ids = list(cfg.aux_layer_ids)
-    meta = {"aux_layer_ids": aux_ids, "target": type(target)(target.name, aux_ids).describe(),
-            "imported_from": {"folder": str(Path(folder).resolve()), "layout": "speculators (peagle)", "notes": notes}}
+    meta = {
+        "aux_layer_ids": aux_ids,
+        "target": type(target)(target.name, aux_ids).describe(),
+        "imported_from": {"folder": str(Path(folder).resolve()), "layout": "speculators (peagle)", "notes": notes},
+    }
     save_checkpoint(drafter, Path(out), meta)
     return drafter, PEagleRead("speculators (peagle)", notes)
 
@@ -144,36 +168,47 @@ class PEagle(Method):
         """Train choices P-EAGLE does not take, and a packed row too short for its slots."""
         cfg = recipe.train
         if cfg.init_from:
-            raise ConfigError("train.init_from starts from a published EAGLE-3 drafter; with train.method = 'peagle' "
-                              "leave it empty")
+            raise ConfigError(
+                "train.init_from starts from a published EAGLE-3 drafter; with train.method = 'peagle' leave it empty"
+            )
         if cfg.fc_norm or cfg.norm_output:
-            raise ConfigError("train.fc_norm / train.norm_output: P-EAGLE feeds no output state forward and vLLM's "
-                              "peagle folder carries neither norm; set both false with train.method = 'peagle'")
+            raise ConfigError(
+                "train.fc_norm / train.norm_output: P-EAGLE feeds no output state forward and vLLM's "
+                "peagle folder carries neither norm; set both false with train.method = 'peagle'"
+            )
         if cfg.batch_tokens < cfg.ttt_steps + 2:
-            raise beyond("train.batch_tokens", cfg.batch_tokens, f">= train.ttt_steps + 2 = {cfg.ttt_steps + 2}",
-                         "a packed row must hold a token and the labels of its every slot")
+            raise beyond(
+                "train.batch_tokens",
+                cfg.batch_tokens,
+                f">= train.ttt_steps + 2 = {cfg.ttt_steps + 2}",
+                "a packed row must hold a token and the labels of its every slot",
+            )
 
     def check_target(self, recipe, vocab_size: int, target: str) -> None:
         if recipe.train.mask_token_id >= vocab_size:
-            raise beyond("train.mask_token_id", recipe.train.mask_token_id, f"< {vocab_size:,}",
-                         f"the vocabulary of {target}")
+            raise beyond(
+                "train.mask_token_id", recipe.train.mask_token_id, f"< {vocab_size:,}", f"the vocabulary of {target}"
+            )
 
     def build(self, cfg, target, counts: torch.Tensor) -> PEagleDrafter:
         return build(cfg, target, counts)
 
     def objective(self, drafter: PEagleDrafter, draft_head: torch.Tensor, cfg) -> nn.Module:
-        return ParallelSlots(drafter, draft_head, cfg.step_weight_decay, cfg.loss, cfg.gradient_checkpointing,
-                             cfg.hidden_noise)
+        return ParallelSlots(
+            drafter, draft_head, cfg.step_weight_decay, cfg.loss, cfg.gradient_checkpointing, cfg.hidden_noise
+        )
 
     def positions(self, cfg) -> int:
         return cfg.ttt_steps
 
     def loss_weights(self, cfg) -> list[float]:
-        return [cfg.step_weight_decay ** i for i in range(cfg.ttt_steps)]
+        return [cfg.step_weight_decay**i for i in range(cfg.ttt_steps)]
 
     def goal(self, train: dict, export: dict, eval: dict, vocab: str) -> tuple[str, int]:
-        return (f"P-EAGLE drafter ({train['ttt_steps']} parallel slots) trained for {train['epochs']} epochs with "
-                f"{vocab}, exported for vLLM"), min(eval["draft_tokens"], train["ttt_steps"])
+        return (
+            f"P-EAGLE drafter ({train['ttt_steps']} parallel slots) trained for {train['epochs']} epochs with "
+            f"{vocab}, exported for vLLM"
+        ), min(eval["draft_tokens"], train["ttt_steps"])
 
     def plan_config(self, target, cfg) -> PEagleConfig:
         """The drafter `build` makes, without reading the tokenizer (the mask token does not change the bill)."""
@@ -191,8 +226,11 @@ class PEagle(Method):
             return speculative_peagle(runner, drafter, prompt, max_new, eos, K, stats)
 
         trained = drafter.config.speculative_tokens
-        return {"parallel": Decode(K, {"drafted": K, "trained": trained}, run,
-                                   describe=f"{K} drafted per forward (trained for {trained})")}
+        return {
+            "parallel": Decode(
+                K, {"drafted": K, "trained": trained}, run, describe=f"{K} drafted per forward (trained for {trained})"
+            )
+        }
 
     def owns(self, config: dict) -> bool:
         return is_peagle(config)
@@ -211,9 +249,11 @@ class PEagle(Method):
 
     def describe(self, drafter) -> str:
         cfg = drafter.config
-        return (f"P-EAGLE, hidden {cfg.hidden_size}, {cfg.num_attention_heads} heads x {cfg.head_dim}, draft vocab "
-                f"{cfg.draft_vocab_size} of {cfg.vocab_size}, aux layers {cfg.aux_layer_ids}, "
-                f"K {cfg.speculative_tokens}, mask token {cfg.mask_token_id}")
+        return (
+            f"P-EAGLE, hidden {cfg.hidden_size}, {cfg.num_attention_heads} heads x {cfg.head_dim}, draft vocab "
+            f"{cfg.draft_vocab_size} of {cfg.vocab_size}, aux layers {cfg.aux_layer_ids}, "
+            f"K {cfg.speculative_tokens}, mask token {cfg.mask_token_id}"
+        )
 
     def diagnose(self, folder, config, target, run_path, measured, conversations) -> list:
         return doctor.diagnose(folder, config, target, run_path, measured, conversations)

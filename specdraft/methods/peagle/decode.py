@@ -38,8 +38,9 @@ class SlotState:
         positions = torch.arange(first_position, first_position + len(next_tokens), device=aux.device)[None]
         tokens = torch.tensor([next_tokens], device=aux.device)
         logits, _, kv = d(d.project(aux.to(d.fc.weight.dtype))[None], tokens, positions, base=self.cache)
-        self.cache = kv if self.cache is None else (torch.cat([self.cache[0], kv[0]], 2),
-                                                    torch.cat([self.cache[1], kv[1]], 2))
+        self.cache = (
+            kv if self.cache is None else (torch.cat([self.cache[0], kv[0]], 2), torch.cat([self.cache[1], kv[1]], 2))
+        )
         self.root_logits = logits[0, -1]  # [Vd]: draft 1
         self.root_position = first_position + len(next_tokens) - 1
 
@@ -83,8 +84,13 @@ class StaticSlotState:
                 raise RuntimeError(f"drafter cache of {self.capacity} slots is full: reserve() more before decoding")
             padded = aux.new_zeros((rows, aux.shape[1]))
             padded[:m] = aux
-            logits = self.graphs(("slot-advance", rows), self._advance, padded,
-                                 torch.tensor([next_tokens + [0] * (rows - m)]), torch.tensor(first_position))
+            logits = self.graphs(
+                ("slot-advance", rows),
+                self._advance,
+                padded,
+                torch.tensor([next_tokens + [0] * (rows - m)]),
+                torch.tensor(first_position),
+            )
         self.root_logits = logits[m - 1]
         self.root_position = first_position + m - 1
 
@@ -92,10 +98,16 @@ class StaticSlotState:
         """aux [W, n_aux*Ht], tokens [1, W], first [] -> logits [W, Vd]; writes W cache slots."""
         d, W = self.drafter, tokens.shape[1]
         slots = first + torch.arange(W, device=tokens.device)
-        mask = torch.cat([(torch.arange(self.capacity, device=tokens.device) < first)[None].expand(W, -1),
-                          torch.ones(W, W, dtype=torch.bool, device=tokens.device).tril()], dim=1)  # [W, C+W]
-        logits, _, (k, v) = d(d.project(aux.to(self.keys.dtype))[None], tokens, slots[None],
-                              base=(self.keys, self.values), mask=mask)
+        mask = torch.cat(
+            [
+                (torch.arange(self.capacity, device=tokens.device) < first)[None].expand(W, -1),
+                torch.ones(W, W, dtype=torch.bool, device=tokens.device).tril(),
+            ],
+            dim=1,
+        )  # [W, C+W]
+        logits, _, (k, v) = d(
+            d.project(aux.to(self.keys.dtype))[None], tokens, slots[None], base=(self.keys, self.values), mask=mask
+        )
         self.keys.index_copy_(2, slots, k)
         self.values.index_copy_(2, slots, v)
         return logits[0]
@@ -104,8 +116,12 @@ class StaticSlotState:
     def draft(self, K: int) -> list[int]:
         if K == 1:
             return self.drafter.to_target_ids(self.root_logits.argmax(-1, keepdim=True)).tolist()
-        ids = self.graphs(("slot-draft", K), lambda logits, n: self._draft(logits, n, K), self.root_logits,
-                          torch.tensor(self.root_position))
+        ids = self.graphs(
+            ("slot-draft", K),
+            lambda logits, n: self._draft(logits, n, K),
+            self.root_logits,
+            torch.tensor(self.root_position),
+        )
         return ids.tolist()
 
     def _draft(self, root_logits, n, K):

@@ -23,13 +23,12 @@ keys of slots 1..i at t (the diagonal keys of drafters/common.attend).
 
 from __future__ import annotations
 
-import math
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 
 import torch
 from torch import nn
 
-from specdraft.drafters.common import DecoderLayer, RMSNorm, rotary, within_vocab
+from specdraft.drafters.common import DecoderLayer, RMSNorm, check_fields, rotary, within_vocab
 
 
 @dataclass
@@ -52,16 +51,9 @@ class PEagleConfig:
     norm_before_fc: bool = False
 
     def check(self, where: str) -> PEagleConfig:
-        """Refuse a config read from a file whose values are of the wrong kind or out of range, in one
-        line naming `where`."""
-        for f in fields(self):
-            v = getattr(self, f.name)
-            ok = {"int": lambda: type(v) is int and (v > 0 or f.name == "mask_token_id" and v >= 0),
-                  "float": lambda: type(v) in (int, float) and math.isfinite(v) and v > 0,
-                  "bool": lambda: type(v) is bool}.get(
-                f.type, lambda: isinstance(v, list) and bool(v) and all(type(i) is int and i >= 0 for i in v))()
-            if not ok:
-                raise ValueError(f"{where}: {f.name} = {v!r} is not a valid {f.type}")
+        """Refuse a config read from a file whose values are of the wrong kind or out of range (the mask
+        token may be id 0)."""
+        check_fields(self, where, zero_ok=("mask_token_id",))
         return self
 
     @classmethod

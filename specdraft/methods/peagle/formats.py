@@ -35,11 +35,28 @@ from specdraft.targets import refuse_pickled_weights
 
 WEIGHTS = "model.safetensors"
 MODEL_TYPE = "peagle"
-LAYER = ("input_layernorm", "hidden_norm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
-         "self_attn.o_proj", "post_attention_layernorm", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+LAYER = (
+    "input_layernorm",
+    "hidden_norm",
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "post_attention_layernorm",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+)
 # Our state-dict names, which are also the folder's (vLLM's Eagle-3 Llama names, d2t and t2d included).
-KEYS = ("fc.weight", *(f"layers.0.{m}.weight" for m in LAYER), "norm.weight", "lm_head.weight", "mask_hidden",
-        "d2t", "t2d")
+KEYS = (
+    "fc.weight",
+    *(f"layers.0.{m}.weight" for m in LAYER),
+    "norm.weight",
+    "lm_head.weight",
+    "mask_hidden",
+    "d2t",
+    "t2d",
+)
 EMBED = "embed_tokens.weight"  # written only when it differs from the target's (vLLM shares the target's)
 
 
@@ -64,39 +81,63 @@ def problems(config: dict) -> list[tuple[str, str]]:
     found = []
     mask, trained, k = config.get("mask_token_id"), config.get("para_depths"), served_k(config)
     if type(mask) is not int or mask < 0:
-        found.append((f"mask_token_id {mask!r}: no mask token for the mask slots (vLLM refuses parallel drafting "
-                      "without one)", "write the mask token the drafter was trained with as mask_token_id"))
+        found.append(
+            (
+                f"mask_token_id {mask!r}: no mask token for the mask slots (vLLM refuses parallel drafting "
+                "without one)",
+                "write the mask token the drafter was trained with as mask_token_id",
+            )
+        )
     if config.get("speculators_model_type") != MODEL_TYPE:
-        found.append((f"speculators_model_type {config.get('speculators_model_type')!r}: the parallel flag is "
-                      "missing, so vLLM serves it one token per forward and drops mask_hidden",
-                      f"set speculators_model_type to {MODEL_TYPE!r} (vLLM then serves it with parallel_drafting: "
-                      "true)"))
+        found.append(
+            (
+                f"speculators_model_type {config.get('speculators_model_type')!r}: the parallel flag is "
+                "missing, so vLLM serves it one token per forward and drops mask_hidden",
+                f"set speculators_model_type to {MODEL_TYPE!r} (vLLM then serves it with parallel_drafting: true)",
+            )
+        )
     if trained is not None and (type(trained) is not int or trained < 1):
         found.append((f"para_depths {trained!r} is not a K", "write the K it was trained for as para_depths"))
     elif type(trained) is int and k is not None and k > trained:
-        found.append((f"speculative_tokens {k} > para_depths {trained}: slots past the trained K draft from "
-                      "mask slots it never learnt", f"serve at most {trained} speculative tokens (set "
-                      f"speculators_config.proposal_methods[0].speculative_tokens to <= {trained})"))
+        found.append(
+            (
+                f"speculative_tokens {k} > para_depths {trained}: slots past the trained K draft from "
+                "mask slots it never learnt",
+                f"serve at most {trained} speculative tokens (set "
+                f"speculators_config.proposal_methods[0].speculative_tokens to <= {trained})",
+            )
+        )
     return found
 
 
 def layer_config(cfg: PEagleConfig) -> dict:
     """The one-layer Llama config vLLM builds the drafter's decoder layer from."""
     return {
-        "model_type": "llama", "architectures": ["LlamaForCausalLM"],
-        "hidden_size": cfg.hidden_size, "num_attention_heads": cfg.num_attention_heads,
-        "num_key_value_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim,
-        "intermediate_size": cfg.intermediate_size, "num_hidden_layers": 1,
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": cfg.hidden_size,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": 1,
         "num_aux_hidden_states": len(cfg.aux_layer_ids),  # vLLM sizes fc's input (and mask_hidden) from it
-        "vocab_size": cfg.vocab_size, "hidden_act": "silu", "rms_norm_eps": cfg.rms_norm_eps,
-        "rope_theta": cfg.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
-        "max_position_embeddings": cfg.max_position_embeddings, "attention_bias": False, "mlp_bias": False,
-        "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+        "vocab_size": cfg.vocab_size,
+        "hidden_act": "silu",
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
     }
 
 
-def folder_config(cfg: PEagleConfig, *, verifier: str, verifier_architectures: list[str], speculative_tokens: int,
-                  provenance: dict) -> dict:
+def folder_config(
+    cfg: PEagleConfig, *, verifier: str, verifier_architectures: list[str], speculative_tokens: int, provenance: dict
+) -> dict:
     return {
         "architectures": ["PEagleSpeculator"],
         "speculators_model_type": MODEL_TYPE,
@@ -120,19 +161,34 @@ def folder_config(cfg: PEagleConfig, *, verifier: str, verifier_architectures: l
     }
 
 
-def write_peagle(drafter: PEagleDrafter, out: Path, *, verifier: str, verifier_architectures: list[str],
-                 speculative_tokens: int, include_embed: bool, provenance: dict) -> Path:
+def write_peagle(
+    drafter: PEagleDrafter,
+    out: Path,
+    *,
+    verifier: str,
+    verifier_architectures: list[str],
+    speculative_tokens: int,
+    include_embed: bool,
+    provenance: dict,
+) -> Path:
     """The folder vLLM serves; refused, before anything is written, where `problems` finds any."""
     cfg = drafter.config
-    config = folder_config(cfg, verifier=verifier, verifier_architectures=verifier_architectures,
-                           speculative_tokens=speculative_tokens, provenance=provenance)
+    config = folder_config(
+        cfg,
+        verifier=verifier,
+        verifier_architectures=verifier_architectures,
+        speculative_tokens=speculative_tokens,
+        provenance=provenance,
+    )
     found = problems(config)
     if found:
         raise ValueError("export: " + "; ".join(f"{p} ({fix})" for p, fix in found))
     keys = list(KEYS) + (["input_norm.weight"] if cfg.norm_before_fc else []) + ([EMBED] if include_embed else [])
     state = drafter.state_dict()
-    tensors = {k: (state[k].detach().to(torch.bfloat16) if state[k].is_floating_point() else state[k]).contiguous()
-               for k in keys}
+    tensors = {
+        k: (state[k].detach().to(torch.bfloat16) if state[k].is_floating_point() else state[k]).contiguous()
+        for k in keys
+    }
     out.mkdir(parents=True, exist_ok=True)
     with atomic_path(out / WEIGHTS) as tmp:
         save_safetensors(tensors, tmp)
@@ -169,10 +225,12 @@ def parse_config(config: dict, where: str) -> PEagleConfig:
         raise ValueError(f"{where}: a rope type or activation the drafter does not implement")
     try:
         return PEagleConfig(
-            hidden_size=layer["hidden_size"], num_attention_heads=layer["num_attention_heads"],
+            hidden_size=layer["hidden_size"],
+            num_attention_heads=layer["num_attention_heads"],
             num_key_value_heads=layer.get("num_key_value_heads") or layer["num_attention_heads"],
             head_dim=layer.get("head_dim") or layer["hidden_size"] // layer["num_attention_heads"],
-            intermediate_size=layer["intermediate_size"], vocab_size=layer["vocab_size"],
+            intermediate_size=layer["intermediate_size"],
+            vocab_size=layer["vocab_size"],
             draft_vocab_size=config["draft_vocab_size"],
             target_hidden_size=config.get("target_hidden_size") or layer["hidden_size"],
             mask_token_id=config.get("mask_token_id"),
@@ -203,9 +261,14 @@ def read_peagle(folder: Path, embed: torch.Tensor, notes: list[str] | None = Non
     keys = [k for k in KEYS if k not in ("d2t", "t2d")] + (["input_norm.weight"] if cfg.norm_before_fc else [])
     missing = [k for k in keys if k not in theirs]
     if missing:
-        raise ValueError(f"{folder}: missing tensor(s) {missing}" + (
-            " (mask_hidden: the mask slots' hidden input; vLLM refuses parallel drafting without it)"
-            if "mask_hidden" in missing else ""))
+        raise ValueError(
+            f"{folder}: missing tensor(s) {missing}"
+            + (
+                " (mask_hidden: the mask slots' hidden input; vLLM refuses parallel drafting without it)"
+                if "mask_hidden" in missing
+                else ""
+            )
+        )
     with torch.device("meta"):
         expected = PEagleDrafter(cfg).state_dict()
     state = {k: theirs[k] for k in keys}
@@ -215,8 +278,11 @@ def read_peagle(folder: Path, embed: torch.Tensor, notes: list[str] | None = Non
     d2t = theirs["d2t"].long() if "d2t" in theirs else torch.zeros(cfg.draft_vocab_size, dtype=torch.long)
     if "d2t" not in theirs:
         notes.append("d2t: absent; vLLM maps draft id i to target id i")
-    misfits = [f"{k}: {list(v.shape)} given, config.json needs {list(expected[k].shape)}"
-               for k, v in state.items() if v.shape != expected[k].shape]
+    misfits = [
+        f"{k}: {list(v.shape)} given, config.json needs {list(expected[k].shape)}"
+        for k, v in state.items()
+        if v.shape != expected[k].shape
+    ]
     if misfits:
         raise ValueError(f"{folder}: the tensors do not fit config.json: " + "; ".join(misfits))
     state["d2t"] = d2t

@@ -28,8 +28,9 @@ from specdraft.drafters.common import NO_DOCUMENT, document_mask, position_loss,
 from specdraft.methods.peagle.drafter import PEagleDrafter
 
 
-def slot_logits(drafter: PEagleDrafter, aux, ids, documents, positions, slots: int, checkpointing: bool = False,
-                mask=None):
+def slot_logits(
+    drafter: PEagleDrafter, aux, ids, documents, positions, slots: int, checkpointing: bool = False, mask=None
+):
     """Yield each slot's logits [B, T, Vd] over anchors t (module docstring)."""
     mask = document_mask(documents) if mask is None else mask
     B, T = ids.shape
@@ -56,8 +57,15 @@ class ParallelSlots(nn.Module):
     """The objective of one P-EAGLE drafter on one packed batch (the trainer's batch dict). Returns the
     weighted loss and per-slot statistics [K, len(STAT_COLUMNS)]."""
 
-    def __init__(self, drafter: PEagleDrafter, draft_head: torch.Tensor, decay: float, loss: str = "soft_ce",
-                 checkpointing: bool = False, hidden_noise: float = 0.0):
+    def __init__(
+        self,
+        drafter: PEagleDrafter,
+        draft_head: torch.Tensor,
+        decay: float,
+        loss: str = "soft_ce",
+        checkpointing: bool = False,
+        hidden_noise: float = 0.0,
+    ):
         super().__init__()
         self.drafter = drafter
         self.register_buffer("draft_head", draft_head, persistent=False)  # [Vd, H], frozen
@@ -86,13 +94,19 @@ class ParallelSlots(nn.Module):
             where = evaluable & shift(inside, 1 + i, False)  # [B, T]
             count = where.sum()
             loss_sum = (position_loss(self.loss, logits, shift(probs, 1 + i)) * where).sum()
-            total = total + self.decay ** i * loss_sum / count.clamp(min=1)
+            total = total + self.decay**i * loss_sum / count.clamp(min=1)
             with torch.no_grad():
                 pred = logits.argmax(-1)
                 correct = (pred + d.d2t[pred]) == shift(batch["top"], 1 + i)
                 before = chain & evaluable
                 chain = chain & correct
-                row = [loss_sum.detach(), count, (correct & where).sum(), evaluable.sum(), (chain & evaluable).sum(),
-                       before.sum()]
+                row = [
+                    loss_sum.detach(),
+                    count,
+                    (correct & where).sum(),
+                    evaluable.sum(),
+                    (chain & evaluable).sum(),
+                    before.sum(),
+                ]
                 stats.append(torch.stack([x.float() for x in row]))
         return total, torch.stack(stats)
