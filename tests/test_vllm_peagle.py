@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import json
 import shutil
-from pathlib import Path
 
 import pytest
+from test_vllm_dflash import served_folder
 from test_vllm_serve import serve_and_measure, training_prompts
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
@@ -30,11 +30,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 # tokens alone guess), the sound one 1.92 in bf16; 1.5 sits between with room for bf16's near-ties on
 # another CPU (the fp32 figure, 1.81, is the lowest a sound folder measured).
 SERVED_FLOOR = 1.5
-
-
-def served_folder(run: Path) -> tuple[Path, str]:
-    printed = json.loads((run / "manifest.json").read_text())["stages"]["export"]["serve_commands"]["vllm"]
-    return run / "export" / "vllm", printed
 
 
 @pytest.fixture(scope="module")
