@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from specdraft.drafters import vocab
-from specdraft.methods.dflash import formats as dflash_format
+from specdraft.methods import METHODS
 from specdraft.methods.dflash.drafter import DFlashConfig, DFlashDrafter
 from specdraft.methods.dflash.formats import read_dflash, write_dflash
 
@@ -197,7 +197,8 @@ def test_tensor_names_and_config_are_the_ones_vllm_reads(tmp_path):
         "block_size": BS,
     }
     assert {k: config.get(k) for k in explicit} == explicit
-    assert dflash_format.serve_spec(out, d.config) == {
+    # the folder's own K, block_size - 1, as export serves it
+    assert METHODS["dflash"].serve_config(str(out), None) == {
         "method": "dflash",
         "model": str(out),
         "num_speculative_tokens": BS - 1,
