@@ -375,6 +375,12 @@ def children(pid: int) -> list[tuple[int, str]]:
     return out
 
 
+def _default_sigint() -> None:
+    # A shell without job control starts background commands with SIGINT ignored, and Python then keeps
+    # it ignored: the command under test gets SIGINT's default, as it has when a user runs it.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def specdraft(argv: list, cwd: Path) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "specdraft.cli", *map(str, argv)],
@@ -383,6 +389,7 @@ def specdraft(argv: list, cwd: Path) -> subprocess.Popen:
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         env={**os.environ, "PYTHONPATH": str(REPO), "TQDM_DISABLE": "1"},
+        preexec_fn=_default_sigint,
     )
 
 
