@@ -128,6 +128,38 @@ def run_checks(drafter, run_path: Path, target) -> tuple[list[Check], object]:
     return checks, counts
 
 
+def agrees_with_training(cfg, run_path: Path, names: tuple[str, ...]) -> list[Check]:
+    """The folder's `names` against the checkpoint the run trained (none where the run has no checkpoint)."""
+    trained = trained_config(run_path)
+    if trained is None:
+        return []
+    return [
+        Check(
+            f"{name} = trained",
+            getattr(cfg, name) == trained.get(name),
+            f"folder {getattr(cfg, name)}, checkpoint {trained.get(name)}",
+            "the folder no longer says what the drafter was trained with: re-export from the run",
+        )
+        for name in names
+    ]
+
+
+def mask_token_unused(counts, mask_token_id: int) -> list[Check]:
+    """A mask token the training answers contain would be read as data by the mask slots (none without
+    the run's token counts)."""
+    if counts is None:
+        return []
+    n = int(counts[mask_token_id])
+    return [
+        Check(
+            "mask token absent from the training answers",
+            n == 0,
+            f"{n} occurrence(s)",
+            "choose a mask token the data never contains (train.mask_token_id)",
+        )
+    ]
+
+
 _MODELS: dict = {}
 
 

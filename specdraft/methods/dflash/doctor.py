@@ -13,10 +13,11 @@ from specdraft.decoding.runners import TargetRunner
 from specdraft.drafters.checks import (
     MIN_TOP1_AGREEMENT,
     Check,
+    agrees_with_training,
     held_out_conversations,
+    mask_token_unused,
     run_checks,
     target_model,
-    trained_config,
     vocab_checks,
 )
 from specdraft.drafters.common import REEXPORT, WEIGHTS
@@ -132,18 +133,8 @@ def _shape_checks(config: dict) -> list[Check]:
 
 def _run_checks(drafter, run_path: Path, target) -> tuple[list[Check], object]:
     """The folder against the run that trained it: layers, mask token, block size, the served K."""
-    folder, cfg, checks = RunFolder(run_path), drafter.config, []
-    trained = trained_config(run_path)
-    if trained is not None:
-        for name in ("mask_token_id", "block_size", "aux_layer_ids"):
-            checks.append(
-                Check(
-                    f"{name} = trained",
-                    getattr(cfg, name) == trained.get(name),
-                    f"folder {getattr(cfg, name)}, checkpoint {trained.get(name)}",
-                    "the folder no longer says what the drafter was trained with: re-export from the run",
-                )
-            )
+    folder, cfg = RunFolder(run_path), drafter.config
+    checks = agrees_with_training(cfg, run_path, ("mask_token_id", "block_size", "aux_layer_ids"))
     served = ((folder.stage("export") or {}).get("speculative_tokens") or {}).get("value")
     if served is not None:
         checks.append(
@@ -155,16 +146,7 @@ def _run_checks(drafter, run_path: Path, target) -> tuple[list[Check], object]:
             )
         )
     more, counts = run_checks(drafter, run_path, target)
-    if counts is not None:
-        n = int(counts[cfg.mask_token_id])
-        more.append(
-            Check(
-                "mask token absent from the training answers",
-                n == 0,
-                f"{n} occurrence(s)",
-                "choose a mask token the data never contains (train.mask_token_id)",
-            )
-        )
+    more += mask_token_unused(counts, cfg.mask_token_id)
     return checks + more, counts
 
 

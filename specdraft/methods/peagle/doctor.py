@@ -13,10 +13,11 @@ from specdraft.decoding.runners import TargetRunner
 from specdraft.drafters.checks import (
     MIN_TOP1_AGREEMENT,
     Check,
+    agrees_with_training,
     held_out_conversations,
+    mask_token_unused,
     run_checks,
     target_model,
-    trained_config,
     vocab_checks,
 )
 from specdraft.drafters.common import REEXPORT
@@ -92,29 +93,10 @@ def _mask_hidden_check(folder: Path, config: dict, target) -> Check:
 
 
 def _run_checks(drafter, run_path: Path, target) -> tuple[list[Check], object]:
-    cfg, checks = drafter.config, []
-    trained = trained_config(run_path)
-    if trained is not None:
-        for name in ("mask_token_id", "speculative_tokens", "aux_layer_ids"):
-            checks.append(
-                Check(
-                    f"{name} = trained",
-                    getattr(cfg, name) == trained.get(name),
-                    f"folder {getattr(cfg, name)}, checkpoint {trained.get(name)}",
-                    "the folder no longer says what the drafter was trained with: re-export from the run",
-                )
-            )
+    cfg = drafter.config
+    checks = agrees_with_training(cfg, run_path, ("mask_token_id", "speculative_tokens", "aux_layer_ids"))
     more, counts = run_checks(drafter, run_path, target)
-    if counts is not None:
-        n = int(counts[cfg.mask_token_id])
-        more.append(
-            Check(
-                "mask token absent from the training answers",
-                n == 0,
-                f"{n} occurrence(s)",
-                "choose a mask token the data never contains (train.mask_token_id)",
-            )
-        )
+    more += mask_token_unused(counts, cfg.mask_token_id)
     return checks + more, counts
 
 
