@@ -56,7 +56,7 @@ stage $R gen $first $EXTRA && stage $R render && stage $R extract && data=1
 [ "${ABLATE:-1}" = 0 ] && abl="" || abl=1
 if [ -n "$data" ] && [ -n "$abl" ]; then
   # The fp8 copy reads RUN's tokens: only its extract runs.
-  python3 -c "from specdraft.run import Run; Run('$R8').share_data('$R', through='render')"
+  python3 -c "from specdraft.run import RunFolder; RunFolder('$R8').share_data('$R', through='render')"
   stage $R8 extract --set extract.store_dtype=fp8_e4m3
   # SOURCE=0 leaves the source's answers out (only the "source" ablation reads them; ~1 min).
   [ "${SOURCE:-1}" != 0 ] && stage $RS gen --recipe smollm2-h200 --set target.model=$G --set gen.answers=source --set gen.self_instruct_samples=0 \
