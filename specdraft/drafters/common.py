@@ -44,6 +44,26 @@ def check_fields(config, where: str, zero_ok: tuple[str, ...] = ()) -> None:
             raise ValueError(f"{where}: {f.name} = {getattr(config, f.name)!r} is not a valid {f.type}")
 
 
+def target_shape(target, draft_vocab_size: int) -> dict:
+    """The fields a drafter as wide as the target takes from it (every method's config has them)."""
+    c = target.text_config
+    rope = getattr(c, "rope_parameters", None) or {}
+    return dict(
+        hidden_size=c.hidden_size,
+        num_attention_heads=c.num_attention_heads,
+        num_key_value_heads=c.num_key_value_heads,
+        head_dim=target.drafter_head_dim,  # MLA targets: the value head width (targets.py)
+        intermediate_size=c.intermediate_size,
+        vocab_size=c.vocab_size,
+        draft_vocab_size=within_vocab(draft_vocab_size, c.vocab_size),
+        target_hidden_size=c.hidden_size,
+        aux_layer_ids=list(target.aux_layer_ids),
+        rms_norm_eps=c.rms_norm_eps,
+        rope_theta=rope.get("rope_theta", getattr(c, "rope_theta", 10000.0)),
+        max_position_embeddings=c.max_position_embeddings,
+    )
+
+
 def within_vocab(draft_vocab_size: int, vocab_size: int) -> int:
     """The draft vocabulary's size: 0 is the whole vocabulary; more than it is refused, not cut to it
     (the recipe's train.draft_vocab_size, checked first by targets.check_fits)."""

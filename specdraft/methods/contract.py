@@ -10,6 +10,7 @@ finds its method) for a method and call it, never name one.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +18,8 @@ from typing import Any, Protocol
 
 import torch
 from torch import nn
+
+from specdraft.config import ConfigError, beyond
 
 Decoding = Callable  # (runner, drafter, prompt ids, max_new, eos, Stats) -> generated ids
 
@@ -76,6 +79,13 @@ class Method:
     def check(self, recipe) -> None:
         """Refuse (config.ConfigError) a recipe the method cannot train: a choice it does not take, or a
         range between fields that only it sets. train asks before the run is written, plan before its bill."""
+
+    def check_mask_token(self, recipe, vocab_size: int, target: str) -> None:
+        """train.mask_token_id within the target's vocabulary (the methods that draft from mask slots)."""
+        if recipe.train.mask_token_id >= vocab_size:
+            raise beyond(
+                "train.mask_token_id", recipe.train.mask_token_id, f"< {vocab_size:,}", f"the vocabulary of {target}"
+            )
 
     def check_target(self, recipe, vocab_size: int, target: str) -> None:
         """Refuse the ranges the target (`target` names it, of `vocab_size` tokens) sets for the method's
@@ -158,6 +168,33 @@ class Method:
     def export(self, recipe, folder, formats: list[str], drafter, target, embed: torch.Tensor, t_start: float) -> dict:
         """The engine folders of a trained drafter and their serve commands -> the export stage's record."""
         raise NotImplementedError
+
+    def record_export(self, recipe, folder, t_start: float, commands: dict, written: dict, **extra) -> dict:
+        """The export stage's record of the folders written (`written`: format -> path and layout) and
+        their serve commands; `extra` (embed_included, speculative_tokens) as the method knows them."""
+        first = next(iter(commands))
+        return folder.record(
+            "export",
+            state="done",
+            config=recipe.export,
+            counts={"formats": len(written)},
+            seconds=time.time() - t_start,
+            extra={
+                "method": self.name,
+                "folders": written,
+                "serve_command": commands[first],
+                "serve_commands": commands,
+                **extra,
+            },
+        )
+
+    def refuse_init_from(self, cfg) -> None:
+        """train.init_from reads a published EAGLE-3 drafter, which only EAGLE-3 can start from."""
+        if cfg.init_from:
+            raise ConfigError(
+                "train.init_from starts from a published EAGLE-3 drafter; with train.method = "
+                f"'{self.name}' leave it empty"
+            )
 
     def import_folder(self, folder: Path, target, out: Path, extracted_aux_layer_ids: list[int] | None):
         """A published folder -> a specdraft checkpoint at `out`, checked against `target` -> (drafter,

@@ -11,14 +11,13 @@ block of block_size - 1 tokens in one forward, from the anchor and mask slots.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from specdraft.config import ConfigError, beyond
+from specdraft.config import beyond
 from specdraft.drafters import vocab
 from specdraft.drafters.checkpoint import refuse_misfits, save_imported
 from specdraft.drafters.common import REEXPORT, provenance
@@ -68,10 +67,7 @@ class DFlash(Method):
         """What DFlash cannot train: a published EAGLE-3 drafter to start from, a block longer than a sample
         or a packed row."""
         cfg = recipe.train
-        if cfg.init_from:
-            raise ConfigError(
-                "train.init_from starts from a published EAGLE-3 drafter; with train.method = 'dflash' leave it empty"
-            )
+        self.refuse_init_from(cfg)
         for name, limit in (("train.batch_tokens", cfg.batch_tokens), ("render.max_length", recipe.render.max_length)):
             if cfg.block_size > limit:
                 raise beyond(
@@ -82,10 +78,7 @@ class DFlash(Method):
                 )
 
     def check_target(self, recipe, vocab_size: int, target: str) -> None:
-        if recipe.train.mask_token_id >= vocab_size:
-            raise beyond(
-                "train.mask_token_id", recipe.train.mask_token_id, f"< {vocab_size:,}", f"the vocabulary of {target}"
-            )
+        self.check_mask_token(recipe, vocab_size, target)
 
     def build(self, cfg, target, counts: torch.Tensor) -> DFlashDrafter:
         """A drafter as wide as the target, reading the same aux layers as EAGLE-3 (so one extract serves
@@ -184,20 +177,9 @@ class DFlash(Method):
             f"{drafter.config.mask_token_id})\n  serve it with:\n  {command}\n\nnext: specdraft doctor {out}"
         )
         k = {"value": K, "source": "block_size - 1 (the block the drafter was trained on)"}
-        return folder.record(
-            "export",
-            state="done",
-            config=recipe.export,
-            counts={"formats": 1},
-            seconds=time.time() - t_start,
-            extra={
-                "method": "dflash",
-                "serve_command": command,
-                "serve_commands": {"vllm": command},
-                "folders": {"vllm": {"path": str(out.relative_to(folder.path)), "format": "DFlash (DFlashDraftModel)"}},
-                "embed_included": False,
-                "speculative_tokens": k,
-            },
+        written = {"vllm": {"path": str(out.relative_to(folder.path)), "format": "DFlash (DFlashDraftModel)"}}
+        return self.record_export(
+            recipe, folder, t_start, {"vllm": command}, written, embed_included=False, speculative_tokens=k
         )
 
     def import_folder(self, folder, target, out, extracted_aux_layer_ids=None) -> tuple[DFlashDrafter, DFlashRead]:

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from specdraft.drafters.common import MLP, RMSNorm, apply_rotary, default_mask_token, rotary, within_vocab  # noqa: F401
+from specdraft.drafters.common import MLP, RMSNorm, apply_rotary, default_mask_token, rotary, target_shape  # noqa: F401
 
 # The block size the paper and the published drafters use (15 drafted tokens per round).
 DEFAULT_BLOCK_SIZE = 16
@@ -70,26 +70,8 @@ class DFlashConfig:
     ) -> DFlashConfig:
         """A drafter as wide as the target (so it shares its embedding and lm_head), reading the
         target's aux layers."""
-        c = target.text_config
-        rope = getattr(c, "rope_parameters", None) or {}
-        vocab = c.vocab_size
-        return cls(
-            hidden_size=c.hidden_size,
-            num_attention_heads=c.num_attention_heads,
-            num_key_value_heads=c.num_key_value_heads,
-            head_dim=target.drafter_head_dim,
-            intermediate_size=c.intermediate_size,
-            num_layers=num_layers,
-            vocab_size=vocab,
-            draft_vocab_size=within_vocab(draft_vocab_size or 0, vocab),
-            target_hidden_size=c.hidden_size,
-            mask_token_id=mask_token_id,
-            block_size=block_size,
-            aux_layer_ids=list(target.aux_layer_ids),
-            rms_norm_eps=c.rms_norm_eps,
-            rope_theta=rope.get("rope_theta", getattr(c, "rope_theta", 10000.0)),
-            max_position_embeddings=c.max_position_embeddings,
-        )
+        shape = target_shape(target, draft_vocab_size or 0)
+        return cls(**shape, num_layers=num_layers, mask_token_id=mask_token_id, block_size=block_size)
 
     @property
     def shares_lm_head(self) -> bool:

@@ -12,7 +12,6 @@ chain or an EAGLE-2 tree step by step.
 from __future__ import annotations
 
 import shlex
-import time
 from pathlib import Path
 
 import torch
@@ -274,20 +273,8 @@ class Eagle3(Method):
         for fmt in formats:
             print(f"export: {engines[fmt]} drafter in {folder.export(fmt)}\n  serve it with:\n  {commands[fmt]}")
         print(f"\nnext: specdraft doctor {folder.export(formats[0])}")
-        return folder.record(
-            "export",
-            state="done",
-            config=recipe.export,
-            counts={"formats": len(written)},
-            seconds=time.time() - t_start,
-            extra={
-                "method": "eagle3",
-                "folders": written,
-                "serve_command": commands[formats[0]],
-                "serve_commands": commands,
-                "embed_included": include_embed,
-                "speculative_tokens": k,
-            },
+        return self.record_export(
+            recipe, folder, t_start, commands, written, embed_included=include_embed, speculative_tokens=k
         )
 
     def import_folder(self, folder, target, out, extracted_aux_layer_ids=None):

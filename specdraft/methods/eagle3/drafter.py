@@ -39,7 +39,7 @@ from specdraft.drafters.common import (  # noqa: F401 (the layer's parts, named 
     document_mask,
     flex_attention,
     rotary,
-    within_vocab,
+    target_shape,
 )
 
 
@@ -73,22 +73,7 @@ class DrafterConfig:
 
     @classmethod
     def from_target(cls, target, draft_vocab_size: int) -> DrafterConfig:
-        c = target.text_config
-        rope = getattr(c, "rope_parameters", None) or {}
-        return cls(
-            hidden_size=c.hidden_size,
-            num_attention_heads=c.num_attention_heads,
-            num_key_value_heads=c.num_key_value_heads,
-            head_dim=target.drafter_head_dim,  # MLA targets: the value head width (targets.py)
-            intermediate_size=c.intermediate_size,
-            vocab_size=c.vocab_size,
-            draft_vocab_size=within_vocab(draft_vocab_size, c.vocab_size),
-            target_hidden_size=c.hidden_size,
-            aux_layer_ids=list(target.aux_layer_ids),
-            rms_norm_eps=c.rms_norm_eps,
-            rope_theta=rope.get("rope_theta", getattr(c, "rope_theta", 10000.0)),
-            max_position_embeddings=c.max_position_embeddings,
-        )
+        return cls(**target_shape(target, draft_vocab_size))
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -16,7 +16,6 @@ lm_head_init, norm_before_residual, norm_before_fc, loss, hidden_noise, gradient
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,7 +24,7 @@ from torch import nn
 
 from specdraft.config import ConfigError, beyond
 from specdraft.drafters import vocab
-from specdraft.drafters.checkpoint import save_checkpoint
+from specdraft.drafters.checkpoint import save_imported
 from specdraft.drafters.common import REEXPORT, default_mask_token, provenance
 from specdraft.files import read_json
 from specdraft.methods.contract import Decode, Method
@@ -93,20 +92,10 @@ def export(recipe, folder, formats: list[str], drafter: PEagleDrafter, target, e
         f"export: vLLM P-EAGLE drafter in {out} ({K} parallel drafts per round of the {trained} trained, mask "
         f"token {drafter.config.mask_token_id})\n  serve it with:\n  {command}\n\nnext: specdraft doctor {out}"
     )
-    return folder.record(
-        "export",
-        state="done",
-        config=recipe.export,
-        counts={"formats": 1},
-        seconds=time.time() - t_start,
-        extra={
-            "method": "peagle",
-            "serve_command": command,
-            "serve_commands": {"vllm": command},
-            "folders": {"vllm": {"path": str(out.relative_to(folder.path)), "format": "speculators (peagle)"}},
-            "embed_included": include_embed,
-            "speculative_tokens": {"value": K, "source": "recipe (eval.draft_tokens)", "trained": trained},
-        },
+    written = {"vllm": {"path": str(out.relative_to(folder.path)), "format": "speculators (peagle)"}}
+    k = {"value": K, "source": "recipe (eval.draft_tokens)", "trained": trained}
+    return METHOD.record_export(
+        recipe, folder, t_start, {"vllm": command}, written, embed_included=include_embed, speculative_tokens=k
     )
 
 
@@ -144,13 +133,7 @@ def import_folder(folder: Path, target, out: Path, extracted_aux_layer_ids: list
         raise ValueError(f"import: {folder} does not fit the target {target.path}: " + "; ".join(bad))
     if "para_depths" not in config:
         notes.append(f"para_depths: absent; the K trained taken as the K served, {cfg.speculative_tokens}")
-    aux_ids = list(cfg.aux_layer_ids)
-    meta = {
-        "aux_layer_ids": aux_ids,
-        "target": type(target)(target.name, aux_ids).describe(),
-        "imported_from": {"folder": str(Path(folder).resolve()), "layout": "speculators (peagle)", "notes": notes},
-    }
-    save_checkpoint(drafter, Path(out), meta)
+    save_imported(drafter, target, folder, out, "speculators (peagle)", notes)
     return drafter, PEagleRead("speculators (peagle)", notes)
 
 
@@ -167,10 +150,7 @@ class PEagle(Method):
     def check(self, recipe) -> None:
         """Train choices P-EAGLE does not take, and a packed row too short for its slots."""
         cfg = recipe.train
-        if cfg.init_from:
-            raise ConfigError(
-                "train.init_from starts from a published EAGLE-3 drafter; with train.method = 'peagle' leave it empty"
-            )
+        self.refuse_init_from(cfg)
         if cfg.fc_norm or cfg.norm_output:
             raise ConfigError(
                 "train.fc_norm / train.norm_output: P-EAGLE feeds no output state forward and vLLM's "
@@ -185,10 +165,7 @@ class PEagle(Method):
             )
 
     def check_target(self, recipe, vocab_size: int, target: str) -> None:
-        if recipe.train.mask_token_id >= vocab_size:
-            raise beyond(
-                "train.mask_token_id", recipe.train.mask_token_id, f"< {vocab_size:,}", f"the vocabulary of {target}"
-            )
+        self.check_mask_token(recipe, vocab_size, target)
 
     def build(self, cfg, target, counts: torch.Tensor) -> PEagleDrafter:
         return build(cfg, target, counts)

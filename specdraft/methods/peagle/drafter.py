@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import nn
 
-from specdraft.drafters.common import DecoderLayer, RMSNorm, check_fields, rotary, within_vocab
+from specdraft.drafters.common import DecoderLayer, RMSNorm, check_fields, rotary, target_shape
 
 
 @dataclass
@@ -58,24 +58,8 @@ class PEagleConfig:
 
     @classmethod
     def from_target(cls, target, draft_vocab_size: int, mask_token_id: int, speculative_tokens: int) -> PEagleConfig:
-        c = target.text_config
-        rope = getattr(c, "rope_parameters", None) or {}
-        return cls(
-            hidden_size=c.hidden_size,
-            num_attention_heads=c.num_attention_heads,
-            num_key_value_heads=c.num_key_value_heads,
-            head_dim=target.drafter_head_dim,
-            intermediate_size=c.intermediate_size,
-            vocab_size=c.vocab_size,
-            draft_vocab_size=within_vocab(draft_vocab_size, c.vocab_size),
-            target_hidden_size=c.hidden_size,
-            mask_token_id=mask_token_id,
-            speculative_tokens=speculative_tokens,
-            aux_layer_ids=list(target.aux_layer_ids),
-            rms_norm_eps=c.rms_norm_eps,
-            rope_theta=rope.get("rope_theta", getattr(c, "rope_theta", 10000.0)),
-            max_position_embeddings=c.max_position_embeddings,
-        )
+        shape = target_shape(target, draft_vocab_size)
+        return cls(**shape, mask_token_id=mask_token_id, speculative_tokens=speculative_tokens)
 
     def to_dict(self) -> dict:
         return asdict(self)
