@@ -36,7 +36,7 @@ def speedup_line(path: Path, prompts: int, max_tokens: int) -> dict:
             f"{path}: no line measured on {prompts} prompts x {max_tokens} tokens "
             f"(it has {have}); pass --prompts and --max-tokens to match one"
         )
-    way = "chain" if "tau_chain" in fits[-1] else "block"  # EAGLE-3's chain, or DFlash's block
+    way = next(k[len("tau_") :] for k in fits[-1] if k.startswith("tau_"))  # the first way it drafted (chain, ...)
     return {"tau": fits[-1][f"tau_{way}"], "per_position_acceptance": fits[-1][f"per_position_acceptance_{way}"]}
 
 

@@ -40,6 +40,9 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >>
 if [ -n "$TRAIN_BENCH" ] && [ ! -s $RES/train-gpu.jsonl ]; then
   timeout 150 python3 bench/train.py --configs smollm2 --compile off --steps 10 --warmup 3 > $RES/train-gpu.jsonl 2>> $LOG
 fi
+# A run folder (a manifest with no stage yet) before the carried answers go in: specdraft refuses to write
+# among files it did not write.
+[ -f $B/manifest.json ] || echo '{"stages": {}}' > $B/manifest.json
 [ -f $B/conversations.jsonl ] || python3 scripts/cut_turns.py 1 $G bench/data/*.conversations.jsonl.xz > $B/conversations.tmp \
   && mv $B/conversations.tmp $B/conversations.jsonl
 first="--recipe smollm2-h200 --set target.model=$G"

@@ -14,6 +14,7 @@ import json
 import math
 import os
 import random
+import signal
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -165,10 +166,19 @@ def step_batches(
         num_workers=workers,
         pin_memory=device.type == "cuda",
         generator=torch.Generator().manual_seed(cfg.seed + first_epoch),
+        worker_init_fn=leave_signals_to_the_trainer,
     )
     it = iter(loader)
     for epoch, mine in plan:
         yield epoch, [next(it) for _ in mine]
+
+
+def leave_signals_to_the_trainer(worker_id: int) -> None:
+    """A loader worker ignores Ctrl-C and SIGTERM: they reach the whole process group (a terminal, `timeout`),
+    and a worker that died of one made the trainer print a DataLoader traceback on its way out instead of
+    stopping its workers itself."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 def to_device(batch: dict, device: torch.device) -> dict:
