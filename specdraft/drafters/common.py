@@ -109,6 +109,33 @@ REEXPORT = "re-export it (`specdraft export`), or fetch the drafter folder again
 WEIGHTS = "model.safetensors"
 
 
+def layer_config(cfg) -> dict:
+    """The one-layer Llama config an engine builds an EAGLE-3 or P-EAGLE drafter's decoder layer from
+    (vLLM also sizes P-EAGLE's mask_hidden from num_aux_hidden_states)."""
+    return {
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": cfg.hidden_size,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": 1,
+        # vLLM sizes fc's input from this field (default 3) and ignores the top-level aux id list.
+        "num_aux_hidden_states": len(cfg.aux_layer_ids),
+        "vocab_size": cfg.vocab_size,
+        "hidden_act": "silu",
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+    }
+
+
 def provenance(run_name: str) -> dict:
     """What an exported folder says of where it came from."""
     return {"run": run_name, "exported": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
@@ -168,6 +195,34 @@ class RMSNorm(nn.Module):
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
+
+
+class Step0Cache:
+    """An EAGLE-style drafter's cache of step-0 keys on the eager engine (one per verified position: the
+    target's aux state h_t with token x_{t+1}), and the last position's output, the next round's root.
+    EAGLE-3's chain and tree and P-EAGLE's slots draft from it."""
+
+    def __init__(self, drafter):
+        self.drafter = drafter
+        self.cache = None
+        self.root_hidden = self.root_logits = None
+        self.root_position = -1
+
+    def reset(self, max_accepted: int):
+        """A fresh state per decode: nothing to reset."""
+
+    @torch.inference_mode()
+    def advance(self, aux: torch.Tensor, next_tokens: list[int], first_position: int):
+        """Step 0 over newly accepted positions: position t reads (target aux h_t, token x_{t+1})."""
+        d = self.drafter
+        positions = torch.arange(first_position, first_position + len(next_tokens), device=aux.device)[None]
+        tokens = torch.tensor([next_tokens], device=aux.device)
+        logits, h, kv = d(d.project(aux.to(d.fc.weight.dtype))[None], tokens, positions, base=self.cache)
+        self.cache = (
+            kv if self.cache is None else (torch.cat([self.cache[0], kv[0]], 2), torch.cat([self.cache[1], kv[1]], 2))
+        )
+        self.root_hidden, self.root_logits = h[:, -1:], logits[0, -1]  # [1, 1, H], [Vd]
+        self.root_position = first_position + len(next_tokens) - 1
 
 
 def rotary(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -487,3 +542,64 @@ def summarize(stats: torch.Tensor) -> dict:
         return [round(x, 4) for x in xs]
 
     return {"loss": r(loss), "acc": r(acc), "cond_accept": r(alpha), "tau": round(tau, 4)}
+
+
+class ShiftedObjective(nn.Module):
+    """The loss of an EAGLE-style drafter on one packed batch (the trainer's batch dict), whose position i
+    (EAGLE-3's TTT step, P-EAGLE's slot) at t predicts x_{t+2+i}: its target distribution is
+    softmax(lm_head(z_{t+1+i})) over the draft vocabulary, counted where x_{t+2+i} is an assistant token of
+    the same document and the target's top token is inside the draft vocabulary (elsewhere the drafter
+    cannot be right); position i weighs decay^i. One module, so DDP and FSDP wrap a single forward.
+    Returns the weighted loss and per-position statistics [positions, len(STAT_COLUMNS)]. A method says
+    how its positions' logits are made (`position_logits`)."""
+
+    def __init__(self, drafter, draft_head, decay: float, loss: str = "soft_ce", checkpointing=False, hidden_noise=0.0):
+        super().__init__()
+        self.drafter = drafter
+        # The draft vocab's rows of the target's lm_head [Vd, H]: frozen, it gives the target distribution.
+        self.register_buffer("draft_head", draft_head, persistent=False)
+        self.decay, self.loss, self.checkpointing, self.hidden_noise = decay, loss, checkpointing, hidden_noise
+
+    def position_logits(self, aux, ids, documents, positions):
+        """Yield each position's logits [B, T, Vd] over the row's positions t."""
+        raise NotImplementedError
+
+    def noisy(self, aux: torch.Tensor) -> torch.Tensor:
+        """aux [B, T, n_aux*H] plus uniform noise of +-hidden_noise x each state's RMS, in training only."""
+        if not (self.training and self.hidden_noise):
+            return aux
+        rms = aux.pow(2).mean(-1, keepdim=True).sqrt()  # [B, T, 1]
+        return aux + (torch.rand_like(aux) * 2 - 1) * self.hidden_noise * rms
+
+    def forward(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        d = self.drafter
+        ids, docs, pos = batch["input_ids"], batch["documents"], batch["positions"]
+        with torch.no_grad():
+            probs = torch.softmax((batch["last"] @ self.draft_head.T.to(batch["last"].dtype)).float(), -1)  # [B, T, Vd]
+            inside = d.t2d[batch["top"]]  # [B, T]
+        total = torch.zeros((), device=ids.device)
+        stats = []
+        chain = torch.ones_like(batch["loss_mask"])  # drafts correct so far, per position
+        aux = self.noisy(batch["aux"].float())
+        for i, logits in enumerate(self.position_logits(aux, ids, docs, pos)):
+            # x_{t+2+i}: an assistant token of the same document
+            evaluable = shift(batch["loss_mask"], 2 + i, False) & (shift(docs, 2 + i, NO_DOCUMENT) == docs)
+            where = evaluable & shift(inside, 1 + i, False)  # [B, T]
+            count = where.sum()
+            loss_sum = (position_loss(self.loss, logits, shift(probs, 1 + i)) * where).sum()
+            total = total + self.decay**i * loss_sum / count.clamp(min=1)
+            with torch.no_grad():
+                pred = logits.argmax(-1)
+                correct = (pred + d.d2t[pred]) == shift(batch["top"], 1 + i)  # the target's greedy token
+                before = chain & evaluable
+                chain = chain & correct
+                row = [
+                    loss_sum.detach(),
+                    count,
+                    (correct & where).sum(),
+                    evaluable.sum(),
+                    (chain & evaluable).sum(),
+                    before.sum(),
+                ]
+                stats.append(torch.stack([x.float() for x in row]))
+        return total, torch.stack(stats)

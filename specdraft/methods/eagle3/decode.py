@@ -11,33 +11,12 @@ import torch
 from specdraft.decoding.rounds import GreedyTree, SampledChain, Stats, decode
 from specdraft.decoding.static import StepGraphs
 from specdraft.decoding.tree import TreeShape, grow_tree
+from specdraft.drafters.common import Step0Cache
 from specdraft.methods.contract import DecodeStates
 
 
-class DrafterState:
+class DrafterState(Step0Cache):
     """The drafter's own cache of step-0 keys (one per target position) and its root for the next round."""
-
-    def __init__(self, drafter):
-        self.drafter = drafter
-        self.cache = None
-        self.root_hidden = self.root_logits = None
-        self.root_position = -1
-
-    def reset(self, max_accepted: int):
-        """A fresh state per decode: nothing to reset."""
-
-    @torch.inference_mode()
-    def advance(self, aux: torch.Tensor, next_tokens: list[int], first_position: int):
-        """Step 0 over newly accepted positions: position t reads (target aux h_t, token x_{t+1})."""
-        d = self.drafter
-        positions = torch.arange(first_position, first_position + len(next_tokens), device=aux.device)[None]
-        tokens = torch.tensor([next_tokens], device=aux.device)
-        logits, h, kv = d(d.project(aux.to(d.fc.weight.dtype))[None], tokens, positions, base=self.cache)
-        self.cache = (
-            kv if self.cache is None else (torch.cat([self.cache[0], kv[0]], 2), torch.cat([self.cache[1], kv[1]], 2))
-        )
-        self.root_hidden, self.root_logits = h[:, -1:], logits[0, -1]  # [1, 1, H], [Vd]
-        self.root_position = first_position + len(next_tokens) - 1
 
     @torch.inference_mode()
     def step(self, hidden, tokens: torch.Tensor, depth: int, diag: list):

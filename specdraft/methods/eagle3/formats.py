@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from specdraft.drafters.common import REEXPORT, load_checked, read_tensors, write_tensors
+from specdraft.drafters.common import REEXPORT, layer_config, load_checked, read_tensors, write_tensors
 from specdraft.drafters.vocab import checked_t2d
 from specdraft.files import read_json
 from specdraft.methods.eagle3.drafter import DrafterConfig, Eagle3Drafter
@@ -79,32 +79,6 @@ EMBED_KEY = ("embed_tokens.weight", "embed_tokens.weight")
 SGLANG_NUM_AUX = 3
 # EAGLE-3.1's optional norms (before fc, per aux state in fc, on the state fed to the next step).
 EAGLE31_FLAGS = ("norm_before_fc", "fc_norm", "norm_output")
-
-
-def layer_config(cfg: DrafterConfig) -> dict:
-    """The one-layer Llama config the engine builds the drafter's decoder layer from."""
-    return {
-        "model_type": "llama",
-        "architectures": ["LlamaForCausalLM"],
-        "hidden_size": cfg.hidden_size,
-        "num_attention_heads": cfg.num_attention_heads,
-        "num_key_value_heads": cfg.num_key_value_heads,
-        "head_dim": cfg.head_dim,
-        "intermediate_size": cfg.intermediate_size,
-        "num_hidden_layers": 1,
-        # vLLM sizes fc's input from this field (default 3) and ignores the top-level aux id list.
-        "num_aux_hidden_states": len(cfg.aux_layer_ids),
-        "vocab_size": cfg.vocab_size,
-        "hidden_act": "silu",
-        "rms_norm_eps": cfg.rms_norm_eps,
-        "rope_theta": cfg.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
-        "max_position_embeddings": cfg.max_position_embeddings,
-        "attention_bias": False,
-        "mlp_bias": False,
-        "tie_word_embeddings": False,
-        "torch_dtype": "bfloat16",
-    }
 
 
 def _config_from_layer(

@@ -13,9 +13,8 @@ from the document's start), as it does when drafting, and is weighted decay^i.
 from __future__ import annotations
 
 import torch
-from torch import nn
 
-from specdraft.drafters.common import NO_DOCUMENT, position_loss, shift
+from specdraft.drafters.common import ShiftedObjective, shift
 from specdraft.methods.eagle3.drafter import Eagle3Drafter, document_mask
 
 
@@ -43,9 +42,9 @@ def unroll(drafter: Eagle3Drafter, aux, ids, documents, positions, steps: int, c
         yield logits
 
 
-class TTT(nn.Module):
-    """The training-time test of one drafter on one packed batch, as one module so DDP and FSDP wrap
-    a single forward. Returns the weighted loss and per-step statistics [steps, len(STAT_COLUMNS)]."""
+class TTT(ShiftedObjective):
+    """The training-time test of one drafter on one packed batch (drafters.common.ShiftedObjective: the
+    loss and per-step statistics [steps, len(STAT_COLUMNS)]), its steps unrolled."""
 
     def __init__(
         self,
@@ -57,49 +56,8 @@ class TTT(nn.Module):
         checkpointing: bool = False,
         hidden_noise: float = 0.0,
     ):
-        super().__init__()
-        self.drafter = drafter
-        # The draft vocab's rows of the target's lm_head [Vd, H]: frozen, it gives the target distribution.
-        self.register_buffer("draft_head", draft_head, persistent=False)
-        self.steps, self.decay, self.loss, self.checkpointing = steps, decay, loss, checkpointing
-        self.hidden_noise = hidden_noise
+        super().__init__(drafter, draft_head, decay, loss, checkpointing, hidden_noise)
+        self.steps = steps
 
-    def noisy(self, aux: torch.Tensor) -> torch.Tensor:
-        """aux [B, T, n_aux*H] plus uniform noise of +-hidden_noise x each state's RMS, in training only."""
-        if not (self.training and self.hidden_noise):
-            return aux
-        rms = aux.pow(2).mean(-1, keepdim=True).sqrt()  # [B, T, 1]
-        return aux + (torch.rand_like(aux) * 2 - 1) * self.hidden_noise * rms
-
-    def forward(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        d = self.drafter
-        ids, docs, pos = batch["input_ids"], batch["documents"], batch["positions"]
-        with torch.no_grad():
-            probs = torch.softmax((batch["last"] @ self.draft_head.T.to(batch["last"].dtype)).float(), -1)  # [B, T, Vd]
-            inside = d.t2d[batch["top"]]  # [B, T]
-        total = torch.zeros((), device=ids.device)
-        stats = []
-        chain = torch.ones_like(batch["loss_mask"])  # drafts correct so far, per position
-        aux = self.noisy(batch["aux"].float())
-        for i, logits in enumerate(unroll(d, aux, ids, docs, pos, self.steps, self.checkpointing)):
-            # x_{t+2+i}: an assistant token of the same document
-            evaluable = shift(batch["loss_mask"], 2 + i, False) & (shift(docs, 2 + i, NO_DOCUMENT) == docs)
-            where = evaluable & shift(inside, 1 + i, False)  # [B, T]
-            count = where.sum()
-            loss_sum = (position_loss(self.loss, logits, shift(probs, 1 + i)) * where).sum()
-            total = total + self.decay**i * loss_sum / count.clamp(min=1)
-            with torch.no_grad():
-                pred = logits.argmax(-1)
-                correct = (pred + d.d2t[pred]) == shift(batch["top"], 1 + i)  # the target's greedy token
-                before = chain & evaluable
-                chain = chain & correct
-                row = [
-                    loss_sum.detach(),
-                    count,
-                    (correct & where).sum(),
-                    evaluable.sum(),
-                    (chain & evaluable).sum(),
-                    before.sum(),
-                ]
-                stats.append(torch.stack([x.float() for x in row]))
-        return total, torch.stack(stats)
+    def position_logits(self, aux, ids, documents, positions):
+        return unroll(self.drafter, aux, ids, documents, positions, self.steps, self.checkpointing)

@@ -17,32 +17,12 @@ import torch
 from specdraft.decoding.rounds import GreedyTree, Stats, decode
 from specdraft.decoding.static import StepGraphs
 from specdraft.decoding.tree import Tree, TreeShape
+from specdraft.drafters.common import Step0Cache
 from specdraft.methods.contract import DecodeStates
 
 
-class SlotState:
+class SlotState(Step0Cache):
     """The drafter's cache of real-slot keys (one per verified position) and the round's real slot."""
-
-    def __init__(self, drafter):
-        self.drafter = drafter
-        self.cache = None
-        self.root_logits = None
-        self.root_position = -1
-
-    def reset(self, max_accepted: int):
-        """A fresh state per decode: nothing to reset."""
-
-    @torch.inference_mode()
-    def advance(self, aux: torch.Tensor, next_tokens: list[int], first_position: int):
-        d = self.drafter
-        positions = torch.arange(first_position, first_position + len(next_tokens), device=aux.device)[None]
-        tokens = torch.tensor([next_tokens], device=aux.device)
-        logits, _, kv = d(d.project(aux.to(d.fc.weight.dtype))[None], tokens, positions, base=self.cache)
-        self.cache = (
-            kv if self.cache is None else (torch.cat([self.cache[0], kv[0]], 2), torch.cat([self.cache[1], kv[1]], 2))
-        )
-        self.root_logits = logits[0, -1]  # [Vd]: draft 1
-        self.root_position = first_position + len(next_tokens) - 1
 
     @torch.inference_mode()
     def draft(self, K: int) -> list[int]:

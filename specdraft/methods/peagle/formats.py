@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from specdraft.drafters.common import REEXPORT
+from specdraft.drafters.common import REEXPORT, layer_config
 from specdraft.drafters.vocab import checked_t2d
 from specdraft.files import load_safetensors, read_json, save_safetensors
 from specdraft.methods.peagle.drafter import PEagleConfig, PEagleDrafter
@@ -108,31 +108,6 @@ def problems(config: dict) -> list[tuple[str, str]]:
             )
         )
     return found
-
-
-def layer_config(cfg: PEagleConfig) -> dict:
-    """The one-layer Llama config vLLM builds the drafter's decoder layer from."""
-    return {
-        "model_type": "llama",
-        "architectures": ["LlamaForCausalLM"],
-        "hidden_size": cfg.hidden_size,
-        "num_attention_heads": cfg.num_attention_heads,
-        "num_key_value_heads": cfg.num_key_value_heads,
-        "head_dim": cfg.head_dim,
-        "intermediate_size": cfg.intermediate_size,
-        "num_hidden_layers": 1,
-        "num_aux_hidden_states": len(cfg.aux_layer_ids),  # vLLM sizes fc's input (and mask_hidden) from it
-        "vocab_size": cfg.vocab_size,
-        "hidden_act": "silu",
-        "rms_norm_eps": cfg.rms_norm_eps,
-        "rope_theta": cfg.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
-        "max_position_embeddings": cfg.max_position_embeddings,
-        "attention_bias": False,
-        "mlp_bias": False,
-        "tie_word_embeddings": False,
-        "torch_dtype": "bfloat16",
-    }
 
 
 def folder_config(

@@ -22,9 +22,8 @@ order is only the diagonal keys'); statistics rows are per slot, as DFlash's.
 from __future__ import annotations
 
 import torch
-from torch import nn
 
-from specdraft.drafters.common import NO_DOCUMENT, document_mask, position_loss, shift
+from specdraft.drafters.common import ShiftedObjective, document_mask, shift
 from specdraft.methods.peagle.drafter import PEagleDrafter
 
 
@@ -53,60 +52,10 @@ def slot_logits(
         yield logits
 
 
-class ParallelSlots(nn.Module):
-    """The objective of one P-EAGLE drafter on one packed batch (the trainer's batch dict). Returns the
-    weighted loss and per-slot statistics [K, len(STAT_COLUMNS)]."""
+class ParallelSlots(ShiftedObjective):
+    """The objective of one P-EAGLE drafter on one packed batch (drafters.common.ShiftedObjective: the
+    loss and per-slot statistics [K, len(STAT_COLUMNS)]), its K slots in one forward."""
 
-    def __init__(
-        self,
-        drafter: PEagleDrafter,
-        draft_head: torch.Tensor,
-        decay: float,
-        loss: str = "soft_ce",
-        checkpointing: bool = False,
-        hidden_noise: float = 0.0,
-    ):
-        super().__init__()
-        self.drafter = drafter
-        self.register_buffer("draft_head", draft_head, persistent=False)  # [Vd, H], frozen
-        self.decay, self.loss, self.checkpointing, self.hidden_noise = decay, loss, checkpointing, hidden_noise
-
-    def noisy(self, aux: torch.Tensor) -> torch.Tensor:
-        """aux plus uniform noise of +-hidden_noise x each state's RMS, in training only (as EAGLE-3's)."""
-        if not (self.training and self.hidden_noise):
-            return aux
-        rms = aux.pow(2).mean(-1, keepdim=True).sqrt()
-        return aux + (torch.rand_like(aux) * 2 - 1) * self.hidden_noise * rms
-
-    def forward(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    def position_logits(self, aux, ids, documents, positions):
         d = self.drafter
-        K = d.config.speculative_tokens
-        ids, docs, pos = batch["input_ids"], batch["documents"], batch["positions"]
-        with torch.no_grad():
-            probs = torch.softmax((batch["last"] @ self.draft_head.T.to(batch["last"].dtype)).float(), -1)
-            inside = d.t2d[batch["top"]]  # [B, T]
-        total = torch.zeros((), device=ids.device)
-        stats = []
-        chain = torch.ones_like(batch["loss_mask"])  # the block's drafts correct so far, per anchor
-        aux = self.noisy(batch["aux"].float())
-        for i, logits in enumerate(slot_logits(d, aux, ids, docs, pos, K, self.checkpointing)):
-            evaluable = shift(batch["loss_mask"], 2 + i, False) & (shift(docs, 2 + i, NO_DOCUMENT) == docs)
-            where = evaluable & shift(inside, 1 + i, False)  # [B, T]
-            count = where.sum()
-            loss_sum = (position_loss(self.loss, logits, shift(probs, 1 + i)) * where).sum()
-            total = total + self.decay**i * loss_sum / count.clamp(min=1)
-            with torch.no_grad():
-                pred = logits.argmax(-1)
-                correct = (pred + d.d2t[pred]) == shift(batch["top"], 1 + i)
-                before = chain & evaluable
-                chain = chain & correct
-                row = [
-                    loss_sum.detach(),
-                    count,
-                    (correct & where).sum(),
-                    evaluable.sum(),
-                    (chain & evaluable).sum(),
-                    before.sum(),
-                ]
-                stats.append(torch.stack([x.float() for x in row]))
-        return total, torch.stack(stats)
+        return slot_logits(d, aux, ids, documents, positions, d.config.speculative_tokens, self.checkpointing)
