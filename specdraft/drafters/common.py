@@ -403,6 +403,21 @@ class Attention(nn.Module):
         return self.o_proj(out), (k, v)
 
 
+# DecoderLayer's weights, by the names vLLM's Eagle-3 Llama layer gives them (the folders' tensor names).
+LAYER_WEIGHTS = (
+    "input_layernorm",
+    "hidden_norm",
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "post_attention_layernorm",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+)
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, cfg):  # an EAGLE-3 style config: sizes, heads, norm_before_residual
         super().__init__()

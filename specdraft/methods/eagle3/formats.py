@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from specdraft.drafters.common import REEXPORT, layer_config, load_checked, read_tensors, write_tensors
+from specdraft.drafters.common import LAYER_WEIGHTS, REEXPORT, layer_config, load_checked, read_tensors, write_tensors
 from specdraft.drafters.vocab import checked_t2d
 from specdraft.files import read_json
 from specdraft.methods.eagle3.drafter import DrafterConfig, Eagle3Drafter
@@ -49,21 +49,7 @@ VLLM_KEYS = {
     k: k
     for k in (
         "fc.weight",
-        *(
-            f"layers.0.{name}.weight"
-            for name in (
-                "input_layernorm",
-                "hidden_norm",
-                "self_attn.q_proj",
-                "self_attn.k_proj",
-                "self_attn.v_proj",
-                "self_attn.o_proj",
-                "post_attention_layernorm",
-                "mlp.gate_proj",
-                "mlp.up_proj",
-                "mlp.down_proj",
-            )
-        ),
+        *(f"layers.0.{name}.weight" for name in LAYER_WEIGHTS),
         "norm.weight",
         "lm_head.weight",
         "d2t",

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from specdraft.drafters.common import REEXPORT, layer_config
+from specdraft.drafters.common import LAYER_WEIGHTS, REEXPORT, layer_config
 from specdraft.drafters.vocab import checked_t2d
 from specdraft.files import load_safetensors, read_json, save_safetensors
 from specdraft.methods.peagle.drafter import PEagleConfig, PEagleDrafter
@@ -35,22 +35,10 @@ from specdraft.targets import refuse_pickled_weights
 
 WEIGHTS = "model.safetensors"
 MODEL_TYPE = "peagle"
-LAYER = (
-    "input_layernorm",
-    "hidden_norm",
-    "self_attn.q_proj",
-    "self_attn.k_proj",
-    "self_attn.v_proj",
-    "self_attn.o_proj",
-    "post_attention_layernorm",
-    "mlp.gate_proj",
-    "mlp.up_proj",
-    "mlp.down_proj",
-)
 # Our state-dict names, which are also the folder's (vLLM's Eagle-3 Llama names, d2t and t2d included).
 KEYS = (
     "fc.weight",
-    *(f"layers.0.{m}.weight" for m in LAYER),
+    *(f"layers.0.{m}.weight" for m in LAYER_WEIGHTS),
     "norm.weight",
     "lm_head.weight",
     "mask_hidden",
