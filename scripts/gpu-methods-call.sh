@@ -46,7 +46,7 @@ fi
 [ -f $B/conversations.jsonl ] || python3 scripts/cut_turns.py 1 $G bench/data/*.conversations.jsonl.xz > $B/conversations.tmp \
   && mv $B/conversations.tmp $B/conversations.jsonl
 first="--recipe smollm2-h200 --set target.model=$G"
-[ "$(state $B gen)" = done ] && first=""
+[ "$(state $B gen)" = none ] || first=""
 stage $B gen $first && stage $B render && stage $B extract && data=1
 trained=""
 for method in $METHODS; do

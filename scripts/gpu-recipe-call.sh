@@ -47,10 +47,13 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >>
 python3 -c "import torch,time; q=torch.randn(10**8).to(torch.float8_e4m3fn); t=time.time(); q.float(); \
 print(f'fp8->float on CPU: {1e8/(time.time()-t)/1e9:.2f} G values/s, torch {torch.__version__}')" >> $LOG 2>&1
 if [ -n "$CONV" ] && [ ! -f $R/conversations.jsonl ]; then
+  # A run folder (a manifest with no stage yet) before the carried answers go in: specdraft refuses to
+  # write among files it did not write.
+  mkdir -p $R; [ -f $R/manifest.json ] || echo '{"stages": {}}' > $R/manifest.json
   python3 scripts/cut_turns.py ${TURNS:-1} $G $CONV > $R/conversations.tmp && mv $R/conversations.tmp $R/conversations.jsonl
 fi
 first="--recipe smollm2-h200 --set target.model=$G ${TURNS:+--set gen.max_turns=$TURNS} ${MAGPIE:+--set gen.self_instruct_samples=$MAGPIE}"
-[ -f $R/manifest.json ] && first=""
+[ "$(state $R gen)" = none ] || first=""
 stage $R gen $first $EXTRA && stage $R render && stage $R extract && data=1
 # ABLATE=0: the recipe's drafter only (e.g. a TURNS run), so neither the ablations' fp8 copy nor the source.
 [ "${ABLATE:-1}" = 0 ] && abl="" || abl=1
