@@ -25,24 +25,13 @@ export PYTHONPATH=$PWD:$M/site SPECDRAFT_CACHE=$M/cache
 B=$M/runs/smollm2-h200; RES=$M/results; LOG=$RES/methods.log
 mkdir -p $RES $B
 S="python3 -m specdraft.cli"
-left() { echo $((DEADLINE - SECONDS)); }
-state() { python3 -c "import json;m=json.load(open('$1/manifest.json'));print(m['stages'].get('$2',{}).get('state','none'))" 2>/dev/null || echo none; }
-# stage RUN NAME [args]: one stage of RUN unless done, within the time left; fails if it did not finish.
-stage() {
-  local run=$1 st=$2; shift 2
-  [ "$(state $run $st)" = done ] && return 0
-  local t=$(( $(left) - 25 )); [ $t -lt 20 ] && { echo "no time for $st of $run" >> $LOG; return 1; }
-  echo "== $st $run (budget ${t}s) $(date +%T)" >> $LOG
-  timeout $t $S $st --run $run "$@" >> $LOG 2>&1; echo "== $st rc=$? $(date +%T)" >> $LOG
-  [ "$(state $run $st)" = done ]
-}
+GATHER_S=25
+source "$(dirname "$0")/gpu-stages.sh"  # left, state, stage, run_folder
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >> $LOG
 if [ -n "$TRAIN_BENCH" ] && [ ! -s $RES/train-gpu.jsonl ]; then
   timeout 150 python3 bench/train.py --configs smollm2 --compile off --steps 10 --warmup 3 > $RES/train-gpu.jsonl 2>> $LOG
 fi
-# A run folder (a manifest with no stage yet) before the carried answers go in: specdraft refuses to write
-# among files it did not write.
-[ -f $B/manifest.json ] || echo '{"stages": {}}' > $B/manifest.json
+run_folder $B
 [ -f $B/conversations.jsonl ] || python3 scripts/cut_turns.py 1 $G bench/data/*.conversations.jsonl.xz > $B/conversations.tmp \
   && mv $B/conversations.tmp $B/conversations.jsonl
 first="--recipe smollm2-h200 --set target.model=$G"

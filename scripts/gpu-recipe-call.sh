@@ -28,18 +28,7 @@ SOURCE_SAMPLES=${SOURCE_SAMPLES:-3300}  # >= 3,000 training samples after the 5 
 # Ablations train 5 epochs (the recipe's drafter 10): all of them fit in about two calls that way
 # (bench/ablations.md, 2026-12-03). ABLATE_EXTRA="" trains them as the recipe says.
 SPEEDUP_PROMPTS=${SPEEDUP_PROMPTS:-64}; SPEEDUP_TOKENS=${SPEEDUP_TOKENS:-256}
-left() { echo $((DEADLINE - SECONDS)); }
-state() { python3 -c "import json;m=json.load(open('$1/manifest.json'));print(m['stages'].get('$2',{}).get('state','none'))" 2>/dev/null || echo none; }
-# stage RUN NAME [args]: run one stage unless done, within the time left; fails if it did not finish.
-stage() {
-  local run=$1 st=$2; shift 2
-  [ "$(state $run $st)" = done ] && return 0
-  # 20 s stay for gathering the results; a stage cut here resumes in the next call
-  local t=$(( $(left) - 20 )); [ $t -lt 20 ] && { echo "no time for $st of $run" >> $LOG; return 1; }
-  echo "== $st $run (budget ${t}s) $(date +%T)" >> $LOG
-  timeout $t $S $st --run $run "$@" >> $LOG 2>&1; echo "== $st rc=$? $(date +%T)" >> $LOG
-  [ "$(state $run $st)" = done ]
-}
+source "$(dirname "$0")/gpu-stages.sh"  # left, state, stage, run_folder
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >> $LOG
 # fp8 hidden states are dequantised on the CPU (the loader, and the target's top tokens at start): how fast
 # this torch converts float8 there (2.13 on a 2-core CPU: ~0.3 G values/s per core) — a slow conversion
@@ -47,9 +36,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >>
 python3 -c "import torch,time; q=torch.randn(10**8).to(torch.float8_e4m3fn); t=time.time(); q.float(); \
 print(f'fp8->float on CPU: {1e8/(time.time()-t)/1e9:.2f} G values/s, torch {torch.__version__}')" >> $LOG 2>&1
 if [ -n "$CONV" ] && [ ! -f $R/conversations.jsonl ]; then
-  # A run folder (a manifest with no stage yet) before the carried answers go in: specdraft refuses to
-  # write among files it did not write.
-  mkdir -p $R; [ -f $R/manifest.json ] || echo '{"stages": {}}' > $R/manifest.json
+  run_folder $R
   python3 scripts/cut_turns.py ${TURNS:-1} $G $CONV > $R/conversations.tmp && mv $R/conversations.tmp $R/conversations.jsonl
 fi
 first="--recipe smollm2-h200 --set target.model=$G ${TURNS:+--set gen.max_turns=$TURNS} ${MAGPIE:+--set gen.self_instruct_samples=$MAGPIE}"
