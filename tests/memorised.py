@@ -16,11 +16,17 @@ import ast
 import hashlib
 import os
 import shutil
+import time
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "specdraft"
 # The stages a memorised run is built with; every other stage only reads one.
 BUILD_STAGES = ("gen", "render", "extract", "train")
+# Every change to the trainer's code makes new keys, so the cache keeps the runs used most recently and
+# drops the rest: a handful of recipes times a few checkouts in use at once. A run used in the last hour
+# stays whatever its rank, since another session may be copying it.
+KEEP_RUNS = 12
+KEEP_SECONDS = 3600
 
 
 def _module_file(root: Path, dotted: str) -> Path | None:
@@ -107,6 +113,8 @@ def build(recipe: str, key: str, workdir: Path) -> Path:
 
     cached = cache_root() / key
     if (cached / "checkpoints" / "final").exists():
+        os.utime(cached)  # its last use, which pruning ranks by
+        prune(cache_root())
         return cached
     (workdir / "recipe.toml").write_text(recipe)
     for stage in BUILD_STAGES:
@@ -116,9 +124,24 @@ def build(recipe: str, key: str, workdir: Path) -> Path:
     shutil.copytree(workdir / "run", staging)
     try:
         os.replace(staging, cached)
+        os.utime(cached)
     except OSError:
         shutil.rmtree(staging)  # another session put its (identical) run there first
+    prune(cache_root())
     return cached
+
+
+def prune(root: Path, keep: int = KEEP_RUNS, keep_seconds: float = KEEP_SECONDS) -> list[Path]:
+    """Removes the cached runs past the `keep` used most recently and unused for `keep_seconds`, and the
+    staging copies of builds that died; returns what it removed."""
+    now = time.time()
+    entries = sorted(root.iterdir(), key=lambda p: p.stat().st_mtime, reverse=True)
+    stale = [p for p in entries if ".tmp-" in p.name and now - p.stat().st_mtime > keep_seconds]
+    runs = [p for p in entries if ".tmp-" not in p.name]
+    stale += [p for p in runs[keep:] if now - p.stat().st_mtime > keep_seconds]
+    for path in stale:
+        shutil.rmtree(path, ignore_errors=True)
+    return stale
 
 
 def trained_copy(recipe: str, target, tmp_path_factory) -> Path:

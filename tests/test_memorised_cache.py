@@ -4,11 +4,13 @@ or to a docstring or comment, keeps the cached run."""
 
 from __future__ import annotations
 
+import os
 import shutil
+import time
 
 import pytest
 from conftest import MEMORISED_RECIPE
-from memorised import PACKAGE, build_closure, cache_key
+from memorised import PACKAGE, build_closure, cache_key, prune
 
 
 @pytest.fixture
@@ -73,3 +75,16 @@ def test_the_recipe_and_the_dtype_change_the_key(target, package):
     before = key(target, package)
     assert key(target, package, recipe=MEMORISED_RECIPE.replace("epochs = 60", "epochs = 30")) != before
     assert key(target, package, dtype="bfloat16") != before
+
+
+def test_prune_keeps_the_runs_used_last_and_any_used_within_the_hour(tmp_path):
+    """Keys change with every trainer change, so without pruning the cache grows by a run per change (CI
+    once filled its disk this way)."""
+    now = time.time()
+    ages = {"a": 10, "b": 1800, "c": 9000, "d": 60, "e": 99999, "f.tmp-123": 99999, "g.tmp-456": 5}
+    for name, age in ages.items():
+        (tmp_path / name).mkdir()
+        os.utime(tmp_path / name, (now - age, now - age))
+    removed = prune(tmp_path, keep=2, keep_seconds=3600)
+    assert sorted(p.name for p in removed) == ["c", "e", "f.tmp-123"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b", "d", "g.tmp-456"]
