@@ -87,7 +87,7 @@ def test_export_import_gives_identical_logits(fmt, drafter, target, tmp_path, ca
     assert layout in out and "d2t: present" in out and "embed_tokens: not in the folder" in out
 
 
-def test_import_into_a_run_is_what_eval_and_export_load(drafter, target, tmp_path):
+def test_import_into_a_run_is_what_eval_and_export_load(drafter, target, tmp_path, capsys):
     from specdraft.methods import load_trained
     from specdraft.run import RunFolder
 
@@ -102,7 +102,10 @@ def test_import_into_a_run_is_what_eval_and_export_load(drafter, target, tmp_pat
     # The run's hidden states now hold other layers: importing again names the disagreement.
     (run.path / "hidden").mkdir()
     (run.path / "hidden" / "index.json").write_text(json.dumps({"aux_layer_ids": [3, 15, 27]}))
+    capsys.readouterr()
     assert main(["import", str(folder), "--run", str(run.path)]) == 2
+    err = capsys.readouterr().err
+    assert "aux layer ids: drafter [2, 15, 27], the run's hidden states [3, 15, 27]" in err and err.count("\n") == 1
 
 
 # --- where --out may write -------------------------------------------------------------------------
@@ -288,7 +291,7 @@ def test_misfits_against_the_target_are_all_named(target, tmp_path, capsys):
     )
     assert main(["import", str(folder), "--out", str(tmp_path / "ckpt"), "--target", "smollm2"]) == 2
     err = capsys.readouterr().err
-    assert "does not fit the target" in err
+    assert "does not fit the target" in err and err.count("\n") == 1, err  # one line, every misfit in it
     assert "vocab_size: drafter 1000, target 49152" in err
     assert "target_hidden_size: drafter 96, target hidden_size 576" in err
     assert "aux layer ids [40] outside 1..29" in err

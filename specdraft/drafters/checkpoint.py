@@ -189,15 +189,15 @@ def scratch_paths(path: Path) -> tuple[Path, Path]:
 
 
 def refuse_misfits(folder: Path, target, found: list[str], aux_ids: list[int], extracted_aux_layer_ids) -> None:
-    """import's one error listing every misfit of a folder: `found`, and aux layers other than a run's
-    extracted ones (fine-tuning would feed it other layers)."""
+    """import's one-line error listing every misfit of a folder: `found`, and aux layers other than a
+    run's extracted ones (fine-tuning would feed it other layers)."""
     if extracted_aux_layer_ids is not None and list(extracted_aux_layer_ids) != list(aux_ids):
         found.append(
             f"aux layer ids: drafter {list(aux_ids)}, the run's hidden states {list(extracted_aux_layer_ids)} "
             "(fine-tuning would feed it other layers)"
         )
     if found:
-        raise ValueError(f"import: {folder} does not fit the target {target.path}:\n  " + "\n  ".join(found))
+        raise ValueError(f"import: {folder} does not fit the target {target.path}: " + "; ".join(found))
 
 
 def save_imported(drafter, target, folder: Path, out: Path, layout: str, notes: list[str]) -> None:

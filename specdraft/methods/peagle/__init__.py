@@ -24,7 +24,7 @@ from torch import nn
 
 from specdraft.config import ConfigError, beyond
 from specdraft.drafters import vocab
-from specdraft.drafters.checkpoint import save_imported
+from specdraft.drafters.checkpoint import refuse_misfits, save_imported
 from specdraft.drafters.common import REEXPORT, default_mask_token, provenance
 from specdraft.files import read_json
 from specdraft.methods.contract import Decode, Method
@@ -125,12 +125,7 @@ def import_folder(folder: Path, target, out: Path, extracted_aux_layer_ids: list
     outside = [k for k in cfg.aux_layer_ids if not 1 <= k < target.num_layers]
     if outside:
         bad.append(f"aux layer ids {outside} outside 1..{target.num_layers - 1}")
-    if extracted_aux_layer_ids is not None and list(extracted_aux_layer_ids) != cfg.aux_layer_ids:
-        bad.append(
-            f"aux layer ids: drafter {cfg.aux_layer_ids}, the run's hidden states {list(extracted_aux_layer_ids)}"
-        )
-    if bad:
-        raise ValueError(f"import: {folder} does not fit the target {target.path}: " + "; ".join(bad))
+    refuse_misfits(folder, target, bad, cfg.aux_layer_ids, extracted_aux_layer_ids)
     if "para_depths" not in config:
         notes.append(f"para_depths: absent; the K trained taken as the K served, {cfg.speculative_tokens}")
     save_imported(drafter, target, folder, out, "speculators (peagle)", notes)
