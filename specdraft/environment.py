@@ -42,13 +42,18 @@ def _version(pkg: str) -> str | None:
         return None
 
 
+def cache_dir() -> Path:
+    """Where specdraft keeps what outlives a run: targets, the engines' virtualenvs, wheels."""
+    return Path(os.environ.get("SPECDRAFT_CACHE", Path.home() / ".cache" / "specdraft"))
+
+
 def _engine_version(engine: str) -> dict | None:
     """An engine's version from this interpreter, else from its virtualenv under the specdraft cache."""
     venv_name, dists = ENGINE_VENVS[engine]
     for dist in dists:
         if _version(dist):
             return {"version": _version(dist), "where": sys.prefix}
-    venv = Path(os.environ.get("SPECDRAFT_CACHE", Path.home() / ".cache" / "specdraft")) / venv_name
+    venv = cache_dir() / venv_name
     for site in sorted(venv.glob("lib/python*/site-packages")):
         for d in metadata.distributions(path=[str(site)]):
             if d.metadata["Name"] in dists:

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from specdraft.bundled import BUNDLED, BundleError, bundled_gguf
 from specdraft.config import check_target_limits
+from specdraft.environment import cache_dir
 from specdraft.files import FileError, open_safetensors, read_json
 
 
@@ -227,10 +228,6 @@ def resolve_dtype(name: str, device: str) -> str:
     if name != "auto":
         return name
     return "bfloat16" if not str(device).startswith("cpu") or cpu_has_bf16() else "float32"
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("SPECDRAFT_CACHE", Path.home() / ".cache" / "specdraft"))
 
 
 def _fix_special_tokens(tokenizer, config) -> None:
