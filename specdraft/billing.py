@@ -357,7 +357,7 @@ def activation_bytes(cfg, batch_tokens: int, row_tokens: int, queries: float) ->
 
 def row_tokens_for(batch_tokens: int, tokens_per_sample: float) -> int:
     """Keys each query's attention scores span: its own document's, on a GPU (FlexAttention skips other
-    documents' blocks) and on the CPU (one causal product per document, methods/eagle3/drafter.py DocumentSpans)."""
+    documents' blocks) and on the CPU (one causal product per document, drafters/common.py DocumentSpans)."""
     return min(batch_tokens, math.ceil(tokens_per_sample))
 
 
