@@ -452,6 +452,7 @@ class TrainConfig:
     # as num_speculative_tokens = block_size - 1; the published drafters use 16.
     block_size: Annotated[int, Range(low=2, note="the anchor and at least one drafted token")] = 16
     dflash_layers: PosInt = 1  # the drafter's decoder layers (the published drafters have 5)
+    peagle_layers: PosInt = 1  # P-EAGLE only: the drafter's decoder layers (docs/peagle.md)
     # Slot j of a block weighs exp(-(j - 1) / gamma) in the loss (below 1e-3 every slot past the first weighs 0).
     dflash_gamma: Annotated[float, Range(low=1e-3)] = 7.0
     dflash_anchors: PosInt = 512  # blocks drawn per packed row, at most

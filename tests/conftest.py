@@ -188,8 +188,9 @@ holdout = 0.0
 
 # The same 8 samples memorised by a P-EAGLE drafter: EAGLE-3's recipe with train.method = "peagle", K = 3
 # slots per block (one real, two mask slots), served with parallel_drafting: true and K = 3 as the EAGLE-3
-# test serves its chain.
-MEMORISED_PEAGLE_RECIPE = MEMORISED_RECIPE.replace("[train]\n", "[train]\nmethod = \"peagle\"\n")
+# test serves its chain. Two decoder layers, so that vLLM serving it checks the later layers too (the
+# first is EAGLE-3's, which the EAGLE-3 tests serve).
+MEMORISED_PEAGLE_RECIPE = MEMORISED_RECIPE.replace("[train]\n", "[train]\nmethod = \"peagle\"\npeagle_layers = 2\n")
 
 
 def _memorised(recipe: str, formats: str, tmp_path_factory, target) -> Path:

@@ -21,7 +21,7 @@ from specdraft.run import RunFolder
 K = 3
 
 
-def tiny_drafter(seed: int = 0) -> PEagleDrafter:
+def tiny_drafter(seed: int = 0, num_layers: int = 1) -> PEagleDrafter:
     torch.manual_seed(seed)
     cfg = PEagleConfig(
         hidden_size=32,
@@ -35,6 +35,7 @@ def tiny_drafter(seed: int = 0) -> PEagleDrafter:
         mask_token_id=49,
         speculative_tokens=4,
         aux_layer_ids=[1, 2, 3],
+        num_layers=num_layers,
     )
     d = PEagleDrafter(cfg).eval()
     torch.nn.init.normal_(d.embed_tokens.weight)
@@ -42,11 +43,13 @@ def tiny_drafter(seed: int = 0) -> PEagleDrafter:
     return d
 
 
-def test_parallel_forward_is_one_causal_forward_over_real_and_mask_slots():
+@pytest.mark.parametrize("layers", [1, 3])
+def test_parallel_forward_is_one_causal_forward_over_real_and_mask_slots(layers):
     """vLLM's round: ONE causal forward over [(x_{t+1}, fc(aux_t)) for t <= n, (mask, fc(mask_hidden)) at
     n+1 .. n+K-1]; its last K rows are the K drafts. Our decode state (cache, then the mask slots) and
-    the training objective's slots (the block anchored at n, through diagonal keys) give the same logits."""
-    d = tiny_drafter()
+    the training objective's slots (the block anchored at n, through diagonal keys) give the same logits,
+    with one decoder layer or several."""
+    d = tiny_drafter(num_layers=layers)
     n1, Ktr = 7, d.config.speculative_tokens
     aux, tokens = torch.randn(n1, 72), torch.randint(0, 49, (n1,))
     # the reference: one plain causal forward over the whole sequence
@@ -75,9 +78,42 @@ def test_parallel_forward_is_one_causal_forward_over_real_and_mask_slots():
     assert static.draft(Ktr) == state.draft(Ktr)
 
 
+def test_a_drafter_of_several_layers_round_trips_through_the_folder_vllm_reads(tmp_path):
+    """train.peagle_layers = 3: the folder says num_hidden_layers 3 and carries every layer under vLLM's
+    names (a later layer's hidden_norm too: vLLM builds one in every layer and loads it), and reading it
+    back gives the same drafter."""
+    from safetensors import safe_open
+
+    from specdraft.methods.peagle.formats import read_peagle, write_peagle
+
+    d = tiny_drafter(num_layers=3)
+    folder = write_peagle(
+        d,
+        tmp_path / "f",
+        verifier="t",
+        verifier_architectures=[],
+        speculative_tokens=K,
+        include_embed=True,
+        provenance={},
+    )
+    config = json.loads((folder / "config.json").read_text())
+    assert config["transformer_layer_config"]["num_hidden_layers"] == 3
+    with safe_open(folder / "model.safetensors", "pt") as f:
+        names = set(f.keys())
+    assert {"layers.2.hidden_norm.weight", "layers.1.self_attn.q_proj.weight"} <= names
+    with safe_open(folder / "model.safetensors", "pt") as f:
+        assert list(f.get_tensor("layers.1.self_attn.q_proj.weight").shape) == [32, 32]  # H wide, not 2H
+    back = read_peagle(folder, d.embed_tokens.weight.detach())
+    assert back.config == d.config
+    aux, ids = torch.randn(1, 5, 72), torch.randint(0, 49, (1, 5))
+    want, _, _ = d.to(torch.bfloat16).float()(d.project(aux), ids, torch.arange(5)[None])
+    got, _, _ = back(back.project(aux), ids, torch.arange(5)[None])
+    torch.testing.assert_close(got, want)
+
+
 @pytest.fixture(scope="module")
 def peagle_run(memorised_peagle_run) -> Path:
-    """The memorised P-EAGLE run (conftest's MEMORISED_PEAGLE_RECIPE, K = 3: trained once per machine and
+    """The memorised P-EAGLE run (conftest's MEMORISED_PEAGLE_RECIPE, K = 3, two layers: trained once per machine and
     shared with tests/test_vllm_peagle.py), exported fresh by the current export code. Tests that write
     into it copy it first."""
     return memorised_peagle_run
@@ -90,6 +126,7 @@ def test_training_lowers_the_loss_and_every_slot_learns(peagle_run):
     folder = RunFolder(peagle_run)
     meta = json.loads((folder.checkpoint("final") / "config.json").read_text())
     assert meta["method"] == "peagle" and meta["drafter"]["speculative_tokens"] == K
+    assert meta["drafter"]["num_layers"] == 2  # conftest's recipe: train.peagle_layers = 2
     train = [json.loads(line) for line in folder.train_log.read_text().splitlines()]
     train = [r for r in train if r["kind"] == "train"]
     assert {len(r["acc"]) for r in train} == {K}

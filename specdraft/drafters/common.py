@@ -110,7 +110,7 @@ WEIGHTS = "model.safetensors"
 
 
 def layer_config(cfg) -> dict:
-    """The one-layer Llama config an engine builds an EAGLE-3 or P-EAGLE drafter's decoder layer from
+    """The Llama config an engine builds an EAGLE-3 or P-EAGLE drafter's decoder layers from
     (vLLM also sizes P-EAGLE's mask_hidden from num_aux_hidden_states)."""
     return {
         "model_type": "llama",
@@ -120,7 +120,7 @@ def layer_config(cfg) -> dict:
         "num_key_value_heads": cfg.num_key_value_heads,
         "head_dim": cfg.head_dim,
         "intermediate_size": cfg.intermediate_size,
-        "num_hidden_layers": 1,
+        "num_hidden_layers": getattr(cfg, "num_layers", 1),
         # vLLM sizes fc's input from this field (default 3) and ignores the top-level aux id list.
         "num_aux_hidden_states": len(cfg.aux_layer_ids),
         "vocab_size": cfg.vocab_size,
@@ -218,8 +218,9 @@ class Step0Cache:
         positions = torch.arange(first_position, first_position + len(next_tokens), device=aux.device)[None]
         tokens = torch.tensor([next_tokens], device=aux.device)
         logits, h, kv = d(d.project(aux.to(d.fc.weight.dtype))[None], tokens, positions, base=self.cache)
+        # Keys along dim -2: [B, nkv, T, d], or [layers, B, nkv, T, d] for a drafter of several layers.
         self.cache = (
-            kv if self.cache is None else (torch.cat([self.cache[0], kv[0]], 2), torch.cat([self.cache[1], kv[1]], 2))
+            kv if self.cache is None else (torch.cat([self.cache[0], kv[0]], -2), torch.cat([self.cache[1], kv[1]], -2))
         )
         self.root_hidden, self.root_logits = h[:, -1:], logits[0, -1]  # [1, 1, H], [Vd]
         self.root_position = first_position + len(next_tokens) - 1
@@ -365,17 +366,16 @@ def attend(q, base: KV, diag: list[KV], mask) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg):  # an EAGLE-3 style config: sizes, heads, norm_before_residual
+    def __init__(self, cfg, width: int):  # an EAGLE-3 style config: sizes, heads; the input's width
         super().__init__()
         self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        width = 2 * cfg.hidden_size  # [norm(embedding), norm(hidden)]
         self.q_proj = nn.Linear(width, self.n_heads * self.head_dim, bias=False)
         self.k_proj = nn.Linear(width, self.n_kv * self.head_dim, bias=False)
         self.v_proj = nn.Linear(width, self.n_kv * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, cfg.hidden_size, bias=False)
 
     def forward(self, x, cos, sin, base: KV | None = None, diag: list[KV] | None = None, q_offset: int = 0, mask=None):
-        """x [B, T, 2H]. With `diag` None this step's keys extend `base` causally (query j sees base
+        """x [B, T, width]. With `diag` None this step's keys extend `base` causally (query j sees base
         keys 0..q_offset+j, q_offset = len(base) before extension); otherwise they join `diag` and the
         query sees base keys 0..q_offset+j plus every diagonal key at its own position. A `mask` from
         `document_mask` replaces the causal rule for the base keys (packed training rows)."""
@@ -419,19 +419,28 @@ LAYER_WEIGHTS = (
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg):  # an EAGLE-3 style config: sizes, heads, norm_before_residual
+    """vLLM's Eagle-3 Llama layer. The first reads [norm(embedding), norm(hidden)] (2H wide); a later one
+    (a drafter of several layers) is a plain Llama layer on the hidden state alone, and carries an unused
+    hidden_norm because vLLM builds one in every layer and loads it from the folder."""
+
+    def __init__(self, cfg, first: bool = True):  # an EAGLE-3 style config: sizes, heads, norm_before_residual
         super().__init__()
-        self.norm_before_residual = cfg.norm_before_residual
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)  # on the embedding
+        self.first, self.norm_before_residual = first, cfg.norm_before_residual
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)  # the embedding's; later: the hidden's
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)  # on the hidden state
-        self.self_attn = Attention(cfg)
+        if not first:
+            self.hidden_norm.weight.requires_grad_(False)
+        self.self_attn = Attention(cfg, (2 if first else 1) * cfg.hidden_size)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
     def forward(self, embeds, hidden, cos, sin, base=None, diag=None, q_offset=0, mask=None):
-        normed = self.hidden_norm(hidden)
-        residual = normed if self.norm_before_residual else hidden
-        x = torch.cat([self.input_layernorm(embeds), normed], dim=-1)  # [B, T, 2H]
+        if self.first:
+            normed = self.hidden_norm(hidden)
+            residual = normed if self.norm_before_residual else hidden
+            x = torch.cat([self.input_layernorm(embeds), normed], dim=-1)  # [B, T, 2H]
+        else:
+            residual, x = hidden, self.input_layernorm(hidden)  # [B, T, H]
         attn, kv = self.self_attn(x, cos, sin, base, diag, q_offset, mask)
         hidden = residual + attn
         hidden = hidden + self.mlp(self.post_attention_layernorm(hidden))

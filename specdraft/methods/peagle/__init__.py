@@ -2,7 +2,7 @@
 forward, the next token's real slot followed by K - 1 mask slots, as vLLM 0.32 serves it with
 `{"method": "eagle3", "parallel_drafting": true}` (docs/peagle.md).
 
-- drafter.py: the drafter, top to bottom (its layer is drafters/common.py's, shared with EAGLE-3);
+- drafter.py: the drafter, top to bottom (its layers are drafters/common.py's, shared with EAGLE-3);
 - objective.py: a block of K slots anchored at every position, trained in one forward;
 - formats.py: the speculators `peagle` folder vLLM serves, written and read;
 - decode.py: its state on the eager and static engines, and its rounds;
@@ -50,7 +50,9 @@ def mask_token(cfg, target) -> int:
 def build(cfg, target, counts: torch.Tensor) -> PEagleDrafter:
     """The drafter on the target's frozen embedding, with the draft vocabulary of `counts` and lm_head as
     train.lm_head_init says (as EAGLE-3's)."""
-    dcfg = PEagleConfig.from_target(target, cfg.draft_vocab_size, mask_token(cfg, target), cfg.ttt_steps)
+    dcfg = PEagleConfig.from_target(
+        target, cfg.draft_vocab_size, mask_token(cfg, target), cfg.ttt_steps, cfg.peagle_layers
+    )
     dcfg.norm_before_residual, dcfg.norm_before_fc = cfg.norm_before_residual, cfg.norm_before_fc
     drafter = PEagleDrafter(dcfg)
     d2t, t2d = vocab.build(counts, dcfg.draft_vocab_size)
@@ -139,7 +141,7 @@ class PEagle(Method):
     drafter_class = PEagleDrafter
     position = "slot"
     first_position = 1
-    resume_fixed = ("ttt_steps", "mask_token_id", "norm_before_fc", "norm_before_residual")
+    resume_fixed = ("ttt_steps", "peagle_layers", "mask_token_id", "norm_before_fc", "norm_before_residual")
     formats = ("vllm",)
 
     def check(self, recipe) -> None:
@@ -184,7 +186,9 @@ class PEagle(Method):
 
     def plan_config(self, target, cfg) -> PEagleConfig:
         """The drafter `build` makes, without reading the tokenizer (the mask token does not change the bill)."""
-        return PEagleConfig.from_target(target, cfg.draft_vocab_size, max(0, cfg.mask_token_id), cfg.ttt_steps)
+        return PEagleConfig.from_target(
+            target, cfg.draft_vocab_size, max(0, cfg.mask_token_id), cfg.ttt_steps, cfg.peagle_layers
+        )
 
     def queries(self, cfg) -> float:
         """One per slot: K queries per batch token (each anchors a block of K)."""
@@ -222,8 +226,8 @@ class PEagle(Method):
     def describe(self, drafter) -> str:
         cfg = drafter.config
         return (
-            f"P-EAGLE, hidden {cfg.hidden_size}, {cfg.num_attention_heads} heads x {cfg.head_dim}, draft vocab "
-            f"{cfg.draft_vocab_size} of {cfg.vocab_size}, aux layers {cfg.aux_layer_ids}, "
+            f"P-EAGLE, {cfg.num_layers} layer(s), hidden {cfg.hidden_size}, {cfg.num_attention_heads} heads x "
+            f"{cfg.head_dim}, draft vocab {cfg.draft_vocab_size} of {cfg.vocab_size}, aux layers {cfg.aux_layer_ids}, "
             f"K {cfg.speculative_tokens}, mask token {cfg.mask_token_id}"
         )
 

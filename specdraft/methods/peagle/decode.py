@@ -43,7 +43,7 @@ class StaticSlotState:
         cfg = drafter.config
         dtype, device = drafter.fc.weight.dtype, drafter.fc.weight.device
         self.drafter, self.capacity, self.graphs = drafter, capacity, graphs
-        shape = (1, cfg.num_key_value_heads, capacity, cfg.head_dim)
+        shape = (cfg.num_layers, 1, cfg.num_key_value_heads, capacity, cfg.head_dim)
         self.keys = torch.zeros(shape, dtype=dtype, device=device)
         self.values = torch.zeros(shape, dtype=dtype, device=device)
         self.root_logits, self.root_position, self.max_accepted = None, -1, 1
@@ -88,8 +88,8 @@ class StaticSlotState:
         logits, _, (k, v) = d(
             d.project(aux.to(self.keys.dtype))[None], tokens, slots[None], base=(self.keys, self.values), mask=mask
         )
-        self.keys.index_copy_(2, slots, k)
-        self.values.index_copy_(2, slots, v)
+        self.keys.index_copy_(3, slots, k)  # [layers, 1, nkv, C, d]
+        self.values.index_copy_(3, slots, v)
         return logits[0]
 
     @torch.inference_mode()

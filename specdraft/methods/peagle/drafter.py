@@ -1,7 +1,7 @@
 """The P-EAGLE drafter (parallel EAGLE), top to bottom: config, drafter.
 
-EAGLE-3's drafter (fc over the target's aux states, one decoder layer, norm, lm_head with d2t: the
-layer is drafters/common.py's) that drafts K tokens in one forward. Its inputs for a round whose last
+EAGLE-3's drafter (fc over the target's aux states, decoder layers, norm, lm_head with d2t: the layers
+are drafters/common.py's) that drafts K tokens in one forward. Its inputs for a round whose last
 accepted position is n, as vLLM 0.32 builds them (`parallel_drafting: true`,
 llm_base_proposer._copy_and_expand_eagle_inputs):
 
@@ -49,6 +49,7 @@ class PEagleConfig:
     max_position_embeddings: int = 8192
     norm_before_residual: bool = False
     norm_before_fc: bool = False
+    num_layers: int = 1  # decoder layers: the first reads [embedding, hidden], the rest are plain Llama layers
 
     def check(self, where: str) -> PEagleConfig:
         """Refuse a config read from a file whose values are of the wrong kind or out of range (the mask
@@ -57,9 +58,11 @@ class PEagleConfig:
         return self
 
     @classmethod
-    def from_target(cls, target, draft_vocab_size: int, mask_token_id: int, speculative_tokens: int) -> PEagleConfig:
+    def from_target(
+        cls, target, draft_vocab_size: int, mask_token_id: int, speculative_tokens: int, num_layers: int = 1
+    ) -> PEagleConfig:
         shape = target_shape(target, draft_vocab_size)
-        return cls(**shape, mask_token_id=mask_token_id, speculative_tokens=speculative_tokens)
+        return cls(**shape, mask_token_id=mask_token_id, speculative_tokens=speculative_tokens, num_layers=num_layers)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -84,7 +87,7 @@ class PEagleDrafter(nn.Module):
         # Copied from the target and frozen: the drafter reads tokens (the mask token too) as the target does.
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)
-        self.layers = nn.ModuleList([DecoderLayer(cfg)])
+        self.layers = nn.ModuleList([DecoderLayer(cfg, first=i == 0) for i in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
         # target id of draft id i is i + d2t[i]; t2d marks the target ids inside the draft vocab.
@@ -104,12 +107,19 @@ class PEagleDrafter(nn.Module):
 
     def forward(self, hidden, input_ids, positions, base=None, diag=None, q_offset=0, mask=None):
         """Slots [B, T] with their hidden inputs [B, T, H] -> logits over the draft vocab [B, T, Vd], the
-        output state (unused by P-EAGLE's rounds) and the slots' keys/values (attention as
-        drafters/common.Attention: `base` causal or under `mask`, `diag` at the query's own position)."""
+        output state (unused by P-EAGLE's rounds) and the slots' keys/values, every layer's stacked
+        ([layers, B, nkv, T, d] each; attention as drafters/common.Attention, per layer: `base` causal or
+        under `mask`, `diag` at the query's own position)."""
         cos, sin = rotary(positions, self.config.head_dim, self.config.rope_theta)
         embeds = self.embed_tokens(input_ids).to(hidden.dtype)  # [B, T, H]
-        hidden, kv = self.layers[0](embeds, hidden, cos, sin, base, diag, q_offset, mask)
-        return self.lm_head(self.norm(hidden)), hidden, kv
+        keys, values = [], []
+        for i, layer in enumerate(self.layers):
+            base_i = None if base is None else (base[0][i], base[1][i])
+            diag_i = None if diag is None else [(k[i], v[i]) for k, v in diag]
+            hidden, (k, v) = layer(embeds, hidden, cos, sin, base_i, diag_i, q_offset, mask)
+            keys.append(k)
+            values.append(v)
+        return self.lm_head(self.norm(hidden)), hidden, (torch.stack(keys), torch.stack(values))
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]

@@ -3,7 +3,7 @@
 `{"method": "eagle3", "parallel_drafting": true}` (transformers_utils/configs/speculators/base.py) on its
 EAGLE-3 Llama model (registry: PeagleLlamaForCausalLM -> Eagle3LlamaForCausalLM).
 
-config.json: EAGLE-3's speculators fields (a one-layer `transformer_layer_config`, draft_vocab_size,
+config.json: EAGLE-3's speculators fields (`transformer_layer_config` with its num_hidden_layers, draft_vocab_size,
 target_hidden_size, eagle_aux_hidden_state_layer_ids, norm_before_residual, norm_before_fc) plus
 
 - `mask_token_id`: the mask slots' token (vLLM's peagle reader makes it `pard_token`, the token
@@ -11,7 +11,7 @@ target_hidden_size, eagle_aux_hidden_state_layer_ids, norm_before_residual, norm
 - `para_depths`: the K it was trained for (the speculators library's name); vLLM does not read it, it
   drafts speculators_config's `speculative_tokens` (or the serve command's K) whatever was trained.
 
-Weights: EAGLE-3's names (`layers.0.*`, fc, norm, lm_head, d2t, t2d) plus `mask_hidden` (fc's input
+Weights: EAGLE-3's names (`layers.N.*`, fc, norm, lm_head, d2t, t2d) plus `mask_hidden` (fc's input
 width, n_aux x target hidden: vLLM views it as [1, width] and refuses a folder without it when drafting
 in parallel; llama_eagle3.py load_weights).
 
@@ -35,16 +35,15 @@ from specdraft.targets import refuse_pickled_weights
 
 WEIGHTS = "model.safetensors"
 MODEL_TYPE = "peagle"
-# Our state-dict names, which are also the folder's (vLLM's Eagle-3 Llama names, d2t and t2d included).
-KEYS = (
-    "fc.weight",
-    *(f"layers.0.{m}.weight" for m in LAYER_WEIGHTS),
-    "norm.weight",
-    "lm_head.weight",
-    "mask_hidden",
-    "d2t",
-    "t2d",
-)
+
+
+def weight_keys(num_layers: int) -> tuple[str, ...]:
+    """Our state-dict names, which are also the folder's (vLLM's Eagle-3 Llama names, every layer's, d2t
+    and t2d included)."""
+    layers = (f"layers.{i}.{m}.weight" for i in range(num_layers) for m in LAYER_WEIGHTS)
+    return ("fc.weight", *layers, "norm.weight", "lm_head.weight", "mask_hidden", "d2t", "t2d")
+
+
 EMBED = "embed_tokens.weight"  # written only when it differs from the target's (vLLM shares the target's)
 
 
@@ -146,7 +145,8 @@ def write_peagle(
     found = problems(config)
     if found:
         raise ValueError("export: " + "; ".join(f"{p} ({fix})" for p, fix in found))
-    keys = list(KEYS) + (["input_norm.weight"] if cfg.norm_before_fc else []) + ([EMBED] if include_embed else [])
+    keys = [*weight_keys(cfg.num_layers), *(["input_norm.weight"] if cfg.norm_before_fc else [])]
+    keys += [EMBED] if include_embed else []
     state = drafter.state_dict()
     tensors = {
         k: (state[k].detach().to(torch.bfloat16) if state[k].is_floating_point() else state[k]).contiguous()
@@ -205,6 +205,7 @@ def parse_config(config: dict, where: str) -> PEagleConfig:
             max_position_embeddings=layer.get("max_position_embeddings", 8192),
             norm_before_residual=bool(config.get("norm_before_residual", False)),
             norm_before_fc=bool(config.get("norm_before_fc", False)),
+            num_layers=layer.get("num_hidden_layers", 1),
         ).check(where)
     except (KeyError, TypeError, ZeroDivisionError) as e:
         raise ValueError(f"{where}: a field is missing or of the wrong kind ({e})") from None
@@ -221,7 +222,8 @@ def read_peagle(folder: Path, embed: torch.Tensor, notes: list[str] | None = Non
         raise ValueError(f"{where}: " + "; ".join(f"{p} ({fix})" for p, fix in found))
     cfg = parse_config(config, where)
     theirs = _tensors(folder)
-    keys = [k for k in KEYS if k not in ("d2t", "t2d")] + (["input_norm.weight"] if cfg.norm_before_fc else [])
+    keys = [k for k in weight_keys(cfg.num_layers) if k not in ("d2t", "t2d")]
+    keys += ["input_norm.weight"] if cfg.norm_before_fc else []
     missing = [k for k in keys if k not in theirs]
     if missing:
         raise ValueError(
