@@ -37,11 +37,12 @@ WEIGHTS = "model.safetensors"
 MODEL_TYPE = "peagle"
 
 
-def weight_keys(num_layers: int) -> tuple[str, ...]:
+def weight_keys(cfg: PEagleConfig) -> tuple[str, ...]:
     """Our state-dict names, which are also the folder's (vLLM's Eagle-3 Llama names, every layer's, d2t
-    and t2d included)."""
-    layers = (f"layers.{i}.{m}.weight" for i in range(num_layers) for m in LAYER_WEIGHTS)
-    return ("fc.weight", *layers, "norm.weight", "lm_head.weight", "mask_hidden", "d2t", "t2d")
+    and t2d included; input_norm where norm_before_fc)."""
+    layers = (f"layers.{i}.{m}.weight" for i in range(cfg.num_layers) for m in LAYER_WEIGHTS)
+    norm = ("input_norm.weight",) if cfg.norm_before_fc else ()
+    return ("fc.weight", *layers, "norm.weight", "lm_head.weight", "mask_hidden", "d2t", "t2d", *norm)
 
 
 EMBED = "embed_tokens.weight"  # written only when it differs from the target's (vLLM shares the target's)
@@ -145,7 +146,7 @@ def write_peagle(
     found = problems(config)
     if found:
         raise ValueError("export: " + "; ".join(f"{p} ({fix})" for p, fix in found))
-    keys = [*weight_keys(cfg.num_layers), *(["input_norm.weight"] if cfg.norm_before_fc else [])]
+    keys = list(weight_keys(cfg))
     keys += [EMBED] if include_embed else []
     state = drafter.state_dict()
     tensors = {
@@ -222,8 +223,7 @@ def read_peagle(folder: Path, embed: torch.Tensor, notes: list[str] | None = Non
         raise ValueError(f"{where}: " + "; ".join(f"{p} ({fix})" for p, fix in found))
     cfg = parse_config(config, where)
     theirs = _tensors(folder)
-    keys = [k for k in weight_keys(cfg.num_layers) if k not in ("d2t", "t2d")]
-    keys += ["input_norm.weight"] if cfg.norm_before_fc else []
+    keys = [k for k in weight_keys(cfg) if k not in ("d2t", "t2d")]
     missing = [k for k in keys if k not in theirs]
     if missing:
         raise ValueError(
